@@ -1,0 +1,1 @@
+"""engine: the SPMD training core (data plane). Never imports tpud."""
