@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class Section(BaseModel):
@@ -64,25 +65,32 @@ AttentionKernel = Literal["auto", "sdpa", "eager", "flash", "splash"]
 
 
 class FlashBlocks(Section):
-    """Block sizes of torch_xla's Pallas flash attention (TPU)."""
+    """Block sizes of torch_xla's Pallas flash attention (TPU); defaults are torch_xla's."""
 
     block_b: PositiveInt = 2
     block_q: PositiveInt = 512
     block_k_major: PositiveInt = 512
     block_k: PositiveInt = 512
+    block_q_major_dkv: PositiveInt = 512
+    block_k_major_dkv: PositiveInt = 512
+    block_q_dkv: PositiveInt = 512
+    block_k_dkv: PositiveInt = 512
+    block_q_dq: PositiveInt = 1024
+    block_k_dq: PositiveInt = 256
+    block_k_major_dq: PositiveInt = 512
 
 
 class SplashBlocks(Section):
-    """Block sizes of torch_xla's Pallas splash attention (TPU)."""
+    """Block sizes of torch_xla's Pallas splash attention (TPU); each is capped at the sequence length."""
 
-    block_q: PositiveInt = 512
-    block_kv: PositiveInt = 512
-    block_kv_compute: PositiveInt = 512
-    block_q_dkv: PositiveInt = 512
-    block_kv_dkv: PositiveInt = 512
-    block_kv_dkv_compute: PositiveInt = 512
-    block_q_dq: PositiveInt = 512
-    block_kv_dq: PositiveInt = 512
+    block_q: PositiveInt = 2048
+    block_kv: PositiveInt = 2048
+    block_kv_compute: PositiveInt = 2048
+    block_q_dkv: PositiveInt = 2048
+    block_kv_dkv: PositiveInt = 2048
+    block_kv_dkv_compute: PositiveInt = 2048
+    block_q_dq: PositiveInt = 2048
+    block_kv_dq: PositiveInt = 2048
 
 
 class AttentionConfig(Section):
@@ -199,13 +207,25 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> JobSpec:
+        # A plain ValueError here would be reported against the spec as a whole (empty loc).
+        # pydantic-core passes a ValidationError raised by a validator through with its locs,
+        # so each problem names the key to change, e.g. data.seq_len, and all are reported.
+        problems: list[InitErrorDetails] = []
+
+        def problem(loc: tuple[str, str], value: object, message: str, **ctx: object) -> None:
+            error = PydanticCustomError("cross_section", message, ctx)
+            problems.append(InitErrorDetails(type=error, loc=loc, input=value))
+
         if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            problem(
+                ("data", "seq_len"), self.data.seq_len,
+                "must not exceed model.max_seq_len ({max_seq_len})", max_seq_len=self.model.max_seq_len,
             )
         if self.scheduler.warmup_steps >= self.train.max_steps:
-            raise ValueError(
-                f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be below "
-                f"train.max_steps ({self.train.max_steps})"
+            problem(
+                ("scheduler", "warmup_steps"), self.scheduler.warmup_steps,
+                "must be below train.max_steps ({max_steps})", max_steps=self.train.max_steps,
             )
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self

@@ -1,0 +1,42 @@
+"""Pick a backend for a job: cpu, cuda or xla (SPMD). torch_xla is imported only for xla."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from engine.backends.base import Backend
+from engine.config import DeviceConfig
+from engine.errors import ConfigError
+
+
+def _xla_wanted() -> bool:
+    # A TPU host runs torch_xla; PJRT_DEVICE makes the choice explicit anywhere else.
+    return importlib.util.find_spec("torch_xla") is not None and (
+        "PJRT_DEVICE" in os.environ or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
+    )
+
+
+def resolve_backend_name(cfg: DeviceConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    if _xla_wanted():
+        return "xla"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_backend(cfg: DeviceConfig, cache_dir: str | None = None) -> Backend:
+    name = resolve_backend_name(cfg)
+    if name == "xla":
+        if importlib.util.find_spec("torch_xla") is None:
+            raise ConfigError("device.backend", "xla needs torch_xla (pip install 'tpud[tpu]')")
+        from engine.backends.xla import XlaBackend
+
+        return XlaBackend(cfg, cache_dir if cfg.compile_cache else None)
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device.backend", "cuda was asked for but torch sees no CUDA device")
+    from engine.backends.torch_native import TorchBackend
+
+    return TorchBackend(name, cfg.peak_flops)

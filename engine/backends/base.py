@@ -1,0 +1,94 @@
+"""What the training loop needs from a device backend, and nothing more.
+
+The loop never branches on the backend: placement, sharding, precision, graph
+boundaries and reading metrics without stalling the device all live behind this class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Peak dense bf16 FLOP/s per device, from the vendors' data sheets.
+PEAK_FLOPS = {
+    "v4": 275e12,
+    "v5e": 197e12,
+    "v5litepod": 197e12,
+    "v5p": 459e12,
+    "v6e": 918e12,
+    "A100": 312e12,
+    "H100": 989e12,
+}
+
+
+@dataclass
+class DataPosition:
+    """Which slice of the global batch this process loads."""
+
+    rank: int = 0
+    world: int = 1
+
+
+class Backend:
+    name: str
+    device: torch.device
+    # Kernels this backend can run, best first; the first is what `auto` picks.
+    attention_kernels: tuple[str, ...]
+    # Devices that share one training step (for MFU), and this process's data slice.
+    num_devices: int = 1
+    data: DataPosition = DataPosition()
+    mesh = None
+    bf16: bool = False
+
+    def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Place (and shard or wrap) the model; returns the module to call."""
+        raise NotImplementedError
+
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """Skip gradient synchronisation for a micro-batch that is not the step's last."""
+        return contextlib.nullcontext()
+
+    checkpoint_fn: Callable | None = None
+
+    def micro_step_end(self) -> None:
+        """Graph boundary after each micro-batch (XLA cuts its graph here)."""
+
+    def step_end(self) -> None:
+        """Graph boundary after the optimizer step."""
+
+    def read_scalars(self, tensors: dict[str, torch.Tensor], callback: Callable[[dict[str, float]], None]) -> None:
+        """Deliver the tensors' values to callback without stalling the device pipeline."""
+        callback({k: float(v.detach().float().item()) for k, v in tensors.items()})
+
+    def memory_bytes(self) -> int | None:
+        """Peak device memory in use, where the runtime can tell."""
+        return None
+
+    def peak_flops(self) -> float | None:
+        return None
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device": str(self.device), "num_devices": self.num_devices}
+
+    def close(self) -> None:
+        pass
+
+
+def peak_flops_for(device_kind: str) -> float | None:
+    for key, flops in PEAK_FLOPS.items():
+        if key.lower() in device_kind.lower():
+            return flops
+    return None
+

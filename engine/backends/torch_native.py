@@ -1,0 +1,72 @@
+"""cpu and cuda: eager PyTorch, optionally several processes under torch.distributed.
+
+With more than one process (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR)
+the model is wrapped in DistributedDataParallel over gloo (cpu) or nccl (cuda), and each
+rank loads its own slice of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from engine.backends.base import Backend, DataPosition, peak_flops_for
+
+
+def _checkpoint(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+class TorchBackend(Backend):
+    checkpoint_fn = staticmethod(_checkpoint)
+
+    def __init__(self, device_type: str, peak_flops: float | None = None):
+        self.name = device_type
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+            self.attention_kernels = ("sdpa", "eager")
+            self.bf16 = torch.cuda.is_bf16_supported()
+        else:
+            self.device = torch.device("cpu")
+            self.attention_kernels = ("sdpa", "eager")
+        self.distributed = world > 1
+        if self.distributed and not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        self.num_devices = world
+        self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
+        self._peak_flops = peak_flops
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        if self.distributed:
+            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return model
+
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return batch.pin_memory().to(self.device, non_blocking=True)
+        return batch
+
+    def memory_bytes(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def peak_flops(self) -> float | None:
+        if self._peak_flops or self.device.type != "cuda":
+            return self._peak_flops  # no meaningful peak for a CPU
+        return peak_flops_for(torch.cuda.get_device_name(self.device))
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,118 @@
+"""torch_xla SPMD: one process per host drives every local device through one sharded graph.
+
+Parameters are sharded FSDP-style over the `fsdp` mesh axis (and Megatron-style over
+`tensor`), batches are sharded over (data, fsdp) as they enter the device, and XLA's
+compiler inserts the collectives. torch_xla is imported here only, so the rest of the
+engine runs where it is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.backends.base import Backend, DataPosition, peak_flops_for
+from engine.config import DeviceConfig
+
+# Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
+# ("row-parallel") ones get (fsdp, tensor), so a tensor-parallel block needs one reduction.
+_ROW_PARALLEL = ("wo.weight", "w2.weight")
+BATCH_AXES = ("data", "fsdp")
+
+
+def weight_partition(name: str, param: torch.Tensor) -> tuple | None:
+    """The partition spec of one parameter; None leaves it replicated (norms)."""
+    if param.dim() != 2:
+        return None
+    return ("fsdp", "tensor") if name.endswith(_ROW_PARALLEL) else ("tensor", "fsdp")
+
+
+class XlaBackend(Backend):
+    name = "xla"
+
+    def __init__(self, cfg: DeviceConfig, cache_dir: str | None):
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        # The cache must be set up before the first computation and before use_spmd.
+        if cache_dir:
+            os.makedirs(cache_dir, exist_ok=True)
+            xr.initialize_cache(cache_dir, readonly=False)
+        xr.use_spmd()
+        self._xs, self._xr = xs, xr
+        n = xr.global_runtime_device_count()
+        sizes = cfg.mesh.resolve(n)
+        self.mesh = xs.Mesh(np.arange(n), tuple(sizes.values()), tuple(sizes))
+        xs.set_global_mesh(self.mesh)
+        self.device = torch_xla.device()
+        self.num_devices = n
+        # Under SPMD each host loads its own part of the global batch.
+        self.data = DataPosition(rank=xr.process_index(), world=xr.process_count())
+        self.device_kind = self._tpu_type()
+        self.attention_kernels = ("splash", "flash", "eager") if self.device_kind else ("eager",)
+        self.bf16 = True
+        self._peak_flops = cfg.peak_flops
+        self._input_sharding = xs.ShardingSpec(self.mesh, (BATCH_AXES, None), minibatch=True)
+
+    @staticmethod
+    def _tpu_type() -> str | None:
+        """'v5p', 'v6e', ... on a TPU host; None on PJRT_DEVICE=CPU."""
+        if os.environ.get("PJRT_DEVICE", "TPU").upper() != "TPU":
+            return None
+        from torch_xla._internal import tpu
+
+        try:
+            return tpu.get_tpu_type()
+        except (OSError, KeyError):
+            return None
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        for name, param in model.named_parameters():
+            spec = weight_partition(name, param)
+            if spec is not None:
+                self._xs.mark_sharding(param, self.mesh, spec)
+        return model
+
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+
+        return xm.send_cpu_data_to_device(batch, self.device, input_sharding=self._input_sharding)
+
+    @property
+    def checkpoint_fn(self) -> Callable:
+        # torch_xla's variant keeps XLA's CSE from folding the recomputation away.
+        from torch_xla.utils.checkpoint import checkpoint
+
+        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
+
+    def micro_step_end(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+
+    step_end = micro_step_end
+
+    def read_scalars(self, tensors, callback) -> None:
+        # A step closure runs once the step's graph has executed, in a side thread, so
+        # reading the values never waits for the device on the training thread.
+        import torch_xla.core.xla_model as xm
+
+        def closure(values: dict[str, torch.Tensor]) -> None:
+            callback({k: float(v.float().cpu().item()) for k, v in values.items()})
+
+        xm.add_step_closure(closure, args=({k: v.detach() for k, v in tensors.items()},), run_async=True)
+
+    def peak_flops(self) -> float | None:
+        if self._peak_flops:
+            return self._peak_flops
+        return peak_flops_for(self.device_kind) if self.device_kind else None
+
+    def describe(self) -> dict:
+        return {**super().describe(), "mesh": dict(zip(self.mesh.axis_names, self.mesh.mesh_shape)),
+                "device_kind": self.device_kind or "cpu"}

@@ -1,0 +1,6 @@
+"""Worker exit codes (DESIGN.md); the supervisor's restart policy reads them. Torch-free."""
+
+OK = 0               # reached max_steps
+STOPPED = 75         # stopped on request (EX_TEMPFAIL: resume when allowed)
+NONFINITE_LOSS = 76  # non-finite loss and the job's policy is to stop
+BAD_INPUT = 78       # invalid job spec or data (EX_CONFIG: never retried)

@@ -1,0 +1,31 @@
+"""structlog set-up shared by the engine and tpud (torch-free).
+
+JSON lines when stdout is not a terminal (a supervisor or journald reads them), readable
+console lines when it is. TPUD_LOG_FORMAT=json|console overrides the guess, which is how
+`tpud run` keeps a worker's output readable when its own stdout is a terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure(level: str = "info", fmt: str | None = None) -> None:
+    fmt = fmt or os.environ.get("TPUD_LOG_FORMAT") or ("console" if sys.stdout.isatty() else "json")
+    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=False,
+    )
