@@ -15,6 +15,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -35,6 +36,15 @@ from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
 
 log = structlog.get_logger()
+
+
+@dataclass
+class StepResult:
+    NAMES = ("loss", "grad_norm")
+
+    step: int              # steps completed, this one included
+    values: torch.Tensor   # NAMES, on the device, not yet read
+    lr: float
 
 
 class LanguageModel(nn.Module):
@@ -81,8 +91,8 @@ class Trainer:
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
                  precision="bf16" if self.bf16 else "fp32", corpus_tokens=len(tokens), **self.backend.describe())
 
-    def train_step(self) -> dict[str, torch.Tensor]:
-        """One optimizer step over grad_accum_steps micro-batches; returns device tensors."""
+    def train_step(self) -> StepResult | None:
+        """One optimizer step over grad_accum_steps micro-batches; None if stopped inside it."""
         train, step = self.spec.train, self.step
         lr = self.spec.optimizer.lr * lr_factor(self.spec.scheduler, step, train.max_steps)
         for group in self.optimizer.param_groups:
@@ -90,7 +100,7 @@ class Trainer:
         loss_sum = None
         for micro in range(train.grad_accum_steps):
             if micro and self._poll(micro) is Request.STOP:
-                return {}
+                return None
             batch = self.backend.to_device(self.loader.batch(step, micro))
             last = micro == train.grad_accum_steps - 1
             with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
@@ -101,11 +111,13 @@ class Trainer:
             self.backend.micro_step_end()
         # max_norm=inf still returns the norm, which is worth logging when clipping is off.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or float("inf"))
+        # Stacked inside the step's graph, so reading them later is one plain copy.
+        values = torch.stack([loss_sum / train.grad_accum_steps, grad_norm.to(loss_sum.dtype)])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.step_end()
         self.step += 1
-        return {"loss": loss_sum / train.grad_accum_steps, "grad_norm": grad_norm, "lr": torch.tensor(lr)}
+        return StepResult(self.step, values, lr)
 
     def _poll(self, micro: int) -> Request | None:
         request = self.hooks.poll(Boundary(self.step, micro))
@@ -114,48 +126,45 @@ class Trainer:
             return None
         return request
 
-    def _report(self, pending: list[tuple[int, dict[str, torch.Tensor]]], seconds: float) -> None:
-        """Log the steps in `pending` once their values are on the host."""
-        steps = len(pending)
-        tokens_per_s = self.loader.tokens_per_step * self.backend.data.world * steps / seconds
+    def _report(self, pending: list[StepResult], seconds: float) -> None:
+        """Emit and log the steps in `pending` once their values reach the host."""
+        tokens_per_s = self.loader.tokens_per_step * self.backend.data.world * len(pending) / seconds
         peak = self.backend.peak_flops()
         perf = {
             "tokens_per_s": round(tokens_per_s, 1),
-            "step_time_s": round(seconds / steps, 4),
+            "step_time_s": round(seconds / len(pending), 4),
             # MFU = achieved model FLOP/s / (peak FLOP/s per device x devices), FLOPs per PaLM.
             "mfu": round(tokens_per_s * self.flops_per_token / (peak * self.backend.num_devices), 4) if peak else None,
             "rss_bytes": host_rss_bytes(),
             "device_memory_bytes": self.backend.memory_bytes(),
         }
-        flat = {f"{k}_{i}": v for i, (_, metrics) in enumerate(pending) for k, v in metrics.items()}
 
-        def publish(values: dict[str, float]) -> None:
-            for i, (step, metrics) in enumerate(pending):
-                scalars = {k: values[f"{k}_{i}"] for k in metrics}
-                self.hooks.emit("step", step=step, **scalars, **perf)
-            last = {k: round(v, 5) for k, v in scalars.items()}
-            log.info("step", step=pending[-1][0], max_steps=self.spec.train.max_steps, **last,
-                     **{k: v for k, v in perf.items() if v is not None})
+        def publish(rows: list[list[float]]) -> None:
+            for result, row in zip(pending, rows):
+                scalars = dict(zip(StepResult.NAMES, row), lr=result.lr)
+                self.hooks.emit("step", step=result.step, **scalars, **perf)
+            log.info("step", step=pending[-1].step, max_steps=self.spec.train.max_steps,
+                     **{k: round(v, 5) for k, v in scalars.items()}, **{k: v for k, v in perf.items() if v is not None})
 
-        self.backend.read_scalars(flat, publish)
+        self.backend.read_values([result.values for result in pending], publish)
 
     def run(self) -> int:
         train = self.spec.train
         self.hooks.emit("started", step=self.step)
-        pending: list[tuple[int, dict[str, torch.Tensor]]] = []
+        pending: list[StepResult] = []
         interval_start = time.monotonic()
-        while self.step < train.max_steps:
-            if self._poll(0) is Request.STOP:
-                log.info("stopping on request", step=self.step)
-                return exit_codes.STOPPED
-            metrics = self.train_step()
-            if not metrics:
-                return exit_codes.STOPPED
-            pending.append((self.step, metrics))
-            if self.step % train.log_interval == 0 or self.step == train.max_steps:
-                self._report(pending, time.monotonic() - interval_start)
-                pending, interval_start = [], time.monotonic()
-        self.backend.step_end()  # flush the last step closures
+        try:
+            while self.step < train.max_steps:
+                result = self.train_step() if self._poll(0) is not Request.STOP else None
+                if result is None:
+                    log.info("stopping on request", step=self.step)
+                    return exit_codes.STOPPED
+                pending.append(result)
+                if self.step % train.log_interval == 0 or self.step == train.max_steps:
+                    self._report(pending, time.monotonic() - interval_start)
+                    pending, interval_start = [], time.monotonic()
+        finally:
+            self.backend.flush()
         log.info("training finished", step=self.step)
         self.hooks.emit("finished", step=self.step)
         return exit_codes.OK

@@ -68,9 +68,15 @@ class Backend:
     def step_end(self) -> None:
         """Graph boundary after the optimizer step."""
 
-    def read_scalars(self, tensors: dict[str, torch.Tensor], callback: Callable[[dict[str, float]], None]) -> None:
-        """Deliver the tensors' values to callback without stalling the device pipeline."""
-        callback({k: float(v.detach().float().item()) for k, v in tensors.items()})
+    def read_values(self, tensors: list[torch.Tensor], callback: Callable[[list[list[float]]], None]) -> None:
+        """Deliver each 1-D tensor's values to callback without stalling the device pipeline.
+
+        The tensors must be outputs of a finished step (no pending computation).
+        """
+        callback([t.tolist() for t in tensors])
+
+    def flush(self) -> None:
+        """Wait until every read_scalars callback has run."""
 
     def memory_bytes(self) -> int | None:
         """Peak device memory in use, where the runtime can tell."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -58,6 +59,8 @@ class XlaBackend(Backend):
         self.bf16 = True
         self._peak_flops = cfg.peak_flops
         self._input_sharding = xs.ShardingSpec(self.mesh, (BATCH_AXES, None), minibatch=True)
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla-metrics")
+        self._reads: list[Future] = []
 
     @staticmethod
     def _tpu_type() -> str | None:
@@ -82,7 +85,8 @@ class XlaBackend(Backend):
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        return xm.send_cpu_data_to_device(batch, self.device, input_sharding=self._input_sharding)
+        (on_device,) = xm.send_cpu_data_to_device([batch], self.device, input_sharding=self._input_sharding)
+        return on_device
 
     @property
     def checkpoint_fn(self) -> Callable:
@@ -98,15 +102,20 @@ class XlaBackend(Backend):
 
     step_end = micro_step_end
 
-    def read_scalars(self, tensors, callback) -> None:
-        # A step closure runs once the step's graph has executed, in a side thread, so
-        # reading the values never waits for the device on the training thread.
-        import torch_xla.core.xla_model as xm
+    def read_values(self, tensors, callback) -> None:
+        # The tensors are outputs of graphs already launched by step_end(). The side thread
+        # only copies device data to the host: any tensor op there would build a second
+        # lazy graph concurrently with the training thread's, which torch_xla does not allow.
+        def read() -> None:
+            callback([t.cpu().tolist() for t in tensors])
 
-        def closure(values: dict[str, torch.Tensor]) -> None:
-            callback({k: float(v.float().cpu().item()) for k, v in values.items()})
+        self._reads = [r for r in self._reads if not r.done() or r.result()]  # surfaces failures early
+        self._reads.append(self._reader.submit(read))
 
-        xm.add_step_closure(closure, args=({k: v.detach() for k, v in tensors.items()},), run_async=True)
+    def flush(self) -> None:
+        reads, self._reads = self._reads, []
+        for read in reads:
+            read.result()  # re-raises a failed read here, on the training thread
 
     def peak_flops(self) -> float | None:
         if self._peak_flops:

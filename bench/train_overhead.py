@@ -1,0 +1,238 @@
+"""Engine overhead: `Trainer.train_step()` against a minimal hand-written training loop.
+
+Both sides train the same `engine.models.llama.Transformer` (same preset, same seed, so the
+same initial weights; sdpa attention; fp32 on CPU) on the identical token batches, in the
+same process:
+
+- engine:   a real `engine.train.Trainer` built from configs/jobs/tiny-cpu.yaml with the
+            model section replaced by configs/models/<preset>.yaml; each timed step is one
+            `trainer.train_step()`.
+- baseline: forward, `F.cross_entropy((hidden @ W.T).float(), targets)`, backward,
+            `clip_grad_norm_`, `AdamW(fused=True).step()`, `zero_grad()` written out below.
+
+Data building is inside both timings: `train_step()` fetches `trainer.loader.batch(step, 0)`
+itself, so the baseline fetches the very same batch from the same loader inside its timed
+step too (it costs well under a millisecond; its median is reported separately).
+
+Noise control: torch.set_num_threads(cpu count) for both, a few untimed warm-up steps each,
+then engine and baseline steps alternate, the order flipping every pair (E B, B E, E B, ...)
+so drift and cache effects land on both sides equally. Reported: the median step time of
+each side (time.perf_counter) and engine/baseline; the target is engine <= 1.05x baseline.
+A missed target is printed, but the exit status stays 0: this is a report.
+
+    .venv/bin/python bench/train_overhead.py                      # tiny and 125m, ~5 min on 2 cores
+    .venv/bin/python bench/train_overhead.py --presets tiny --steps 40 --warmup 5
+
+Results: a table on stdout and bench/results/train_overhead.json (raw step times included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from engine import logs
+from engine.attention.sdpa import sdpa_attention
+from engine.models.llama import Transformer
+from engine.specfile import load_spec
+from engine.train import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
+TARGET = 1.05  # engine median step time / baseline median step time
+
+# Batch geometry and default step counts per preset, chosen to keep the whole run ~5 min
+# on 2 CPU cores. tiny is the demo's geometry; 125m uses a small batch so a step takes seconds.
+CASES = {
+    "tiny": dict(seq_len=256, micro_batch_size=16, steps=30, warmup=3),
+    "125m": dict(seq_len=256, micro_batch_size=2, steps=12, warmup=3),
+}
+
+# -----------------------------------------------------------------------------
+# The engine side: a real Trainer from the demo job, with the preset's model section.
+
+
+def engine_trainer(preset: str, seq_len: int, micro_batch_size: int, steps: int, state_dir: str) -> Trainer:
+    model = yaml.safe_load((REPO / "configs" / "models" / f"{preset}.yaml").read_text())["model"]
+    overrides = [
+        f"name=bench-{preset}",
+        f"model={json.dumps(model)}",  # a mapping override replaces the whole model section
+        f"data.seq_len={seq_len}",
+        f"data.micro_batch_size={micro_batch_size}",
+        f"train.max_steps={max(steps, 100)}",
+        "train.grad_accum_steps=1",
+        "device.backend=cpu",
+        "attention.kernel=sdpa",
+    ]
+    spec = load_spec(JOB, overrides)
+    return Trainer(spec, Path(state_dir))
+
+
+# -----------------------------------------------------------------------------
+# The baseline: the same model and batches in the plainest possible training loop.
+
+
+def baseline_model(trainer: Trainer) -> tuple[Transformer, torch.optim.Optimizer]:
+    spec = trainer.spec
+    torch.manual_seed(spec.train.seed)  # the Trainer seeds the same way: identical initial weights
+    model = Transformer(spec.model, sdpa_attention)
+    opt = spec.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay, fused=True)
+    return model, optimizer
+
+
+def baseline_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+                  grad_clip: float) -> torch.Tensor:
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    hidden = model(inputs).flatten(0, 1)
+    loss = F.cross_entropy((hidden @ model.output_weight.T).float(), targets.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+# -----------------------------------------------------------------------------
+# One case: warm up both, then alternate timed steps.
+
+
+def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="tpud-bench-") as state_dir:
+        trainer = engine_trainer(preset, seq_len, micro_batch_size, warmup + steps, state_dir)
+        model, optimizer = baseline_model(trainer)
+        grad_clip = trainer.spec.train.grad_clip
+        params = sum(p.numel() for p in model.parameters())
+        assert params == sum(p.numel() for p in trainer.model.parameters())
+
+        def engine() -> torch.Tensor:
+            return trainer.train_step()["loss"]
+
+        def baseline(step: int) -> torch.Tensor:
+            return baseline_step(model, optimizer, trainer.loader.batch(step, 0), grad_clip)
+
+        def timed(fn, *args) -> tuple[float, torch.Tensor]:
+            t0 = time.perf_counter()
+            loss = fn(*args)
+            return time.perf_counter() - t0, loss
+
+        # Warm-up, timed only for the record. Step 0 runs the same weights on the same batch
+        # on both sides, so its losses must agree.
+        warm_engine, warm_baseline = [timed(engine)], [timed(baseline, 0)]
+        loss0_engine, loss0_baseline = warm_engine[0][1].item(), warm_baseline[0][1].item()
+        for step in range(1, warmup):
+            warm_engine.append(timed(engine))
+            warm_baseline.append(timed(baseline, step))
+
+        engine_s, baseline_s = [], []
+        for step in range(warmup, warmup + steps):
+            if step % 2 == 0:
+                engine_s.append(timed(engine)[0])
+                baseline_s.append(timed(baseline, step)[0])
+            else:
+                baseline_s.append(timed(baseline, step)[0])
+                engine_s.append(timed(engine)[0])
+        assert trainer.step == warmup + steps
+
+        data_s = []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            trainer.loader.batch(step, 0)
+            data_s.append(time.perf_counter() - t0)
+
+    engine_med, baseline_med = statistics.median(engine_s), statistics.median(baseline_s)
+    ratio = engine_med / baseline_med
+    return {
+        "preset": preset, "params": params, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
+        "tokens_per_step": seq_len * micro_batch_size, "warmup": warmup, "steps": steps,
+        "baseline_median_s": baseline_med, "engine_median_s": engine_med, "ratio": ratio,
+        "target": TARGET, "passed": ratio <= TARGET,
+        "data_batch_median_s": statistics.median(data_s),
+        "step0_loss": {"engine": loss0_engine, "baseline": loss0_baseline},
+        "engine_step_s": engine_s, "baseline_step_s": baseline_s,
+        "warmup_engine_s": [t for t, _ in warm_engine], "warmup_baseline_s": [t for t, _ in warm_baseline],
+    }
+
+
+# -----------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="tiny,125m", help="comma-separated: " + ",".join(CASES))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per side (default: per preset)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per side, >= 1 (default: per preset)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "train_overhead.json")
+    args = parser.parse_args()
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    unknown = [p for p in presets if p not in CASES]
+    if unknown:
+        parser.error(f"unknown preset(s) {unknown}; known: {', '.join(CASES)}")
+
+    logs.configure("warning")  # the Trainer's info lines would interleave with the table
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    load_start = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, {threads} threads, {platform.processor() or platform.machine()}, "
+          f"load average {load_start:.2f}")
+    if load_start > 0.5:
+        print("WARNING: the machine is busy; other processes inflate and scatter both sides' step times")
+
+    t_start = time.perf_counter()
+    results = []
+    for preset in presets:
+        case = dict(CASES[preset])
+        if args.steps is not None:
+            case["steps"] = args.steps
+        if args.warmup is not None:
+            case["warmup"] = args.warmup
+        case["warmup"] = max(1, case["warmup"])  # step 0 (the loss check) is always a warm-up step
+        print(f"running {preset}: {case}", flush=True)
+        r = run_case(preset, **case)
+        gc.collect()  # free this case's two models before the next one allocates
+        print(f"  step-0 loss: engine {r['step0_loss']['engine']:.6f}, baseline {r['step0_loss']['baseline']:.6f}")
+        results.append(r)
+    wall_s = time.perf_counter() - t_start
+
+    header = f"{'preset':<7} {'params':>12} {'tokens/step':>11} {'baseline s':>10} {'engine s':>10} {'ratio':>7} {'target':>7}  result"
+    print()
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r['preset']:<7} {r['params']:>12,} {r['tokens_per_step']:>11,} {r['baseline_median_s']:>10.4f} "
+              f"{r['engine_median_s']:>10.4f} {r['ratio']:>7.3f} {'<=' + str(TARGET):>7}  "
+              f"{'pass' if r['passed'] else 'FAIL'}")
+    missed = [r["preset"] for r in results if not r["passed"]]
+    print()
+    print(f"MISSED TARGET (engine > {TARGET}x baseline): {', '.join(missed)}" if missed else "all targets met")
+    print(f"wall time {wall_s:.1f} s, load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "train_overhead",
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "processor": platform.processor() or platform.machine(),
+                    "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0]},
+        "wall_s": wall_s,
+        "cases": results,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0  # a report: missed targets are printed above, not an error
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
+
+
+@pytest.fixture
+def tiny_spec():
+    """The demo job with overrides, as the engine sees it."""
+    from engine.specfile import load_spec
+
+    def make(*overrides: str):
+        return load_spec(TINY_JOB, ["data.corpus_bytes=400000", *overrides])
+
+    return make
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """Environment for child Python processes that must import this checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "TPUD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,81 @@
+"""The xla backend under SPMD, on CPU: PJRT_DEVICE=CPU with 4 virtual devices.
+
+torch_xla's runtime settings are per process, so the xla side runs in a child process
+(tests/xla_probe.py) and the cpu side runs here.
+"""
+
+import json
+import subprocess
+
+import pytest
+
+from engine.hooks import Hooks
+from engine.train import Trainer
+from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
+
+pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.xla
+
+# fp32 and the eager kernel on both sides, so the only difference is the backend.
+COMMON = ["train.mixed_precision=fp32", "attention.kernel=eager", "train.max_steps=6", "train.log_interval=1",
+          "scheduler.warmup_steps=2", "data.micro_batch_size=8", "data.seq_len=64", "data.corpus_bytes=400000"]
+
+
+def run_xla(state_dir, *overrides):
+    out = subprocess.run(
+        [PYTHON, str(REPO / "tests" / "xla_probe.py"), str(TINY_JOB), str(state_dir), "device.backend=xla",
+         *COMMON, *overrides],
+        env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def xla_run(tmp_path_factory):
+    return run_xla(tmp_path_factory.mktemp("xla"))
+
+
+def test_weights_are_sharded_fsdp_style_over_the_mesh(xla_run):
+    assert xla_run["describe"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    # Column-parallel weights split their input dim over fsdp, row-parallel their output dim.
+    assert xla_run["sharding"]["wq"] == "{devices=[1,4]0,1,2,3}"
+    assert xla_run["sharding"]["wo"] == "{devices=[4,1]0,1,2,3}"
+    assert xla_run["sharding"]["norm"] == "{replicated}"
+
+
+def test_xla_losses_match_the_cpu_backend(xla_run, tiny_spec, tmp_path):
+    class Losses(Hooks):
+        def __init__(self):
+            self.losses = []
+
+        def emit(self, event, **fields):
+            if event == "step":
+                self.losses.append(fields["loss"])
+
+    cpu = Losses()
+    Trainer(tiny_spec(*COMMON, "device.backend=cpu"), tmp_path, cpu).run()
+    assert xla_run["exit"] == 0 and len(xla_run["losses"]) == 6
+    # Same weights, batches and fp32 math; XLA fuses and reorders reductions, so step 1
+    # agrees to float rounding and the gap grows slowly through the updates. 2e-3 relative
+    # after 6 steps is far below the ~0.3 per-step loss changes.
+    assert xla_run["losses"][0] == pytest.approx(cpu.losses[0], rel=1e-5)
+    assert xla_run["losses"] == pytest.approx(cpu.losses, rel=2e-3)
+
+
+def test_graphs_compile_once_then_steps_reuse_them(xla_run):
+    compiles = xla_run["compiles_at_step"]
+    # Steps 0 and 1 compile (the optimizer's state appears after the first update);
+    # from then on no step may trigger a compilation.
+    assert compiles[2] > 0 and compiles[2:] == [compiles[2]] * (len(compiles) - 2)
+
+
+def test_restart_finds_every_graph_in_the_persistent_compilation_cache(tmp_path):
+    first = run_xla(tmp_path, "train.max_steps=3")
+    cache = tmp_path / "jobs" / "tiny-cpu" / "xla_cache"
+    assert first["cache"]["Miss"] >= 2 and len(list(cache.iterdir())) == first["cache"]["Miss"]
+    second = run_xla(tmp_path, "train.max_steps=3")
+    assert second["exit"] == 0 and second["cache"]["Miss"] == 0  # every graph's key was found on disk
+    # torch_xla 2.9.0's PJRT clients cannot deserialize what they wrote (pytorch/xla#9094),
+    # so today those lookups end in DeserializeFailure and a recompile; a Hit once fixed.
+    assert second["cache"]["Hit"] + second["cache"]["DeserializeFailure"] == first["cache"]["Miss"]

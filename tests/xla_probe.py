@@ -1,0 +1,51 @@
+"""Run under PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 by tests/test_xla.py; prints one JSON line.
+
+Trains the tiny job on the xla backend (SPMD over 4 virtual devices) and reports the
+per-step losses (read through the backend's asynchronous metric path), the sharding of
+a few weights, and how many XLA compilations each step triggered.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from engine.hooks import Hooks
+from engine.specfile import load_spec
+from engine.train import Trainer
+
+
+class Probe(Hooks):
+    def __init__(self):
+        import torch_xla.debug.metrics as met
+
+        self.met, self.losses, self.compiles_at_step = met, {}, {}
+
+    def poll(self, at):
+        if at.micro_step == 0:
+            data = self.met.metric_data("CompileTime")
+            self.compiles_at_step[at.step] = data[0] if data else 0
+
+    def emit(self, event, **fields):
+        if event == "step":
+            self.losses[fields["step"]] = fields["loss"]
+
+
+def main(job: str, state_dir: str, *overrides: str) -> None:
+    import torch_xla
+
+    spec = load_spec(job, list(overrides))
+    probe = Probe()
+    trainer = Trainer(spec, Path(state_dir), probe)
+    code = trainer.run()
+    layer = trainer.model.layers[0]
+    sharding = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in
+                [("wq", layer.attention.wq.weight), ("wo", layer.attention.wo.weight),
+                 ("embedding", trainer.model.tok_embeddings.weight), ("norm", layer.attention_norm.weight)]}
+    print(json.dumps({"exit": code, "losses": [probe.losses[s] for s in sorted(probe.losses)],
+                      "compiles_at_step": [probe.compiles_at_step[s] for s in sorted(probe.compiles_at_step)],
+                      "sharding": sharding, "cache": {name: probe.met.counter_value(f"PersistentCache{name}") or 0
+                                                      for name in ("Hit", "Miss", "DeserializeFailure")}, "describe": trainer.backend.describe()}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
