@@ -59,6 +59,13 @@ class TorchBackend(Backend):
             return batch.pin_memory().to(self.device, non_blocking=True)
         return batch
 
+    def read_values(self, tensors, callback) -> None:
+        values = torch.stack(tensors)
+        if self.distributed:  # report the global batch's mean, not one rank's share
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values /= dist.get_world_size()
+        callback(values.tolist())
+
     def memory_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 

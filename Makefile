@@ -1,0 +1,29 @@
+# The two set-up commands (README): `make demo` and `make test`. Each creates and fills the
+# virtual environment .venv on first use (torch 2.9.0 + torch_xla 2.9.0: a few GB).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)  ## train the tiny demo on CPU under the supervisor
+	$(BIN)/tpud run configs/jobs/tiny-cpu.yaml --home .tpud
+
+test: $(STAMP)  ## the whole test suite (unit, xla-on-CPU, end-to-end)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)  ## unit tests only
+	$(BIN)/python -m pytest -m "not slow and not xla"
+
+bench: $(STAMP)  ## the benchmarks under bench/, results in bench/results/
+	$(BIN)/python bench/train_overhead.py
+
+clean:
+	rm -rf $(VENV) .tpud .pytest_cache

@@ -1,0 +1,41 @@
+"""Several CPU processes under torch.distributed (gloo + DDP) train like one big batch."""
+
+import json
+import subprocess
+
+import pytest
+
+from engine.hooks import Hooks
+from engine.train import Trainer
+from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
+
+pytestmark = pytest.mark.slow
+COMMON = ["train.max_steps=4", "train.log_interval=2", "scheduler.warmup_steps=1", "data.seq_len=64",
+          "data.corpus_bytes=400000", "device.backend=cpu"]
+
+
+def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tiny_spec, tmp_path):
+    out = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "ddp_probe.py"), str(TINY_JOB), str(tmp_path / "ddp"), *COMMON,
+         "data.micro_batch_size=2"],
+        env=python_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    ddp = json.loads(out.stdout.strip().splitlines()[-1])
+
+    class Losses(Hooks):
+        losses = []
+
+        def emit(self, event, **fields):
+            if event == "step":
+                self.losses.append(fields["loss"])
+
+    single = Trainer(tiny_spec(*COMMON, "data.micro_batch_size=4"), tmp_path / "one", Losses())
+    single.run()
+    assert ddp["world"] == 2
+    # Rank r loads the r-th half of each global batch; DDP averages the gradients, and the
+    # logged loss is averaged over ranks: the same numbers up to summation order.
+    assert ddp["losses"] == pytest.approx(Losses.losses, rel=1e-5)
+    weights = [p.detach().sum().item() for p in single.model.parameters()]
+    assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=1e-5)

@@ -1,0 +1,96 @@
+"""`tpud run` end to end: real supervisor and worker processes, real signals."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from engine import exit_codes
+from tests.conftest import PYTHON, TINY_JOB, python_env
+
+pytestmark = pytest.mark.slow
+QUICK = ["data.corpus_bytes=400000", "data.micro_batch_size=4", "data.seq_len=64", "scheduler.warmup_steps=1",
+         "train.log_interval=1"]
+
+
+def tpud_run(home, *overrides, job=TINY_JOB):
+    return subprocess.Popen([PYTHON, "-m", "tpud", "run", str(job), *QUICK, *overrides, "--home", str(home)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
+
+
+def read_until(proc, event, timeout=120):
+    """JSON log records from proc's stdout up to and including the first `event`."""
+    records, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        records.append(json.loads(line))
+        if records[-1]["event"] == event:
+            return records
+    raise AssertionError(f"no {event!r} in {records[-5:]}")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_run_trains_to_max_steps_and_exits_0(tmp_path):
+    proc = tpud_run(tmp_path, "train.max_steps=5")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == exit_codes.OK, err
+    records = [json.loads(line) for line in out.splitlines()]
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert steps == [1, 2, 3, 4, 5]
+    assert records[-1]["event"] == "worker exited" and records[-1]["status"] == 0
+    assert all(r["job"] == "tiny-cpu" for r in records if r["event"] == "step")
+    spec = json.loads((tmp_path / "state" / "jobs" / "tiny-cpu" / "spec.json").read_text())
+    assert spec["train"]["max_steps"] == 5  # the worker trained the validated, overridden spec
+
+
+def test_sigterm_stops_the_worker_at_a_boundary_with_exit_75(tmp_path):
+    proc = tpud_run(tmp_path, "train.max_steps=100000")
+    worker = next(r["pid"] for r in read_until(proc, "worker started"))
+    read_until(proc, "step")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == exit_codes.STOPPED
+    assert "stopping on request" in out
+    assert not alive(worker)
+
+
+def test_worker_dies_with_a_killed_supervisor(tmp_path):
+    proc = tpud_run(tmp_path, "train.max_steps=100000")
+    worker = next(r["pid"] for r in read_until(proc, "worker started"))
+    read_until(proc, "step")
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker), "worker orphaned"
+
+
+def test_invalid_job_exits_78_naming_file_line_and_key(tmp_path):
+    job = tmp_path / "bad.yaml"
+    job.write_text("name: bad\ntrain:\n  max_steps: ten\n")
+    proc = tpud_run(tmp_path, job=job)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == exit_codes.BAD_INPUT
+    assert f"{job}:3: train.max_steps:" in err
+
+
+def test_kernel_the_backend_lacks_exits_78(tmp_path):
+    proc = tpud_run(tmp_path, "attention.kernel=splash")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == exit_codes.BAD_INPUT
+    error = next(json.loads(line) for line in out.splitlines() if "job cannot run here" in line)
+    assert error["key"] == "attention.kernel" and "TPU" in error["error"]
