@@ -273,15 +273,24 @@ def test_schema_is_json_with_sections_and_include(capsys):
     assert json.loads(dump_schema()) == schema
 
 
-# --- the repository's example jobs ---
+# --- the repository's configs: jobs, and the presets and fragments they include ---
 
-JOB_FILES = sorted((REPO / "configs" / "jobs").rglob("*.y*ml"))
-
-
-def test_repository_has_example_jobs():
-    assert JOB_FILES, "configs/jobs/ holds no job files"
+CONFIG_FILES = sorted((REPO / "configs").rglob("*.y*ml"))
 
 
-@pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: str(p.relative_to(REPO)))
-def test_example_job_validates(path):
-    load_spec(path)
+def test_repository_has_example_jobs_presets_and_attention_configs():
+    folders = {p.parent.name for p in CONFIG_FILES}
+    assert {"jobs", "models", "attention"} <= folders
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_config_file_validates(path, capsys):
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_tpu_examples_select_splash_on_xla_and_the_8b_preset_is_llama3():
+    spec = load_spec(REPO / "configs" / "jobs" / "llama3-8b-v6e-256.yaml")
+    assert (spec.attention.kernel, spec.device.backend) == ("splash", "xla")
+    m = spec.model
+    assert (m.dim, m.hidden_dim, m.n_layers, m.n_heads, m.kv_heads, m.vocab_size, m.rope_theta) == (
+        4096, 14336, 32, 32, 8, 128256, 500000.0)

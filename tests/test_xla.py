@@ -44,6 +44,14 @@ def test_weights_are_sharded_fsdp_style_over_the_mesh(xla_run):
     assert xla_run["sharding"]["norm"] == "{replicated}"
 
 
+def test_eager_attention_under_xla_matches_cpu_and_tpu_kernels_are_refused_off_tpu(xla_run):
+    attention = xla_run["attention"]
+    assert attention["max_abs_diff"] < 1e-5  # causal GQA, 8 query heads on 2 KV heads
+    assert attention["auto"] == "eager"  # the fallback under XLA on CPU
+    for kernel in ("flash", "splash"):
+        assert "TPU" in attention["refused"][kernel] and "offers: eager" in attention["refused"][kernel]
+
+
 def test_xla_losses_match_the_cpu_backend(xla_run, tiny_spec, tmp_path):
     class Losses(Hooks):
         def __init__(self):

@@ -30,6 +30,28 @@ class Probe(Hooks):
             self.losses[fields["step"]] = fields["loss"]
 
 
+def attention_checks(backend) -> dict:
+    """Eager attention on the XLA device against the CPU, causal with GQA; TPU kernels refused."""
+    import torch
+
+    from engine.attention import build_attention
+    from engine.attention.eager import eager_attention
+    from engine.config import AttentionConfig
+    from engine.errors import ConfigError
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 8, 40, 16, generator=g), torch.randn(4, 2, 40, 16, generator=g), torch.randn(4, 2, 40, 16, generator=g)
+    on_xla = eager_attention(*(t.to(backend.device) for t in (q, k, v))).cpu()
+    refused = {}
+    for kernel in ("flash", "splash"):
+        try:
+            build_attention(AttentionConfig(kernel=kernel), backend)
+        except ConfigError as e:
+            refused[kernel] = str(e)
+    return {"max_abs_diff": (on_xla - eager_attention(q, k, v)).abs().max().item(),
+            "auto": build_attention(AttentionConfig(), backend)[0], "refused": refused}
+
+
 def main(job: str, state_dir: str, *overrides: str) -> None:
     import torch_xla
 
@@ -38,12 +60,13 @@ def main(job: str, state_dir: str, *overrides: str) -> None:
     trainer = Trainer(spec, Path(state_dir), probe)
     code = trainer.run()
     layer = trainer.model.layers[0]
+    attention = attention_checks(trainer.backend)
     sharding = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in
                 [("wq", layer.attention.wq.weight), ("wo", layer.attention.wo.weight),
                  ("embedding", trainer.model.tok_embeddings.weight), ("norm", layer.attention_norm.weight)]}
     print(json.dumps({"exit": code, "losses": [probe.losses[s] for s in sorted(probe.losses)],
                       "compiles_at_step": [probe.compiles_at_step[s] for s in sorted(probe.compiles_at_step)],
-                      "sharding": sharding, "cache": {name: probe.met.counter_value(f"PersistentCache{name}") or 0
+                      "sharding": sharding, "attention": attention, "cache": {name: probe.met.counter_value(f"PersistentCache{name}") or 0
                                                       for name in ("Hit", "Miss", "DeserializeFailure")}, "describe": trainer.backend.describe()}))
 
 

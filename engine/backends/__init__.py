@@ -30,8 +30,10 @@ def resolve_backend_name(cfg: DeviceConfig) -> str:
 def build_backend(cfg: DeviceConfig, cache_dir: str | None = None) -> Backend:
     name = resolve_backend_name(cfg)
     if name == "xla":
-        if importlib.util.find_spec("torch_xla") is None:
-            raise ConfigError("device.backend", "xla needs torch_xla (pip install 'tpud[tpu]')")
+        try:
+            import torch_xla  # noqa: F401  (imported here first, so a missing one is a config error)
+        except ImportError as e:
+            raise ConfigError("device.backend", f"xla needs torch_xla (pip install 'tpud[tpu]'): {e}") from e
         from engine.backends.xla import XlaBackend
 
         return XlaBackend(cfg, cache_dir if cfg.compile_cache else None)
