@@ -94,9 +94,10 @@ class Trainer:
     def train_step(self) -> StepResult | None:
         """One optimizer step over grad_accum_steps micro-batches; None if stopped inside it."""
         train, step = self.spec.train, self.step
-        lr = self.spec.optimizer.lr * lr_factor(self.spec.scheduler, step, train.max_steps)
+        factor = lr_factor(self.spec.scheduler, step, train.max_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group["base_lr"] * factor
+        lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = None
         for micro in range(train.grad_accum_steps):
             if micro and self._poll(micro) is Request.STOP:
