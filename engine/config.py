@@ -110,33 +110,201 @@ class DataConfig(Section):
     micro_batch_size: PositiveInt = Field(16, description="Sequences per micro-batch per data-parallel rank.")
 
 
+def _located(model: str, problems: list[tuple[tuple[str | int, ...], object, str, dict[str, object]]]) -> None:
+    """Raise one ValidationError whose errors name their keys (loc), relative to `model`.
+
+    pydantic-core passes a ValidationError raised by a validator through and prefixes the
+    locs of enclosing sections, so an error at ("batch_ramp", 1, "until_step") in TrainConfig
+    reaches the user as train.batch_ramp.1.until_step.
+    """
+    if problems:
+        raise ValidationError.from_exception_data(model, [
+            InitErrorDetails(type=PydanticCustomError("section", message, ctx), loc=loc, input=value)
+            for loc, value, message, ctx in problems
+        ])
+
+
+class RampStage(Section):
+    until_step: PositiveInt = Field(description="Steps before this one, from the previous until_step, are in the stage.")
+    grad_accum_steps: PositiveInt = Field(description="Micro-batches per optimizer step in this stage.")
+
+
 class TrainConfig(Section):
     max_steps: PositiveInt = 300
-    grad_accum_steps: PositiveInt = 1
+    grad_accum_steps: PositiveInt = Field(1, description="Micro-batches per optimizer step (after any batch_ramp).")
     seed: int = 0
     grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
     log_interval: PositiveInt = 10
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto = bf16 autocast on cuda and xla, fp32 on cpu."
     )
+    batch_ramp: list[RampStage] = Field(
+        [], description="Batch-size ramp: stages of fewer micro-batches per step, in ascending until_step, then "
+        "grad_accum_steps. Micro-batch shapes never change (static XLA shapes); only their number per step does.",
+    )
+
+    @model_validator(mode="after")
+    def _ramp_ascends(self) -> TrainConfig:
+        problems: list = []
+        prev_until, prev_accum = 0, 1
+        for i, stage in enumerate(self.batch_ramp):
+            if stage.until_step <= prev_until:
+                problems.append((("batch_ramp", i, "until_step"), stage.until_step,
+                                 "must exceed the previous stage's until_step ({prev})", {"prev": prev_until}))
+            elif stage.until_step > self.max_steps:
+                problems.append((("batch_ramp", i, "until_step"), stage.until_step,
+                                 "must not exceed train.max_steps ({max_steps})", {"max_steps": self.max_steps}))
+            if stage.grad_accum_steps > self.grad_accum_steps:
+                problems.append((("batch_ramp", i, "grad_accum_steps"), stage.grad_accum_steps,
+                                 "must not exceed train.grad_accum_steps ({final}), the batch the ramp ends at",
+                                 {"final": self.grad_accum_steps}))
+            elif stage.grad_accum_steps < prev_accum:
+                problems.append((("batch_ramp", i, "grad_accum_steps"), stage.grad_accum_steps,
+                                 "must not be below the previous stage's ({prev}): the ramp only grows the batch",
+                                 {"prev": prev_accum}))
+            prev_until, prev_accum = max(prev_until, stage.until_step), max(prev_accum, stage.grad_accum_steps)
+        _located(type(self).__name__, problems)
+        return self
+
+
+class LionConfig(Section):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is
+    sign(b1 m + (1 - b1) g), then m = b2 m + (1 - b2) g; one state tensor per parameter.
+
+    A sign update has a larger norm than AdamW's, so Lion wants an lr 3-10x smaller and a
+    weight decay 3-10x larger than AdamW's, keeping lr x weight_decay (the decay per step)
+    about the same. The defaults derive both from optimizer.lr and optimizer.weight_decay.
+    """
+
+    lr: float | None = Field(None, gt=0, description="Default: optimizer.lr / 3 (Lion wants an lr 3-10x below AdamW's).")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.99), description="b1 mixes gradient and momentum for the update's sign, b2 is the momentum's decay."
+    )
+    weight_decay: float | None = Field(
+        None, ge=0, description="Decoupled (p -= lr wd p); not on norms, biases and embeddings. "
+        "Default: optimizer.weight_decay x 3, so lr x weight_decay matches AdamW's.",
+    )
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> LionConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas {self.betas} must lie in [0, 1)")
+        return self
+
+
+class MuonConfig(Section):
+    """Muon (torch.optim.Muon) for the 2-D matrices of the transformer blocks (wq wk wv wo w1 w2
+    w3): momentum, then Newton-Schulz orthogonalisation of the update. The embeddings, the
+    output head, norms and biases stay on AdamW with optimizer.lr, betas, eps, weight_decay.
+    """
+
+    adjust_lr_fn: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw", description="Per-matrix lr scale for an A x B matrix. match_rms_adamw (Moonshot, "
+        "'Muon is Scalable for LLM Training'): lr x 0.2 sqrt(max(A, B)), which gives updates AdamW's RMS, so "
+        "Muon shares AdamW's lr and weight decay. original (Keller Jordan): lr x sqrt(max(1, A/B)); "
+        "needs its own, much larger lr (~0.02).",
+    )
+    lr: float | None = Field(
+        None, gt=0, description="Muon's peak lr, before the per-matrix scale. Default: optimizer.lr; "
+        "required with adjust_lr_fn=original (e.g. 0.02).",
+    )
+    weight_decay: float | None = Field(
+        None, ge=0, description="Decoupled (p -= lr wd p, unscaled lr). Default: optimizer.weight_decay."
+    )
+    momentum: float = Field(0.95, ge=0, lt=1)
+    nesterov: bool = True
+    ns_steps: PositiveInt = Field(
+        5, lt=100, description="Quintic Newton-Schulz iterations, coefficients (3.4445, -4.7750, 2.0315)."
+    )
+
+    @model_validator(mode="after")
+    def _original_needs_lr(self) -> MuonConfig:
+        if self.adjust_lr_fn == "original" and self.lr is None:
+            raise ValueError("adjust_lr_fn=original needs an explicit lr (e.g. 0.02): its scale is not AdamW's")
+        return self
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = "adamw"
+    """lr, betas, eps and weight_decay are AdamW's, and also Muon's AdamW part (embeddings, head,
+    norms, biases). Lion and Muon have their own sections; their lr and weight decay derive
+    from these unless set."""
+
+    name: Literal["adamw", "lion", "muon"] = Field(
+        "adamw", description="adamw | lion | muon (Muon on the blocks' matrices, AdamW on the rest)."
+    )
     lr: float = Field(3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0, description="Not applied to norms, biases and embeddings.")
+    lion: LionConfig = LionConfig()
+    muon: MuonConfig = MuonConfig()
+
+
+ScheduleName = Literal["cosine", "wsd", "linear", "constant"]
+# The schedules that use each optional key; setting one for another schedule is an error.
+SCHEDULE_KEY_USERS: dict[str, tuple[str, ...]] = {
+    "min_lr_ratio": ("cosine", "linear", "wsd"),
+    "decay_fraction": ("wsd",),
+    "decay_shape": ("wsd",),
+}
 
 
 class SchedulerConfig(Section):
-    name: Literal["cosine"] = "cosine"
+    """The lr as a multiple of the peak lr, a pure function of the step (engine/optim/schedule.py).
+
+    Every schedule warms up linearly over warmup_steps, then: cosine and linear decay from the
+    peak to min_lr_ratio at the last step; wsd (warmup-stable-decay) holds the peak and decays
+    over the last decay_fraction of train.max_steps; constant holds the peak. Setting a key the
+    chosen schedule does not use is an error, whatever its value (SCHEDULE_KEY_USERS).
+    """
+
+    name: ScheduleName = "cosine"
     warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr / peak lr; cosine, linear and wsd.")
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: fraction of train.max_steps spent decaying (rounded; at least one step)."
+    )
+    decay_shape: Literal["1-sqrt", "linear"] = Field(
+        "1-sqrt", description="wsd: the decay curve, 1 - sqrt(progress) (Hägele et al. 2024) or 1 - progress."
+    )
+
+    @model_validator(mode="after")
+    def _keys_of_this_schedule(self) -> SchedulerConfig:
+        _located(type(self).__name__, [
+            ((key,), getattr(self, key), "is not used by the {name} schedule (only by {users}); remove it",
+             {"name": self.name, "users": ", ".join(users)})
+            for key, users in SCHEDULE_KEY_USERS.items() if key in self.model_fields_set and self.name not in users
+        ])
+        return self
 
 
 class LossConfig(Section):
-    name: Literal["ce"] = "ce"
+    name: Literal["auto", "cce", "ce"] = Field(
+        "auto", description="cce: cut cross-entropy, never holds the logits; ce: full logits. "
+        "auto: cce when model.vocab_size > model.dim, else ce.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    z_loss: float = Field(0.0, ge=0, description="Weight of PaLM's auxiliary z-loss, logsumexp(logits)^2 per token.")
+    softcap: float | None = Field(None, gt=0, description="Soft-cap the logits as c * tanh(logits / c) (Gemma 2).")
+    focal_gamma: float = Field(
+        0.0, ge=0, description="Focal loss (1 - p)^gamma * CE (Lin et al. 2017); 0 is plain CE, else >= 1.")
+    chunk_size: PositiveInt | None = Field(
+        None, description="cce only: vocabulary rows per chunk; default keeps one chunk's logits near 8 MiB.")
+
+    @model_validator(mode="after")
+    def _honourable(self) -> LossConfig:
+        problems = []
+        if 0 < self.focal_gamma < 1:
+            # The focal gradient has a (1 - p)^(gamma - 1) factor: unbounded as p -> 1.
+            problems.append(("focal_gamma", self.focal_gamma, "must be 0 (off) or at least 1"))
+        if self.focal_gamma and self.label_smoothing:
+            problems.append(("label_smoothing", self.label_smoothing, "cannot be combined with focal_gamma"))
+        if self.chunk_size and self.name == "ce":
+            problems.append(("chunk_size", self.chunk_size, "only the cce loss is chunked"))
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                InitErrorDetails(type=PydanticCustomError("loss_option", message), loc=(key,), input=value)
+                for key, value, message in problems])
+        return self
 
 
 class MeshConfig(Section):

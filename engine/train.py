@@ -27,10 +27,10 @@ from engine.attention import build_attention
 from engine.backends import build_backend
 from engine.config import JobSpec
 from engine.data.corpus import stdlib_corpus
-from engine.data.loader import PackedLoader
+from engine.data.loader import AccumSchedule, PackedLoader
 from engine.errors import ConfigError
 from engine.hooks import Boundary, Hooks, Request
-from engine.losses import LossFn, build_loss
+from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.models.llama import Transformer, flops_per_token
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
@@ -56,6 +56,10 @@ class LanguageModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.model(inputs)
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):
+            # The residual stream is fp32 even under autocast; the head's matmuls should not be.
+            hidden = hidden.to(torch.get_autocast_dtype(device))
         return self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
 
 
@@ -76,44 +80,47 @@ class Trainer:
         # Initialise on the host from the seed: every backend then starts from the same weights.
         torch.manual_seed(spec.train.seed)
         self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
-        self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss)))
+        self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss, spec.model)))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         tokens = stdlib_corpus(spec.data.corpus_bytes)
         if int(tokens.max()) >= spec.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{spec.model.vocab_size} is below the corpus's largest token id")
         self.loader = PackedLoader(tokens, spec.data.seq_len, spec.data.micro_batch_size,
-                                   spec.train.grad_accum_steps, spec.train.seed, self.backend.data)
+                                   AccumSchedule.of(spec.train), spec.train.seed, self.backend.data)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
         self.step = 0
         self.flops_per_token = flops_per_token(spec.model, spec.data.seq_len)
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
+                 loss=resolve_loss_name(spec.loss, spec.model),
                  precision="bf16" if self.bf16 else "fp32", corpus_tokens=len(tokens), **self.backend.describe())
 
     def train_step(self) -> StepResult | None:
-        """One optimizer step over grad_accum_steps micro-batches; None if stopped inside it."""
+        """One optimizer step over this step's micro-batches (grad_accum_steps, fewer during a
+        batch_ramp); None if stopped inside it."""
         train, step = self.spec.train, self.step
+        accum = self.loader.accum.at(step)
         factor = lr_factor(self.spec.scheduler, step, train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * factor
         lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = None
-        for micro in range(train.grad_accum_steps):
+        for micro in range(accum):
             if micro and self._poll(micro) is Request.STOP:
                 return None
             batch = self.backend.to_device(self.loader.batch(step, micro))
-            last = micro == train.grad_accum_steps - 1
+            last = micro == accum - 1
             with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
                 with self.backend.autocast(self.bf16):
                     loss = self.module(batch[:, :-1], batch[:, 1:])
-                (loss / train.grad_accum_steps).backward()
+                (loss / accum).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             self.backend.micro_step_end()
         # max_norm=inf still returns the norm, which is worth logging when clipping is off.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or float("inf"))
         # Stacked inside the step's graph, so reading them later is one plain copy.
-        values = torch.stack([loss_sum / train.grad_accum_steps, grad_norm.to(loss_sum.dtype)])
+        values = torch.stack([loss_sum / accum, grad_norm.to(loss_sum.dtype)])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.step_end()
@@ -129,7 +136,9 @@ class Trainer:
 
     def _report(self, pending: list[StepResult], seconds: float) -> None:
         """Emit and log the steps in `pending` once their values reach the host."""
-        tokens_per_s = self.loader.tokens_per_step * self.backend.data.world * len(pending) / seconds
+        # Steps pending[0].step - 1 .. pending[-1].step - 1, whose micro-batch counts may differ (batch_ramp).
+        tokens = self.loader.tokens_in_steps(pending[0].step - 1, pending[-1].step) * self.backend.data.world
+        tokens_per_s = tokens / seconds
         peak = self.backend.peak_flops()
         perf = {
             "tokens_per_s": round(tokens_per_s, 1),

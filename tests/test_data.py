@@ -23,7 +23,7 @@ def test_stdlib_corpus_is_bounded_deterministic_python_source():
 
 
 def loader(tokens, mb=4, accum=1, seed=0, rank=0, world=1):
-    return PackedLoader(tokens, seq_len=7, micro_batch_size=mb, grad_accum_steps=accum, seed=seed,
+    return PackedLoader(tokens, seq_len=7, micro_batch_size=mb, accum=accum, seed=seed,
                         position=DataPosition(rank=rank, world=world))
 
 

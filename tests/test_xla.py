@@ -71,6 +71,16 @@ def test_xla_losses_match_the_cpu_backend(xla_run, tiny_spec, tmp_path):
     assert xla_run["losses"] == pytest.approx(cpu.losses, rel=2e-3)
 
 
+def test_cut_cross_entropy_on_sharded_xla_tensors_matches_the_cpu():
+    out = subprocess.run([PYTHON, str(REPO / "tests" / "xla_cce_probe.py")], capture_output=True, text=True,
+                         env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # Loss, d hidden and d weight, relative to each one's largest element: fp32 rounding only.
+    assert max(result["errors"]) < 1e-5, result
+    assert result["item_calls"] == 0  # nothing read back to the host while tracing
+
+
 def test_graphs_compile_once_then_steps_reuse_them(xla_run):
     compiles = xla_run["compiles_at_step"]
     # Steps 0 and 1 compile (the optimizer's state appears after the first update);

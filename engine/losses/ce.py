@@ -1,10 +1,23 @@
-"""Plain cross-entropy over full logits: the reference every other loss is checked against."""
+"""Cross-entropy over the full logits: simple and fast while (tokens x vocab) is small."""
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss of hidden [N, D] against weight [V, D]; targets [N] (-100 ignored)."""
-    logits = hidden @ weight.T
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                  focal_gamma: float = 0.0) -> torch.Tensor:
+    """Mean token loss of hidden [N, D] against weight [V, D]; the same terms as cut cross-entropy."""
+    logits = (hidden @ weight.T).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    if focal_gamma:
+        loss = (1 - torch.exp(-loss)).pow(focal_gamma) * loss
+    valid = targets != ignore_index
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1).square()
+    return torch.where(valid, loss, 0.0).sum() / valid.sum().clamp(min=1)

@@ -1,0 +1,126 @@
+"""Cut cross-entropy against the naive loss: peak memory and forward+backward time on CPU.
+
+naive: F.cross_entropy(hidden @ weight.T, targets), which holds the (N x V) logits and
+their gradient. cce: engine.losses.cce.linear_cross_entropy with its default chunking.
+
+Each (case, method) runs in a fresh process so its peak memory is its own: the kernel's
+peak-RSS mark (VmHWM) is reset through /proc/self/clear_refs once the inputs exist and one
+warm-up pass is done, and the peak above the RSS at that moment is reported. Time is the
+median of the timed passes (time.perf_counter). Targets: CCE peak <= 1/20 of naive, CCE
+time <= 1.1x naive.
+
+    .venv/bin/python bench/cce.py            # about 3 minutes on 2 cores
+Results: a table on stdout and bench/results/cce.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CASES = {  # name: (tokens N, hidden D, vocab V, dtype)
+    "fp32 V=64k": (4096, 512, 65536, "float32"),
+    "bf16 V=64k": (4096, 512, 65536, "bfloat16"),
+    "fp32 V=128k": (4096, 512, 131072, "float32"),
+}
+MEMORY_TARGET, TIME_TARGET = 1 / 20, 1.1
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measure(case: str, method: str, repeats: int) -> dict:
+    """One case and method, in this process: peak bytes above baseline and pass times."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine.losses.cce import linear_cross_entropy
+
+    torch.set_num_threads(os.cpu_count())
+    n, d, v, dtype = CASES[case]
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g) * 0.02).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+
+    def step() -> float:
+        hidden.grad = weight.grad = None
+        start = time.perf_counter()
+        if method == "naive":
+            loss = F.cross_entropy((hidden @ weight.T).float(), targets)
+        else:
+            loss = linear_cross_entropy(hidden, weight, targets)
+        loss.backward()
+        return time.perf_counter() - start
+
+    step()  # warm-up: first-touch page faults and lazy initialisation happen here
+    hidden.grad = weight.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark to the current RSS
+    baseline = _status_kib("VmRSS")
+    times = [step()]
+    peak = _status_kib("VmHWM")
+    times += [step() for _ in range(repeats - 1)]
+    return {"case": case, "method": method, "peak_bytes": (peak - baseline) * 1024,
+            "median_s": statistics.median(times), "times_s": times}
+
+
+def run_isolated(case: str, method: str, repeats: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", case, method, "--repeats", str(repeats)],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if out.returncode:
+        return {"case": case, "method": method, "error": out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cce.json")
+    parser.add_argument("--worker", nargs=2, metavar=("CASE", "METHOD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure(*args.worker, args.repeats)))
+        return
+
+    rows, met = [], True
+    print(f"{'case':<12} {'method':<6} {'peak MiB':>9} {'time s':>7}   {'mem ratio':>9} {'time ratio':>10}  result")
+    for case in args.cases.split(","):
+        naive, cce = (run_isolated(case, method, args.repeats) for method in ("naive", "cce"))
+        row = {"case": case, "shape": dict(zip(("N", "D", "V", "dtype"), CASES[case])), "naive": naive, "cce": cce}
+        if "error" in naive or "error" in cce:
+            print(f"{case:<12} failed: {naive.get('error') or cce.get('error')}")
+            rows.append(row)
+            continue
+        row["memory_ratio"] = cce["peak_bytes"] / naive["peak_bytes"]
+        row["time_ratio"] = cce["median_s"] / naive["median_s"]
+        row["passed"] = row["memory_ratio"] <= MEMORY_TARGET and row["time_ratio"] <= TIME_TARGET
+        met &= row["passed"]
+        rows.append(row)
+        for name, r in (("naive", naive), ("cce", cce)):
+            tail = (f"   {row['memory_ratio']:>9.4f} {row['time_ratio']:>10.3f}  {'pass' if row['passed'] else 'MISS'}"
+                    if name == "cce" else "")
+            print(f"{case:<12} {name:<6} {r['peak_bytes'] / 2**20:>9.1f} {r['median_s']:>7.2f}{tail}")
+    print(f"targets: memory <= 1/20 ({MEMORY_TARGET:.3f}) of naive, time <= {TIME_TARGET}x naive: "
+          + ("all met" if met else "MISSED"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "cce", "targets": {"memory_ratio": MEMORY_TARGET, "time_ratio": TIME_TARGET},
+        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine()},
+        "cases": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
