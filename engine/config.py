@@ -394,6 +394,14 @@ class JobSpec(Section):
                 ("scheduler", "warmup_steps"), self.scheduler.warmup_steps,
                 "must be below train.max_steps ({max_steps})", max_steps=self.train.max_steps,
             )
+        elif self.scheduler.name == "wsd":
+            decay = max(1, round(self.scheduler.decay_fraction * self.train.max_steps))
+            if decay > self.train.max_steps - self.scheduler.warmup_steps:
+                problem(
+                    ("scheduler", "decay_fraction"), self.scheduler.decay_fraction,
+                    "decays over {decay} steps, more than the {stable} left after warmup",
+                    decay=decay, stable=self.train.max_steps - self.scheduler.warmup_steps,
+                )
         if problems:
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self

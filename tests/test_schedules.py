@@ -254,3 +254,14 @@ def test_trainer_runs_each_steps_micro_batches_under_a_ramp(tiny_spec, tmp_path)
     assert [f["step"] for f in steps] == [1, 2, 3, 4, 5]
     # One report for all five steps: 10 micro-batches of 2 x 32 tokens in the interval.
     assert steps[0]["tokens_per_s"] == pytest.approx(10 * 2 * 32 / seconds[0], rel=1e-3)
+
+
+def test_wsd_decay_longer_than_the_steps_after_warmup_is_an_error(tmp_path):
+    from engine.specfile import SpecError, load_spec
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\ntrain:\n  max_steps: 100\nscheduler:\n  name: wsd\n  warmup_steps: 50\n"
+                   "  decay_fraction: 0.6\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(job)
+    assert f"{job}:7: scheduler.decay_fraction: decays over 60 steps, more than the 50 left" in str(info.value)
