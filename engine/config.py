@@ -211,8 +211,8 @@ class MuonConfig(Section):
     weight_decay: float | None = Field(
         None, ge=0, description="Decoupled (p -= lr wd p, unscaled lr). Default: optimizer.weight_decay."
     )
-    momentum: float = Field(0.95, ge=0, lt=1)
-    nesterov: bool = True
+    momentum: float = Field(0.95, ge=0, lt=1, description="buf = momentum buf + (1 - momentum) grad.")
+    nesterov: bool = Field(True, description="Orthogonalise (1 - momentum) grad + momentum buf instead of buf.")
     ns_steps: PositiveInt = Field(
         5, lt=100, description="Quintic Newton-Schulz iterations, coefficients (3.4445, -4.7750, 2.0315)."
     )
@@ -352,8 +352,17 @@ class DeviceConfig(Section):
 
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="Local root; default <state>/checkpoints. Layout <dir>/<job>/step_N.")
-    interval_steps: int = Field(0, ge=0, description="0 disables periodic checkpoints.")
-    keep: int = Field(3, ge=2)
+    interval_steps: int = Field(0, ge=0, description="Checkpoint every N steps; 0 disables.")
+    interval_seconds: float = Field(0, ge=0, description="Checkpoint when this long has passed since the last; 0 disables.")
+    async_: bool = Field(True, alias="async", description="Write in the background; the loop blocks only "
+                         "while the state is copied to host memory. At most one save is in flight.")
+    keep: int = Field(3, ge=2, description="Committed steps kept per tier; the newest is never deleted.")
+    remote: str | None = Field(
+        None, pattern=r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$",
+        description="GCS tier, gs://bucket[/prefix]: the daemon uploads each committed step to "
+        "<remote>/<job>/step_N (manifest last), keeps `keep` steps there too, and downloads the newest "
+        "one before starting a worker on a host that lacks it.",
+    )
 
 
 class LoggingConfig(Section):

@@ -11,10 +11,19 @@ import enum
 from dataclasses import dataclass
 
 
-class Request(enum.Enum):
-    CHECKPOINT = "checkpoint"            # checkpoint, then continue
-    CHECKPOINT_AND_EXIT = "checkpoint_and_exit"
-    STOP = "stop"                        # exit without a checkpoint
+class Action(enum.Enum):
+    CHECKPOINT = "checkpoint"                    # checkpoint, then continue
+    CHECKPOINT_AND_EXIT = "checkpoint_and_exit"  # checkpoint, wait for the commit, exit 75
+    STOP = "stop"                                # exit 75 without a checkpoint
+
+
+@dataclass(frozen=True)
+class Request:
+    action: Action
+    # None: act at the next step boundary. A number of seconds: act at the next step
+    # boundary if the rest of the step fits in it, else at the next micro-batch boundary
+    # (a partial-step checkpoint); 0 means the very next boundary.
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -30,3 +39,23 @@ class Hooks:
 
     def emit(self, event: str, **fields) -> None:
         """Step metrics, checkpoint events, start and exit notices."""
+
+
+class SignalHooks(Hooks):
+    """The signal fallback (DESIGN.md): SIGTERM = checkpoint then exit, SIGUSR1 = checkpoint
+    and continue, both at the very next boundary. Handlers only record; the loop acts."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self._pending: Request | None = None
+        signal.signal(signal.SIGTERM, lambda *_: self._record(Action.CHECKPOINT_AND_EXIT))
+        signal.signal(signal.SIGUSR1, lambda *_: self._record(Action.CHECKPOINT))
+
+    def _record(self, action: Action) -> None:
+        if self._pending is None or self._pending.action is not Action.CHECKPOINT_AND_EXIT:
+            self._pending = Request(action, deadline_s=0.0)
+
+    def poll(self, at: Boundary) -> Request | None:
+        request, self._pending = self._pending, None
+        return request

@@ -1,9 +1,9 @@
 """The training loop, and `python -m engine.train JOB.yaml [key=value ...]`.
 
-Decisions live in the components (backend, attention, loss, optimizer, schedule, data);
-this file wires them together and runs steps. Each optimizer step runs
-grad_accum_steps micro-batches; the supervisor's hooks are polled at every micro-batch
-and step boundary. Metric tensors are read in batches every log_interval steps through
+Decisions live in the components (backend, attention, loss, optimizer, schedule, data,
+checkpointer); this file wires them together and runs steps. Each optimizer step runs
+its micro-batches (grad_accum_steps, fewer during a batch ramp); the hooks are polled at
+every micro-batch and step boundary, and a checkpoint may be taken at either. Metric tensors are read in batches every log_interval steps through
 the backend, so the hot path never waits for the device.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import resource
 import sys
@@ -29,7 +30,8 @@ from engine.config import JobSpec
 from engine.data.corpus import stdlib_corpus
 from engine.data.loader import AccumSchedule, PackedLoader
 from engine.errors import ConfigError
-from engine.hooks import Boundary, Hooks, Request
+from engine.checkpoint.checkpointer import Checkpointer, Progress
+from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.models.llama import Transformer, flops_per_token
 from engine.optim import build_optimizer
@@ -89,50 +91,99 @@ class Trainer:
                                    AccumSchedule.of(spec.train), spec.train.seed, self.backend.data)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
-        self.step = 0
         self.flops_per_token = flops_per_token(spec.model, spec.data.seq_len)
+        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, Path(state_dir) / "checkpoints", spec_hash(spec),
+                                         self.backend, self.model, self.optimizer, self.loader.state_dict(),
+                                         self.hooks.emit)
+        self.progress = self.checkpointer.restore() or Progress()
+        self._deferred: Request | None = None
+        self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
-                 loss=resolve_loss_name(spec.loss, spec.model),
+                 loss=resolve_loss_name(spec.loss, spec.model), resumed_at=self.progress.step,
                  precision="bf16" if self.bf16 else "fp32", corpus_tokens=len(tokens), **self.backend.describe())
 
-    def train_step(self) -> StepResult | None:
-        """One optimizer step over this step's micro-batches (grad_accum_steps, fewer during a
-        batch_ramp); None if stopped inside it."""
-        train, step = self.spec.train, self.step
-        accum = self.loader.accum.at(step)
-        factor = lr_factor(self.spec.scheduler, step, train.max_steps)
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    # --- the work ---
+
+    def micro_batch(self) -> None:
+        """Forward and backward of the next micro-batch of the current step."""
+        p = self.progress
+        accum = self.loader.accum.at(p.step)
+        started = time.monotonic()
+        batch = self.backend.to_device(self.loader.batch(p.step, p.micro_step))
+        last = p.micro_step == accum - 1
+        with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
+            with self.backend.autocast(self.bf16):
+                loss = self.module(batch[:, :-1], batch[:, 1:])
+            (loss / accum).backward()
+        p.loss_sum = loss.detach() if p.loss_sum is None else p.loss_sum + loss.detach()
+        self.backend.micro_step_end()
+        p.micro_step += 1
+        p.tokens_seen += batch.shape[0] * (batch.shape[1] - 1) * self.backend.data.world
+        self._micro_seconds = time.monotonic() - started
+
+    def optimizer_step(self) -> StepResult:
+        p, train = self.progress, self.spec.train
+        factor = lr_factor(self.spec.scheduler, p.step, train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * factor
-        lr = self.optimizer.param_groups[0]["lr"]
-        loss_sum = None
-        for micro in range(accum):
-            if micro and self._poll(micro) is Request.STOP:
-                return None
-            batch = self.backend.to_device(self.loader.batch(step, micro))
-            last = micro == accum - 1
-            with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
-                with self.backend.autocast(self.bf16):
-                    loss = self.module(batch[:, :-1], batch[:, 1:])
-                (loss / accum).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            self.backend.micro_step_end()
         # max_norm=inf still returns the norm, which is worth logging when clipping is off.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or float("inf"))
         # Stacked inside the step's graph, so reading them later is one plain copy.
-        values = torch.stack([loss_sum / accum, grad_norm.to(loss_sum.dtype)])
+        values = torch.stack([p.loss_sum / p.micro_step, grad_norm.to(p.loss_sum.dtype)])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.step_end()
-        self.step += 1
-        return StepResult(self.step, values, lr)
+        p.step, p.micro_step, p.loss_sum = p.step + 1, 0, None
+        return StepResult(p.step, values, self.optimizer.param_groups[0]["lr"])
 
-    def _poll(self, micro: int) -> Request | None:
-        request = self.hooks.poll(Boundary(self.step, micro))
-        if request is not None and request is not Request.STOP:
-            log.warning("request not supported by this worker, ignored", request=request.value)
-            return None
-        return request
+    def train_step(self) -> StepResult:
+        """The rest of the current step: its remaining micro-batches, then the update."""
+        while self.progress.micro_step < self.loader.accum.at(self.progress.step):
+            self.micro_batch()
+        return self.optimizer_step()
+
+    # --- requests and checkpoints ---
+
+    def _request(self) -> Request | None:
+        """The request to act on at this boundary, if any; others wait for their boundary."""
+        p = self.progress
+        incoming = self.hooks.poll(Boundary(p.step, p.micro_step))
+        if incoming is not None:
+            self._deferred = incoming
+        request = self._deferred
+        if request is None or p.micro_step == 0:
+            self._deferred = None
+            return request
+        remaining = (self.loader.accum.at(p.step) - p.micro_step) * self._micro_seconds
+        if request.deadline_s is not None and remaining >= request.deadline_s:
+            self._deferred = None
+            return request  # the step would not finish in time: checkpoint mid-step
+        return None
+
+    def _act(self, request: Request) -> int | None:
+        """Carry out a request; an exit code when the worker must stop."""
+        if request.action is Action.STOP:
+            log.info("stopping on request", step=self.step)
+            return exit_codes.STOPPED
+        exiting = request.action is Action.CHECKPOINT_AND_EXIT
+        self.checkpointer.save(self.progress, "request", wait=exiting)
+        if exiting:
+            log.info("checkpointed, stopping on request", step=self.step, micro_step=self.progress.micro_step)
+            return exit_codes.STOPPED
+        return None
+
+    def _interval_due(self) -> bool:
+        cfg = self.spec.checkpoint
+        by_steps = cfg.interval_steps and self.step % cfg.interval_steps == 0
+        by_time = cfg.interval_seconds and time.monotonic() - self.checkpointer.last_save_time >= cfg.interval_seconds
+        return bool(by_steps or by_time)
+
+    # --- reporting ---
 
     def _report(self, pending: list[StepResult], seconds: float) -> None:
         """Emit and log the steps in `pending` once their values reach the host."""
@@ -158,26 +209,38 @@ class Trainer:
 
         self.backend.read_values([result.values for result in pending], publish)
 
+    # --- the loop ---
+
     def run(self) -> int:
         train = self.spec.train
-        self.hooks.emit("started", step=self.step)
+        self.hooks.emit("started", step=self.step, micro_step=self.progress.micro_step)
         pending: list[StepResult] = []
         interval_start = time.monotonic()
         try:
             while self.step < train.max_steps:
-                result = self.train_step() if self._poll(0) is not Request.STOP else None
-                if result is None:
-                    log.info("stopping on request", step=self.step)
-                    return exit_codes.STOPPED
-                pending.append(result)
+                request = self._request()
+                if request is not None and (code := self._act(request)) is not None:
+                    return code
+                self.micro_batch()
+                if self.progress.micro_step < self.loader.accum.at(self.step):
+                    continue
+                pending.append(self.optimizer_step())
                 if self.step % train.log_interval == 0 or self.step == train.max_steps:
                     self._report(pending, time.monotonic() - interval_start)
                     pending, interval_start = [], time.monotonic()
+                if self.step < train.max_steps and self._interval_due():
+                    self.checkpointer.save(self.progress, "interval")
+            self.checkpointer.save(self.progress, "final", wait=True)
         finally:
             self.backend.flush()
+            self.checkpointer.close()
         log.info("training finished", step=self.step)
         self.hooks.emit("finished", step=self.step)
         return exit_codes.OK
+
+
+def spec_hash(spec: JobSpec) -> str:
+    return hashlib.sha256(spec.model_dump_json(by_alias=True).encode()).hexdigest()[:16]
 
 
 def default_state_dir() -> Path:
@@ -203,7 +266,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         return exit_codes.BAD_INPUT
     logs.configure(spec.logging.level)
     try:
-        trainer = Trainer(spec, args.state_dir or default_state_dir(), hooks)
+        trainer = Trainer(spec, args.state_dir or default_state_dir(), hooks or SignalHooks())
     except ConfigError as e:
         log.error("job cannot run here", key=e.key, error=str(e))
         return exit_codes.BAD_INPUT

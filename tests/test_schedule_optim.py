@@ -2,28 +2,10 @@ import pytest
 import torch
 
 from engine.attention.sdpa import sdpa_attention
-from engine.config import ModelConfig, OptimizerConfig, SchedulerConfig
+from engine.config import ModelConfig, OptimizerConfig
 from engine.models.llama import Transformer
 from engine.optim import build_optimizer
 from engine.optim.param_groups import decay_groups
-from engine.optim.schedule import lr_factor
-
-
-def test_cosine_schedule_boundaries():
-    cfg = SchedulerConfig(warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_factor(cfg, 0, 100) == pytest.approx(0.1)  # first warmup step is not zero
-    assert lr_factor(cfg, 9, 100) == pytest.approx(1.0)  # end of warmup reaches the peak
-    assert lr_factor(cfg, 10, 100) == pytest.approx(1.0)  # decay starts from the peak
-    assert lr_factor(cfg, 55, 101) == pytest.approx(0.55)  # halfway through decay: the midpoint
-    assert lr_factor(cfg, 99, 100) == pytest.approx(0.1)  # last step sits on the floor
-    factors = [lr_factor(cfg, s, 100) for s in range(10, 100)]
-    assert all(a >= b for a, b in zip(factors, factors[1:]))
-
-
-def test_schedule_without_warmup_starts_at_peak():
-    cfg = SchedulerConfig(warmup_steps=0, min_lr_ratio=0.0)
-    assert lr_factor(cfg, 0, 50) == pytest.approx(1.0)
-    assert lr_factor(cfg, 49, 50) == pytest.approx(0.0)
 
 
 def test_weight_decay_skips_norms_biases_and_embeddings():

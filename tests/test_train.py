@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import exit_codes
-from engine.hooks import Boundary, Hooks, Request
+from engine.hooks import Action, Boundary, Hooks, Request
 from engine.train import Trainer
 
 SHORT = ("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=2", "data.micro_batch_size=4",
@@ -17,7 +17,7 @@ class Recorder(Hooks):
 
     def poll(self, at):
         self.boundaries.append(at)
-        return Request.STOP if at == self.stop_at else None
+        return Request(Action.STOP, deadline_s=0) if at == self.stop_at else None
 
     def emit(self, event, **fields):
         self.events.append((event, fields))

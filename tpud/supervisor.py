@@ -44,7 +44,9 @@ class WorkerProcess:
         job_dir = paths.job_dir(spec.name)
         job_dir.mkdir(parents=True, exist_ok=True)
         spec_file = job_dir / "spec.json"
-        spec_file.write_text(spec.model_dump_json(indent=2))
+        # Only what the job file set: a full dump would also set keys that some sections reject
+        # as meaningless for the chosen option (e.g. wsd-only keys under a cosine schedule).
+        spec_file.write_text(spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tpud.worker", str(spec_file), "--state-dir", str(paths.state)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -19,25 +18,10 @@ import structlog
 from engine import exit_codes, logs
 from engine.config import JobSpec
 from engine.errors import ConfigError
-from engine.hooks import Boundary, Hooks, Request
+from engine.hooks import SignalHooks
 from tpud.supervisor import die_with_parent
 
 log = structlog.get_logger()
-
-
-class SignalHooks(Hooks):
-    """Requests arrive as signals: the handler only records, the loop acts at a boundary."""
-
-    def __init__(self) -> None:
-        self.pending: Request | None = None
-        signal.signal(signal.SIGTERM, self._on_term)
-
-    def _on_term(self, signum, frame) -> None:
-        self.pending = Request.STOP
-
-    def poll(self, at: Boundary) -> Request | None:
-        request, self.pending = self.pending, None
-        return request
 
 
 def main(argv: list[str] | None = None) -> int:

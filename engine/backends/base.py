@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 # Peak dense bf16 FLOP/s per device, from the vendors' data sheets.
 PEAK_FLOPS = {
@@ -74,6 +75,29 @@ class Backend:
         The tensors must be outputs of a finished step (no pending computation).
         """
         callback([t.tolist() for t in tensors])
+
+    # --- checkpointing ---
+
+    def stage(self, state: dict) -> dict:
+        """A host copy of `state` that training can no longer change (async checkpoints)."""
+        return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+
+    def planners(self) -> tuple:
+        """torch.distributed.checkpoint (save planner, load planner); None for the defaults."""
+        return None, None
+
+    checkpoint_group = None  # process group for checkpoint collectives; None in one process
+
+    def rng_state(self) -> dict:
+        state = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
 
     def flush(self) -> None:
         """Wait until every read_scalars callback has run."""

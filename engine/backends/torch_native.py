@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from engine.backends.base import Backend, DataPosition, peak_flops_for
@@ -41,6 +42,10 @@ class TorchBackend(Backend):
         self.distributed = world > 1
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        if self.distributed:
+            # Checkpoints are written from a background thread: their collectives get a
+            # group of their own so they never interleave with the training step's.
+            self.checkpoint_group = dist.new_group(backend="gloo")
         self.num_devices = world
         self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
         self._peak_flops = peak_flops
@@ -65,6 +70,19 @@ class TorchBackend(Backend):
             dist.all_reduce(values, op=dist.ReduceOp.SUM)
             values /= dist.get_world_size()
         callback(values.tolist())
+
+    def stage(self, state: dict) -> dict:
+        if self.device.type != "cuda":
+            return super().stage(state)
+
+        def to_pinned(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x.detach(), non_blocking=True)
+
+        staged = tree_map(to_pinned, state)
+        torch.cuda.synchronize(self.device)
+        return staged
 
     def memory_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None

@@ -54,6 +54,13 @@ class XlaBackend(Backend):
         self.num_devices = n
         # Under SPMD each host loads its own part of the global batch.
         self.data = DataPosition(rank=xr.process_index(), world=xr.process_count())
+        if xr.process_count() > 1:
+            # Hosts coordinate checkpoints over gloo, rendezvousing through the XLA runtime.
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", init_method="xla://")
+            self.checkpoint_group = dist.new_group(backend="gloo")
         self.device_kind = self._tpu_type()
         self.attention_kernels = ("splash", "flash", "eager") if self.device_kind else ("eager",)
         self.bf16 = True
@@ -116,6 +123,28 @@ class XlaBackend(Backend):
         reads, self._reads = self._reads, []
         for read in reads:
             read.result()  # re-raises a failed read here, on the training thread
+
+    def stage(self, state: dict) -> dict:
+        # Each device's shard goes to the host as it is, never gathered into a whole tensor.
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+        return _sharded_cpu_state_dict(state)
+
+    def planners(self) -> tuple:
+        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+
+        return SPMDSavePlanner(), SPMDLoadPlanner()
+
+    def rng_state(self) -> dict:
+        import torch_xla.core.xla_model as xm
+
+        return {**super().rng_state(), "xla": torch.tensor(xm.get_rng_state(), dtype=torch.int64)}
+
+    def set_rng_state(self, state: dict) -> None:
+        import torch_xla.core.xla_model as xm
+
+        super().set_rng_state(state)
+        xm.set_rng_state(int(state["xla"]))
 
     def peak_flops(self) -> float | None:
         if self._peak_flops:

@@ -1,0 +1,211 @@
+"""Save and restore the whole training state with torch.distributed.checkpoint.
+
+State: model and optimizer (DCP's FQN-keyed state dicts, sharded under SPMD), the loop's
+progress (step, micro-step, tokens seen), the loss and gradients accumulated so far when
+the save falls inside gradient accumulation, every RNG state, and the data loader's
+geometry (its position is a pure function of the step). Resuming from it continues
+exactly where the saved run was.
+
+A save stages the state to host memory on the training thread (the only part the loop
+waits for when async) and writes it from a background thread: DCP files into a
+temporary directory, then manifest.json with sizes and CRC32C, then an atomic rename to
+step_N. At most one save is in flight. Local retention never deletes the newest step or
+one the supervisor has pinned while uploading it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from engine.backends.base import Backend
+from engine.checkpoint import manifest as mf
+from engine.config import CheckpointConfig
+
+log = structlog.get_logger()
+Emit = Callable[..., None]
+
+# DCP warns on every single-process save by design, and its file writer trips torch's
+# own TypedStorage deprecation; neither says anything about this checkpoint.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+
+
+@dataclass
+class Progress:
+    """Where the loop stands: `micro_step` micro-batches of step `step` are accumulated."""
+
+    step: int = 0
+    micro_step: int = 0
+    tokens_seen: int = 0
+    loss_sum: torch.Tensor | None = None  # summed micro-batch losses of the current step
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tpud")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, job: str, root: Path, spec_hash: str, backend: Backend,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit):
+        self.cfg, self.job, self.spec_hash = cfg, job, spec_hash
+        self.job_dir = Path(cfg.dir or root) / job
+        self.backend, self.model, self.optimizer = backend, model, optimizer
+        self.loader_state, self._emit = loader_state, emit
+        self.group = backend.checkpoint_group
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending: Future | None = None
+        self.last_saved_step: int | None = None
+        self.last_save_time = time.monotonic()
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self._remove_unfinished()
+
+    def emit(self, event: str, **fields) -> None:
+        """To the supervisor through the hooks, and to the log for the operator."""
+        (log.warning if event.endswith("failed") else log.info)(event.replace("_", " "), **fields)
+        self._emit(event, **fields)
+
+    # --- saving ---
+
+    def _state(self, progress: Progress) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_state,
+            "optim": optim_state,
+            "progress": {"step": progress.step, "micro_step": progress.micro_step,
+                         "tokens_seen": progress.tokens_seen},
+            "rng": self.backend.rng_state(),
+            "loader": dict(self.loader_state),
+        }
+        if progress.micro_step:
+            # Inside gradient accumulation: the partial gradients and loss are state too.
+            state["partial"] = {"loss_sum": progress.loss_sum.detach(),
+                                "grads": {n: p.grad for n, p in self.model.named_parameters()}}
+        return state
+
+    def save(self, progress: Progress, reason: str, *, wait: bool = False) -> None:
+        """Checkpoint `progress`; returns once staged (async) or committed (sync or wait)."""
+        self.wait()
+        if (self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)).exists():
+            return  # already committed (e.g. the step this run resumed from)
+        started = time.monotonic()
+        staged = self.backend.stage(self._state(progress))
+        blocked = time.monotonic() - started
+        self.last_save_time, self.last_saved_step = time.monotonic(), progress.step
+        self.emit("checkpoint_started", step=progress.step, micro_step=progress.micro_step, reason=reason,
+                  blocking_s=round(blocked, 4))
+        self._pending = self._writer.submit(self._write, staged, progress.step, progress.micro_step, reason,
+                                            started)
+        if wait or not self.cfg.async_:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is committed (re-raising its failure)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write(self, staged: dict, step: int, micro_step: int, reason: str, started: float) -> None:
+        final = self.job_dir / mf.step_dir_name(step, micro_step)
+        tmp = self.job_dir / f".tmp-{final.name}"
+        try:
+            if self.rank == 0 and tmp.exists():
+                shutil.rmtree(tmp)
+            save_planner, _ = self.backend.planners()
+            dcp.save(staged, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=save_planner,
+                     process_group=self.group, no_dist=self.group is None)
+            if self.rank == 0:
+                manifest = mf.Manifest.describe(
+                    tmp, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
+                    spec_hash=self.spec_hash, version=_version(), reason=reason)
+                mf.write_manifest(tmp, manifest)
+                tmp.rename(final)
+                mf.fsync_path(self.job_dir)
+                self._retain()
+                seconds = time.monotonic() - started
+                self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
+                          bytes=manifest.total_bytes, seconds=round(seconds, 3))
+        except Exception as e:
+            self.emit("checkpoint_failed", step=step, reason=reason, error=repr(e))
+            raise
+
+    def _retain(self) -> None:
+        committed = mf.committed_steps(self.job_dir)
+        pinned = mf.pinned_steps(self.job_dir)
+        for step, path, _ in committed[: max(0, len(committed) - self.cfg.keep)]:
+            if step not in pinned:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_unfinished(self) -> None:
+        """Temporary directories of saves that were killed: never committed, so never used."""
+        for tmp in self.job_dir.glob(".tmp-step_*"):
+            log.info("removing an unfinished checkpoint", path=str(tmp))
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # --- restoring ---
+
+    def newest_valid(self) -> tuple[Path, mf.Manifest] | None:
+        """The newest committed step whose files match their manifest; bad ones are moved aside."""
+        for step, path, manifest in reversed(mf.committed_steps(self.job_dir)):
+            found = mf.problems(path, manifest, checksums=True)
+            if not found:
+                return path, manifest
+            aside = self.job_dir / "corrupt" / f"{path.name}.{int(time.time())}"
+            log.warning("checkpoint failed verification, moved aside", step=step, problems=found, moved_to=str(aside))
+            if self.rank == 0:
+                aside.parent.mkdir(exist_ok=True)
+                path.rename(aside)
+        return None
+
+    def restore(self) -> Progress | None:
+        """Load the newest valid checkpoint into the model and optimizer; None when there is none."""
+        found = self.newest_valid()
+        if found is None:
+            return None
+        path, manifest = found
+        started = time.monotonic()
+        template = self._state(Progress(step=manifest.step, micro_step=manifest.micro_step,
+                                        loss_sum=torch.zeros((), device=self.backend.device)))
+        if manifest.micro_step:
+            template["partial"]["grads"] = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
+        _, load_planner = self.backend.planners()
+        dcp.load(template, storage_reader=dcp.FileSystemReader(path), planner=load_planner,
+                 process_group=self.group, no_dist=self.group is None)
+        set_state_dict(self.model, self.optimizer, model_state_dict=template["model"],
+                       optim_state_dict=template["optim"])
+        self.backend.set_rng_state(template["rng"])
+        if template["loader"] != self.loader_state:
+            log.warning("data geometry changed since the checkpoint; batches will differ from the saved run",
+                        saved=template["loader"], now=self.loader_state)
+        progress = Progress(**template["progress"])
+        if manifest.micro_step:
+            for name, param in self.model.named_parameters():
+                param.grad = template["partial"]["grads"][name]
+            progress.loss_sum = template["partial"]["loss_sum"]
+        self.last_saved_step = progress.step
+        self.emit("checkpoint_restored", step=progress.step, micro_step=progress.micro_step, path=str(path),
+                  seconds=round(time.monotonic() - started, 3))
+        return progress
+
+    def close(self) -> None:
+        self.wait()
+        self._writer.shutdown()

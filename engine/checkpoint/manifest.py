@@ -1,0 +1,158 @@
+"""The checkpoint layout and its commit marker, manifest.json (torch-free).
+
+    <root>/<job>/step_000000123/        DCP files + manifest.json, written last
+    <root>/<job>/step_000000123.0002/   partial step: 2 micro-batches of step 124 accumulated
+
+A step directory without a valid manifest does not exist: writers fill a temporary
+directory, write the manifest last, and rename the directory into place. Readers trust a
+directory only when the manifest parses and every file it lists is present with its
+size and (when asked) its CRC32C. The supervisor reads this module too, for the GCS
+tier, so it must not import torch.
+
+CRC32C values are base64 of the big-endian 4-byte checksum, the form GCS reports for an
+object, so a local file and its uploaded copy compare directly.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import google_crc32c
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step_(\d{9})(?:\.(\d{4}))?$")
+_READ_BLOCK = 8 << 20
+
+
+def step_dir_name(step: int, micro_step: int = 0) -> str:
+    return f"step_{step:09d}" + (f".{micro_step:04d}" if micro_step else "")
+
+
+def file_crc32c(path: Path) -> str:
+    checksum = google_crc32c.Checksum()
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            checksum.update(block)
+    return base64.b64encode(checksum.digest()).decode()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the step directory
+    size: int
+    crc32c: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    step: int          # optimizer steps completed
+    micro_step: int    # micro-batches of the next step already accumulated (partial-step checkpoint)
+    world_size: int
+    spec_hash: str
+    version: str
+    reason: str        # interval, request, final, preemption, ...
+    files: tuple[FileEntry, ...]
+    created_unix: float = field(default_factory=time.time)
+    format: int = FORMAT
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"unknown manifest format {data.get('format')!r}")
+        data["files"] = tuple(FileEntry(**f) for f in data["files"])
+        return cls(**data)
+
+    @classmethod
+    def describe(cls, directory: Path, **fields) -> Manifest:
+        """The manifest of the files now in `directory`, with their sizes and CRC32C."""
+        files = tuple(
+            FileEntry(str(p.relative_to(directory)), p.stat().st_size, file_crc32c(p))
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST
+        )
+        return cls(files=files, **fields)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Durably write the commit marker: data files first, then the manifest, then the directory."""
+    for entry in manifest.files:
+        fsync_path(directory / entry.path)
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(manifest.to_json())
+    fsync_path(tmp)
+    tmp.rename(directory / MANIFEST)
+    fsync_path(directory)
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    try:
+        return Manifest.from_json((directory / MANIFEST).read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def problems(directory: Path, manifest: Manifest, *, checksums: bool) -> list[str]:
+    """What is wrong with a committed directory: missing files, sizes, and CRC32C if asked."""
+    found = []
+    for entry in manifest.files:
+        path = directory / entry.path
+        if not path.is_file():
+            found.append(f"{entry.path}: missing")
+        elif path.stat().st_size != entry.size:
+            found.append(f"{entry.path}: {path.stat().st_size} bytes, manifest says {entry.size}")
+        elif checksums and file_crc32c(path) != entry.crc32c:
+            found.append(f"{entry.path}: CRC32C mismatch")
+    return found
+
+
+def committed_steps(job_dir: Path) -> list[tuple[int, Path, Manifest]]:
+    """Checkpoints under <root>/<job> with a parseable manifest, oldest first (not yet verified)."""
+    found = []
+    if job_dir.is_dir():
+        for child in job_dir.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and (manifest := read_manifest(child)) is not None and child.name == step_dir_name(
+                    manifest.step, manifest.micro_step):
+                found.append((manifest.step, child, manifest))
+    return sorted(found, key=lambda item: (item[0], item[2].micro_step))
+
+
+# The supervisor pins a step while it uploads it; local retention leaves pinned steps alone.
+PINS = ".pins"
+
+
+def pin(job_dir: Path, step: int) -> None:
+    (job_dir / PINS).mkdir(parents=True, exist_ok=True)
+    (job_dir / PINS / str(step)).touch()
+
+
+def unpin(job_dir: Path, step: int) -> None:
+    (job_dir / PINS / str(step)).unlink(missing_ok=True)
+
+
+def pinned_steps(job_dir: Path) -> set[int]:
+    pins = job_dir / PINS
+    return {int(p.name) for p in pins.iterdir() if p.name.isdigit()} if pins.is_dir() else set()

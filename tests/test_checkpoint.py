@@ -1,0 +1,137 @@
+"""Checkpoints in-process on CPU: commit protocol, verification, retention, exact resume."""
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from engine.checkpoint import manifest as mf
+from engine.hooks import Action, Boundary, Hooks, Request
+from engine.train import Trainer
+
+QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
+         "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4")
+
+
+class Script(Hooks):
+    """Requests at given boundaries; records step losses and events."""
+
+    def __init__(self, requests=None):
+        self.requests, self.losses, self.events = dict(requests or {}), {}, []
+
+    def poll(self, at):
+        return self.requests.pop(at, None)
+
+    def emit(self, event, **fields):
+        self.events.append((event, fields))
+        if event == "step":
+            self.losses[fields["step"]] = fields["loss"]
+
+
+def trainer(spec, home, hooks=None):
+    return Trainer(spec, home, hooks or Script())
+
+
+def job_dir(home):
+    return home / "checkpoints" / "tiny-cpu"
+
+
+def assert_same_training_state(a: Trainer, b: Trainer):
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["state"].keys() == sb["state"].keys()
+    for key in sa["state"]:
+        for field, value in sa["state"][key].items():
+            assert torch.equal(value, sb["state"][key][field]), (key, field)
+
+
+def test_periodic_and_final_checkpoints_are_committed_with_a_manifest(tiny_spec, tmp_path):
+    assert trainer(tiny_spec(*QUICK), tmp_path).run() == 0
+    committed = mf.committed_steps(job_dir(tmp_path))
+    assert [step for step, _, _ in committed][-2:] == [8, 12]  # keep=3: 4 was retired
+    step, path, manifest = committed[-1]
+    assert manifest.reason == "final" and manifest.micro_step == 0 and manifest.world_size == 1
+    assert {f.path for f in manifest.files} == {p.name for p in path.iterdir()} - {mf.MANIFEST}
+    assert mf.problems(path, manifest, checksums=True) == []
+
+
+def test_resume_from_a_partial_step_checkpoint_is_bitwise_identical(tiny_spec, tmp_path):
+    spec = tiny_spec(*QUICK)
+    whole = trainer(spec, tmp_path / "whole", hooks := Script())
+    whole.run()
+    # Stop inside step 6's accumulation (one micro-batch done), checkpointing first.
+    stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
+    first = trainer(spec, tmp_path / "cut", Script(stop))
+    assert first.run() == 75
+    assert mf.committed_steps(job_dir(tmp_path / "cut"))[-1][2].micro_step == 1
+    second = trainer(spec, tmp_path / "cut", resumed := Script())
+    assert (second.progress.step, second.progress.micro_step) == (5, 1)
+    assert second.run() == 0
+    assert_same_training_state(whole, second)
+    assert {s: resumed.losses[s] for s in range(6, 13)} == {s: hooks.losses[s] for s in range(6, 13)}
+
+
+def test_a_request_without_deadline_waits_for_the_step_boundary(tiny_spec, tmp_path):
+    script = Script({Boundary(2, 1): Request(Action.CHECKPOINT)})
+    trainer(tiny_spec(*QUICK, "checkpoint.interval_steps=0"), tmp_path, script).run()
+    started = [f for e, f in script.events if e == "checkpoint_started"]
+    assert (started[0]["step"], started[0]["micro_step"], started[0]["reason"]) == (3, 0, "request")
+
+
+def test_a_save_killed_before_its_manifest_never_commits(tiny_spec, tmp_path, monkeypatch):
+    spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.interval_steps=2")
+
+    def crash(directory, manifest):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(mf, "write_manifest", crash)
+    with pytest.raises(OSError):
+        trainer(spec, tmp_path).run()
+    assert mf.committed_steps(job_dir(tmp_path)) == []
+    assert list(job_dir(tmp_path).glob(".tmp-step_*"))  # the debris is there...
+    monkeypatch.undo()
+    resumed = trainer(spec, tmp_path)
+    assert resumed.progress.step == 0  # ...but never used,
+    assert not list(job_dir(tmp_path).glob(".tmp-step_*"))  # and cleared at start-up
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_checkpoint_is_moved_aside_and_the_previous_one_used(tiny_spec, tmp_path, damage):
+    spec = tiny_spec(*QUICK, "train.max_steps=8")
+    trainer(spec, tmp_path).run()
+    newest = job_dir(tmp_path) / "step_000000008"
+    data = next(newest.glob("*.distcp"))
+    if damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-100])
+    else:
+        data.unlink()
+    resumed = trainer(spec, tmp_path)
+    assert resumed.progress.step == 4
+    aside = list((job_dir(tmp_path) / "corrupt").iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith("step_000000008.")  # kept for a human, not deleted
+
+
+def test_retention_keeps_the_newest_and_pinned_steps(tiny_spec, tmp_path):
+    spec = tiny_spec(*QUICK, "train.max_steps=10", "checkpoint.interval_steps=1", "checkpoint.keep=2")
+    mf.pin(job_dir(tmp_path), 2)  # the supervisor is still uploading step 2
+    trainer(spec, tmp_path).run()
+    assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path))] == [2, 9, 10]
+    mf.unpin(job_dir(tmp_path), 2)
+    assert mf.pinned_steps(job_dir(tmp_path)) == set()
+
+
+def test_checkpoint_holds_rng_progress_and_loader_geometry(tiny_spec, tmp_path):
+    trainer(tiny_spec(*QUICK, "train.max_steps=4"), tmp_path).run()
+    path = job_dir(tmp_path) / "step_000000004"
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    keys = set(metadata.state_dict_metadata)
+    assert {"progress.step", "progress.micro_step", "progress.tokens_seen", "rng.torch", "loader.seed"} <= keys
+    assert any(k.startswith("optim.state.") for k in keys) and "model.tok_embeddings.weight" in keys
+    shutil.rmtree(path)  # not committed any more: a fresh trainer starts from the newest left
+    assert trainer(tiny_spec(*QUICK, "train.max_steps=4"), tmp_path).progress.step == 0
