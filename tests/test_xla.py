@@ -97,3 +97,31 @@ def test_restart_finds_every_graph_in_the_persistent_compilation_cache(tmp_path)
     # torch_xla 2.9.0's PJRT clients cannot deserialize what they wrote (pytorch/xla#9094),
     # so today those lookups end in DeserializeFailure and a recompile; a Hit once fixed.
     assert second["cache"]["Hit"] + second["cache"]["DeserializeFailure"] == first["cache"]["Miss"]
+
+
+def resume_probe(home, stop, *overrides):
+    out = subprocess.run(
+        [PYTHON, str(REPO / "tests" / "xla_resume_probe.py"), str(TINY_JOB), str(home), stop, "device.backend=xla",
+         "device.compile_cache=false", *COMMON, "train.grad_accum_steps=2", "train.max_steps=6", *overrides],
+        env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_resume_from_a_sharded_partial_step_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    import torch
+
+    whole = resume_probe(tmp_path / "whole", "-1,0")
+    cut = resume_probe(tmp_path / "cut", "3,1")  # one micro-batch into step 4
+    assert cut["exit"] == 75
+    resumed = resume_probe(tmp_path / "cut", "-1,0")
+    assert resumed["exit"] == 0 and resumed["resumed_at"] == [3, 1]
+    # Bitwise: the same graphs run on the same sharded values, before and after the restart.
+    a, b = (torch.load(home / "final.pt") for home in (tmp_path / "whole", tmp_path / "cut"))
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    for key in a["optim"]:
+        for field in a["optim"][key]:
+            assert torch.equal(torch.as_tensor(a["optim"][key][field]), torch.as_tensor(b["optim"][key][field]))
+    assert {s: resumed["losses"][s] for s in ("4", "5", "6")} == {s: whole["losses"][s] for s in ("4", "5", "6")}

@@ -115,7 +115,107 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
                         "directories, else /etc/tpud, /var/lib/tpud, /run/tpud as root or the XDG paths)")
 
 
-COMMANDS: Sequence[Callable[[Subparsers], None]] = (_add_run, _add_validate, _add_schema)
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    import json
+    import logging
+    import time
+    from pathlib import Path
+
+    import structlog
+
+    from engine.checkpoint.manifest import committed_steps, problems
+    from tpud.paths import Paths
+
+    # Only errors are logged, to stderr: stdout is the table or the JSON; retries are quiet.
+    structlog.configure(processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    try:
+        spec = load_spec(args.job)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return EXIT_FAILED
+    now = time.time()
+    root = Path(spec.checkpoint.dir or Paths.resolve(args.home).state / "checkpoints")  # as the engine's Checkpointer
+    job_dir = root / spec.name
+    tiers: dict[str, list[dict]] = {"local": []}
+    errors: dict[str, str] = {}
+    for step, directory, manifest in committed_steps(job_dir):
+        issues = problems(directory, manifest, checksums=False)
+        tiers["local"].append(dict(
+            step=step, micro_step=manifest.micro_step, bytes=manifest.total_bytes, files=len(manifest.files),
+            reason=manifest.reason, created_unix=manifest.created_unix, age_seconds=round(now - manifest.created_unix, 1),
+            ok=not issues, problems=issues, location=str(directory)))
+    if spec.checkpoint.remote:
+        from tpud.gcs import GcsTier, RemoteError, RetryPolicy
+
+        tiers["gcs"] = []
+        tier = GcsTier(spec.checkpoint.remote, spec.name,
+                       retry=RetryPolicy(initial=0.2, maximum=2.0, deadline=args.timeout,
+                                         request_timeout=max(1.0, args.timeout)))
+        try:
+            for remote in tier.committed_steps():
+                m = remote.manifest
+                tiers["gcs"].append(dict(
+                    step=remote.step, micro_step=m.micro_step, bytes=m.total_bytes, files=len(m.files),
+                    reason=m.reason, created_unix=m.created_unix, age_seconds=round(now - m.created_unix, 1),
+                    ok=remote.complete, problems=list(remote.problems), location=remote.url))
+        except RemoteError as e:
+            errors["gcs"] = str(e) if tier.url in str(e) else f"{tier.url}: {e}"
+            print(f"tpud checkpoints: cannot read the GCS tier: {errors['gcs']}", file=sys.stderr)
+    if args.output == "json":
+        print(json.dumps({"job": spec.name, "tiers": tiers, **({"errors": errors} if errors else {})}, indent=2))
+    else:
+        print(f"job {spec.name}: local {job_dir}" + (f", gcs {spec.checkpoint.remote}" if spec.checkpoint.remote else ""))
+        rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "STATUS")]
+        for tier_name, steps in tiers.items():
+            for s in reversed(steps):  # newest first
+                status = "ok" if s["ok"] else f"damaged: {s['problems'][0]}" + (
+                    f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
+                rows.append((tier_name, str(s["step"]), str(s["micro_step"]), _size(s["bytes"]), str(s["files"]),
+                             _age(s["age_seconds"]), s["reason"], status))
+            if not steps:
+                rows.append((tier_name, "-", "-", "-", "-", "-", "-", "no committed steps" if tier_name not in errors
+                             else "error (see stderr)"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return EXIT_FAILED if errors else EXIT_OK
+
+
+def _add_checkpoints(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "checkpoints",
+        help="list committed checkpoints per tier",
+        description="List a job's committed checkpoint steps per tier (local: <checkpoint.dir or "
+        "<state>/checkpoints>/<job>; gcs: checkpoint.remote, when set) with micro-step, size and age. "
+        "Exit 0 ok, 1 when the job file is invalid or the remote tier cannot be read.",
+    )
+    parser.add_argument("job", metavar="JOB.yaml", help="job file")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    parser.add_argument("--timeout", type=float, default=20.0, metavar="S",
+                        help="give up on an unreachable GCS tier after S seconds of retries (default 20)")
+    _add_home(parser)
+    parser.set_defaults(func=_checkpoints)
+
+
+COMMANDS: Sequence[Callable[[Subparsers], None]] = (_add_run, _add_validate, _add_schema, _add_checkpoints)
 
 
 def build_parser() -> argparse.ArgumentParser:

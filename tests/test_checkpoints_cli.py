@@ -1,0 +1,118 @@
+"""`tpud checkpoints JOB.yaml`: committed steps per tier (local, and gcs against a real server)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, python_env
+from tests.gcs_server import GcsServer, free_port, gcs_server  # noqa: F401  (fixture)
+from tests.test_gcs import BUCKET, FAST, make_step
+from tpud.gcs import GcsTier
+
+
+def tpud(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "tpud", *args], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=python_env(**(env or {})))
+
+
+def job_file(tmp_path, remote: str | None = None, name: str = "job") -> str:
+    lines = [f"name: {name}", "checkpoint:", f"  dir: {tmp_path / 'ckpt'}", "  keep: 3"]
+    if remote:
+        lines.append(f"  remote: {remote}")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def local_steps(tmp_path):
+    job_dir = tmp_path / "ckpt" / "job"
+    steps = [make_step(job_dir, 10, sizes=(2048, 1024)), make_step(job_dir, 20, sizes=(4096,)),
+             make_step(job_dir, 20, micro_step=3, sizes=(4096,))]
+    broken = make_step(job_dir, 30, sizes=(100, 100))
+    (broken / "__1_0.distcp").unlink()
+    (job_dir / ".tmp-step_000000040").mkdir()  # an unfinished save: not listed
+    return steps + [broken]
+
+
+def test_json_lists_local_steps(tmp_path, local_steps):
+    result = tpud("checkpoints", job_file(tmp_path), "-o", "json", "--home", str(tmp_path / "home"))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["job"] == "job" and list(out["tiers"]) == ["local"]
+    local = out["tiers"]["local"]
+    assert [(s["step"], s["micro_step"]) for s in local] == [(10, 0), (20, 0), (20, 3), (30, 0)]
+    assert [s["ok"] for s in local] == [True, True, True, False]
+    assert local[0]["bytes"] == 2048 + 1024 + 512 and local[0]["files"] == 3  # + .metadata
+    assert "__1_0.distcp: missing" in local[3]["problems"]
+    assert all(0 <= s["age_seconds"] < 600 for s in local)
+    assert local[2]["location"].endswith("step_000000020.0003")
+
+
+def test_table_lists_local_steps_newest_first(tmp_path, local_steps):
+    result = tpud("checkpoints", job_file(tmp_path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("job job: local ") and lines[1].split() == [
+        "TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "STATUS"]
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("local", "30", "0"), ("local", "20", "3"),
+                                                  ("local", "20", "0"), ("local", "10", "0")]
+    assert rows[3][3:5] == ["3.5", "KiB"] and rows[3][-1] == "ok"
+    assert "damaged" in lines[2]
+
+
+def test_default_root_is_under_the_home_state_dir(tmp_path):
+    home = tmp_path / "home"
+    make_step(home / "state" / "checkpoints" / "job", 5, sizes=(10,))
+    path = tmp_path / "job.yaml"
+    path.write_text("name: job\n")
+    result = tpud("checkpoints", str(path), "--home", str(home), "-o", "json")
+    assert result.returncode == 0, result.stderr
+    assert [s["step"] for s in json.loads(result.stdout)["tiers"]["local"]] == [5]
+    empty = tpud("checkpoints", str(path), "--home", str(tmp_path / "elsewhere"))
+    assert empty.returncode == 0 and "no committed steps" in empty.stdout
+
+
+def test_invalid_spec_exits_1(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\ncheckpoint:\n  remote: s3://nope\n")
+    result = tpud("checkpoints", str(path))
+    assert result.returncode == 1
+    assert "checkpoint.remote" in result.stderr and result.stdout == ""
+
+
+def test_gcs_tier_is_listed(tmp_path, gcs_server, local_steps):
+    remote = f"gs://{BUCKET}/runs"
+    tier = GcsTier(remote, "job", retry=FAST)
+    for step_dir in local_steps[:3]:
+        tier.upload_step(step_dir)
+    # An interrupted upload (no manifest) is not a committed step.
+    gcs_server.client().bucket(BUCKET).blob("runs/job/step_000000050/__0_0.distcp").upload_from_string(b"x")
+
+    result = tpud("checkpoints", job_file(tmp_path, remote), "-o", "json", env=gcs_server.env())
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert list(out["tiers"]) == ["local", "gcs"]
+    gcs = out["tiers"]["gcs"]
+    assert [(s["step"], s["micro_step"], s["ok"]) for s in gcs] == [(10, 0, True), (20, 0, True), (20, 3, True)]
+    assert gcs[0]["bytes"] == out["tiers"]["local"][0]["bytes"]
+    assert gcs[2]["location"] == f"{remote}/job/step_000000020.0003/"
+
+    table = tpud("checkpoints", job_file(tmp_path, remote), env=gcs_server.env())
+    assert table.returncode == 0, table.stderr
+    assert [line.split()[:2] for line in table.stdout.splitlines() if line.startswith("gcs")] == [
+        ["gcs", "20"], ["gcs", "20"], ["gcs", "10"]]
+
+
+def test_unreachable_gcs_exits_1_and_says_what_failed(tmp_path, local_steps):
+    server_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = tpud("checkpoints", job_file(tmp_path, f"gs://{BUCKET}/runs"), "-o", "json", "--timeout", "1",
+                  env={"STORAGE_EMULATOR_HOST": server_url})
+    assert result.returncode == 1
+    assert "cannot read the GCS tier" in result.stderr and f"gs://{BUCKET}/runs/job/" in result.stderr
+    out = json.loads(result.stdout)  # the local tier is still reported
+    assert len(out["tiers"]["local"]) == 4 and out["tiers"]["gcs"] == [] and "gcs" in out["errors"]

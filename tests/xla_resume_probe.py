@@ -1,0 +1,46 @@
+"""Run under PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 by tests/test_xla.py; prints one JSON line.
+
+Trains the tiny job on the xla backend, optionally stopping with a checkpoint at a given
+boundary (step, micro-step); when it reaches max_steps it writes the final parameters
+and optimizer state, on the host, to HOME/final.pt.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from engine.hooks import Action, Boundary, Hooks, Request
+from engine.specfile import load_spec
+from engine.train import Trainer
+
+
+class Script(Hooks):
+    def __init__(self, stop: Boundary | None):
+        self.stop, self.losses = stop, {}
+
+    def poll(self, at):
+        return Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0) if at == self.stop else None
+
+    def emit(self, event, **fields):
+        if event == "step":
+            self.losses[fields["step"]] = fields["loss"]
+
+
+def main(job: str, home: str, stop: str, *overrides: str) -> None:
+    step, micro = (int(x) for x in stop.split(","))
+    script = Script(Boundary(step, micro) if step >= 0 else None)
+    trainer = Trainer(load_spec(job, list(overrides)), Path(home), script)
+    resumed_at = (trainer.progress.step, trainer.progress.micro_step)
+    code = trainer.run()
+    if code == 0:
+        state = {"params": {n: p.detach().cpu() for n, p in trainer.model.named_parameters()},
+                 "optim": {k: {f: v.cpu() if torch.is_tensor(v) else v for f, v in s.items()}
+                           for k, s in trainer.optimizer.state_dict()["state"].items()}}
+        torch.save(state, Path(home) / "final.pt")
+    print(json.dumps({"exit": code, "resumed_at": resumed_at, "losses": script.losses}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
