@@ -10,6 +10,7 @@ import pytest
 
 from engine import exit_codes
 from tests.conftest import PYTHON, TINY_JOB, python_env
+from tests.gcs_server import gcs_server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 QUICK = ["data.corpus_bytes=400000", "data.micro_batch_size=4", "data.seq_len=64", "scheduler.warmup_steps=1",
@@ -56,14 +57,16 @@ def test_run_trains_to_max_steps_and_exits_0(tmp_path):
     assert spec["train"]["max_steps"] == 5  # the worker trained the validated, overridden spec
 
 
-def test_sigterm_stops_the_worker_at_a_boundary_with_exit_75(tmp_path):
+def test_sigterm_checkpoints_then_stops_with_exit_75(tmp_path):
     proc = tpud_run(tmp_path, "train.max_steps=100000")
     worker = next(r["pid"] for r in read_until(proc, "worker started"))
     read_until(proc, "step")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == exit_codes.STOPPED
-    assert "stopping on request" in out
+    events = [json.loads(line)["event"] for line in out.splitlines()]
+    assert events.index("checkpoint committed") < events.index("checkpointed, stopping on request")
+    assert any(p.name.startswith("step_") for p in (tmp_path / "state" / "checkpoints" / "tiny-cpu").iterdir())
     assert not alive(worker)
 
 
@@ -94,3 +97,20 @@ def test_kernel_the_backend_lacks_exits_78(tmp_path):
     assert proc.returncode == exit_codes.BAD_INPUT
     error = next(json.loads(line) for line in out.splitlines() if "job cannot run here" in line)
     assert error["key"] == "attention.kernel" and "TPU" in error["error"]
+
+
+def test_run_uploads_each_commit_and_a_fresh_host_resumes_from_gcs(tmp_path, gcs_server):
+    remote = ["checkpoint.remote=gs://tpud-test/runs", "checkpoint.interval_steps=4"]
+    first = tpud_run(tmp_path / "host-a", "train.max_steps=8", *remote)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    objects = {b.name for b in gcs_server.client().list_blobs("tpud-test", prefix="runs/tiny-cpu/")}
+    assert {"runs/tiny-cpu/step_000000004/manifest.json", "runs/tiny-cpu/step_000000008/manifest.json"} <= objects
+    # A fresh host with an empty state directory continues from GCS, not from zero.
+    second = tpud_run(tmp_path / "host-b", "train.max_steps=10", *remote)
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    restored = next(r for r in records if r["event"] == "checkpoint restored")
+    assert restored["step"] == 8 and restored["path"].startswith(str(tmp_path / "host-b"))
+    assert [r["step"] for r in records if r["event"] == "step"] == [9, 10]

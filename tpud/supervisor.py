@@ -3,22 +3,26 @@
 supervisord's discipline: signal handlers only record what arrived (and wake the loop
 through set_wakeup_fd); the main loop decides what to do. The worker runs in its own
 process group so a terminal's Ctrl-C reaches only the supervisor, which then asks the
-worker to stop at its next step boundary; a second signal kills it.
+worker to checkpoint and stop at its next boundary; a second signal kills it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import BinaryIO
 
 import structlog
 
 from engine.config import JobSpec
+from tpud.gcs import GcsTier, RemoteError
 from tpud.paths import Paths
+from tpud.uploader import Uploader, ensure_newest_local
 
 log = structlog.get_logger()
 
@@ -69,10 +73,50 @@ class WorkerProcess:
         return exit_status(self.proc.wait())
 
 
+class CheckpointTiers:
+    """The supervisor's side of checkpoints: the GCS tier, when the job has one.
+
+    It lives here rather than in the worker so that an upload outlives a worker crash.
+    """
+
+    def __init__(self, spec: JobSpec, paths: Paths):
+        self.local_job_dir = Path(spec.checkpoint.dir or paths.state / "checkpoints") / spec.name
+        self.tier = GcsTier.for_spec(spec)
+        self.uploader = Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep) if self.tier else None
+
+    def prepare(self) -> None:
+        """Before a worker starts: bring the newest committed step here if only GCS has it."""
+        if self.tier:
+            self.local_job_dir.mkdir(parents=True, exist_ok=True)
+            ensure_newest_local(self.tier, self.local_job_dir)
+            self.uploader.start()
+
+    def on_worker_line(self, line: bytes) -> None:
+        if self.uploader is None or b"checkpoint committed" not in line:
+            return
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return
+        if record.get("event") == "checkpoint committed":
+            self.uploader.submit(Path(record["path"]))
+
+    def close(self) -> bool:
+        """Wait for pending uploads; True when everything committed locally is also remote."""
+        return self.uploader.close(timeout=None) if self.uploader else True
+
+
 def run_foreground(spec: JobSpec, paths: Paths, out: BinaryIO | None = None) -> int:
     """Run the job's worker to completion; returns its exit status."""
     out = out or sys.stdout.buffer
-    log_format = "console" if os.isatty(out.fileno()) else "json"
+    # The worker's log is parsed for checkpoint events, so it is JSON whatever the terminal.
+    tiers = CheckpointTiers(spec, paths)
+    log_format = "console" if os.isatty(out.fileno()) and tiers.tier is None else "json"
+    try:
+        tiers.prepare()
+    except RemoteError as e:
+        log.error("cannot reach the GCS tier to find the newest checkpoint; not starting", error=str(e))
+        return 1
     received: list[int] = []
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -85,7 +129,7 @@ def run_foreground(spec: JobSpec, paths: Paths, out: BinaryIO | None = None) -> 
         selector = selectors.DefaultSelector()
         selector.register(worker.stdout, selectors.EVENT_READ)
         selector.register(wake_r, selectors.EVENT_READ)
-        stops_sent = 0
+        stops_sent, partial = 0, b""
         while True:
             for key, _ in selector.select():
                 if key.fileobj == wake_r:
@@ -95,14 +139,19 @@ def run_foreground(spec: JobSpec, paths: Paths, out: BinaryIO | None = None) -> 
                 if not chunk:  # EOF: the worker and everything it spawned closed the pipe
                     status = worker.wait()
                     log.info("worker exited", job=spec.name, status=status)
+                    if not tiers.close():
+                        log.error("some checkpoints were not uploaded", job=spec.name)
                     return status
                 out.write(chunk)
                 out.flush()
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    tiers.on_worker_line(line)
             while received:
                 signum = received.pop(0)
                 stops_sent += 1
                 if stops_sent == 1:
-                    log.info("stopping worker at its next step boundary", signal=signal.Signals(signum).name)
+                    log.info("stopping worker: checkpoint, then exit", signal=signal.Signals(signum).name)
                     worker.signal(signal.SIGTERM)
                 else:
                     log.warning("second stop signal: killing the worker")
