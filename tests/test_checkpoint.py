@@ -135,3 +135,15 @@ def test_checkpoint_holds_rng_progress_and_loader_geometry(tiny_spec, tmp_path):
     assert any(k.startswith("optim.state.") for k in keys) and "model.tok_embeddings.weight" in keys
     shutil.rmtree(path)  # not committed any more: a fresh trainer starts from the newest left
     assert trainer(tiny_spec(*QUICK, "train.max_steps=4"), tmp_path).progress.step == 0
+
+
+@pytest.mark.parametrize("mode", ["true", "false"])
+def test_interval_seconds_triggers_saves_sync_or_async(tiny_spec, tmp_path, mode):
+    script = Script()
+    spec = tiny_spec(*QUICK, "train.max_steps=5", "checkpoint.interval_steps=0", "checkpoint.interval_seconds=1e-6",
+                     "checkpoint.keep=10", f"checkpoint.async={mode}")
+    assert spec.checkpoint.async_ is (mode == "true")
+    trainer(spec, tmp_path, script).run()
+    assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path))] == [1, 2, 3, 4, 5]
+    started = [f["reason"] for e, f in script.events if e == "checkpoint_started"]
+    assert started == ["interval"] * 4 + ["final"]
