@@ -217,7 +217,8 @@ def ns_matrices():
         yield f"gauss{shape}", torch.randn(*shape, generator=g, dtype=torch.float64)
     for i, (shape, cond) in enumerate([((128, 256), 10), ((256, 128), 100), ((128, 128), 100)]):
         k = min(shape)
-        yield f"cond{cond}{shape}", with_singular_values(*shape, torch.logspace(0, -math.log10(cond), k, dtype=torch.float64), i)
+        s = torch.logspace(0, -math.log10(cond), k, dtype=torch.float64)
+        yield f"cond{cond}{shape}", with_singular_values(*shape, s, i)
 
 
 BAND = (0.65, 1.25)  # measured [0.679, 1.203] over these matrices, bf16 and fp32, 5 steps

@@ -89,10 +89,12 @@ def test_graphs_compile_once_then_steps_reuse_them(xla_run):
 
 
 def test_restart_finds_every_graph_in_the_persistent_compilation_cache(tmp_path):
-    first = run_xla(tmp_path, "train.max_steps=3")
+    # Same state directory (so the same cache), separate checkpoints: the second run repeats
+    # the first instead of resuming from its final checkpoint.
+    first = run_xla(tmp_path, "train.max_steps=3", f"checkpoint.dir={tmp_path / 'first'}")
     cache = tmp_path / "jobs" / "tiny-cpu" / "xla_cache"
     assert first["cache"]["Miss"] >= 2 and len(list(cache.iterdir())) == first["cache"]["Miss"]
-    second = run_xla(tmp_path, "train.max_steps=3")
+    second = run_xla(tmp_path, "train.max_steps=3", f"checkpoint.dir={tmp_path / 'second'}")
     assert second["exit"] == 0 and second["cache"]["Miss"] == 0  # every graph's key was found on disk
     # torch_xla 2.9.0's PJRT clients cannot deserialize what they wrote (pytorch/xla#9094),
     # so today those lookups end in DeserializeFailure and a recompile; a Hit once fixed.
@@ -117,6 +119,8 @@ def test_resume_from_a_sharded_partial_step_checkpoint_equals_the_uninterrupted_
     assert cut["exit"] == 75
     resumed = resume_probe(tmp_path / "cut", "-1,0")
     assert resumed["exit"] == 0 and resumed["resumed_at"] == [3, 1]
+    # Restored optimizer state is sharded like its parameter, not replicated.
+    assert resumed["state_sharding"] == {"exp_avg": resumed["param_sharding"], "exp_avg_sq": resumed["param_sharding"]}
     # Bitwise: the same graphs run on the same sharded values, before and after the restart.
     a, b = (torch.load(home / "final.pt") for home in (tmp_path / "whole", tmp_path / "cut"))
     for name in a["params"]:

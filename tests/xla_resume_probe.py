@@ -34,12 +34,18 @@ def main(job: str, home: str, stop: str, *overrides: str) -> None:
     trainer = Trainer(load_spec(job, list(overrides)), Path(home), script)
     resumed_at = (trainer.progress.step, trainer.progress.micro_step)
     code = trainer.run()
+    import torch_xla
+
+    wq = trainer.model.layers[0].attention.wq.weight
+    state_sharding = {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in trainer.optimizer.state[wq].items()
+                      if torch.is_tensor(v) and v.shape == wq.shape}
     if code == 0:
         state = {"params": {n: p.detach().cpu() for n, p in trainer.model.named_parameters()},
                  "optim": {k: {f: v.cpu() if torch.is_tensor(v) else v for f, v in s.items()}
                            for k, s in trainer.optimizer.state_dict()["state"].items()}}
         torch.save(state, Path(home) / "final.pt")
-    print(json.dumps({"exit": code, "resumed_at": resumed_at, "losses": script.losses}))
+    print(json.dumps({"exit": code, "resumed_at": resumed_at, "losses": script.losses,
+                      "param_sharding": torch_xla._XLAC._get_xla_sharding_spec(wq), "state_sharding": state_sharding}))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ class Backend:
         """A host copy of `state` that training can no longer change (async checkpoints)."""
         return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
 
+    def shard_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Lay out optimizer state like its parameters (SPMD); nothing to do elsewhere."""
+
     def planners(self) -> tuple:
         """torch.distributed.checkpoint (save planner, load planner); None for the defaults."""
         return None, None

@@ -130,6 +130,19 @@ class XlaBackend(Backend):
 
         return _sharded_cpu_state_dict(state)
 
+    def shard_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Give each parameter-shaped optimizer state tensor its parameter's sharding.
+
+        Freshly initialised state (e.g. the template a checkpoint is loaded into) starts
+        replicated; left so, every device would hold the whole state and the next step
+        would compile new graphs for the new input shardings.
+        """
+        for name, param in model.named_parameters():
+            spec = weight_partition(name, param)
+            for value in optimizer.state.get(param, {}).values():
+                if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    self._xs.mark_sharding(value, self.mesh, spec)
+
     def planners(self) -> tuple:
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 
@@ -138,7 +151,8 @@ class XlaBackend(Backend):
     def rng_state(self) -> dict:
         import torch_xla.core.xla_model as xm
 
-        return {**super().rng_state(), "xla": torch.tensor(xm.get_rng_state(), dtype=torch.int64)}
+        # An unsigned 64-bit seed: kept as a Python int (DCP pickles it), not an int64 tensor.
+        return {**super().rng_state(), "xla": int(xm.get_rng_state())}
 
     def set_rng_state(self, state: dict) -> None:
         import torch_xla.core.xla_model as xm

@@ -183,8 +183,11 @@ class Checkpointer:
             return None
         path, manifest = found
         started = time.monotonic()
-        template = self._state(Progress(step=manifest.step, micro_step=manifest.micro_step,
-                                        loss_sum=torch.zeros((), device=self.backend.device)))
+        progress = Progress(step=manifest.step, micro_step=manifest.micro_step,
+                            loss_sum=torch.zeros((), device=self.backend.device))
+        self._state(progress)  # creates the optimizer's state, to be laid out before loading into it
+        self.backend.shard_optimizer_state(self.model, self.optimizer)
+        template = self._state(progress)
         if manifest.micro_step:
             template["partial"]["grads"] = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
         _, load_planner = self.backend.planners()

@@ -48,7 +48,8 @@ def muon_hyperparameters(cfg: OptimizerConfig) -> tuple[float, float]:
 
 def build_muon(cfg: OptimizerConfig, model: nn.Module, fused: bool | None) -> MuonWithAdamW:
     if not hasattr(torch.optim, "Muon"):
-        raise ConfigError("optimizer.name", f"muon needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}")
+        raise ConfigError("optimizer.name",
+                          f"muon needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}")
     matrices = [p for _, p in hidden_matrices(model)]
     lr, weight_decay = muon_hyperparameters(cfg)
     m = cfg.muon
