@@ -365,6 +365,15 @@ class CheckpointConfig(Section):
     )
 
 
+class RestartConfig(Section):
+    """How the supervisor restarts a crashed worker (exit codes other than 0, 75, 76, 78)."""
+
+    max_restarts: int = Field(5, ge=0, description="Crash restarts allowed within window_seconds; then FAILED.")
+    window_seconds: float = Field(3600.0, gt=0)
+    backoff_initial_seconds: float = Field(1.0, ge=0, description="First delay; doubles with each crash in the window.")
+    backoff_max_seconds: float = Field(300.0, ge=0)
+
+
 class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -380,6 +389,7 @@ class JobSpec(Section):
     loss: LossConfig = LossConfig()
     device: DeviceConfig = DeviceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    restart: RestartConfig = RestartConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")

@@ -215,7 +215,192 @@ def _add_checkpoints(subparsers: Subparsers) -> None:
     parser.set_defaults(func=_checkpoints)
 
 
-COMMANDS: Sequence[Callable[[Subparsers], None]] = (_add_run, _add_validate, _add_schema, _add_checkpoints)
+def _control(args: argparse.Namespace, command: str, **request: object) -> tuple[int, dict | None]:
+    """Send one control request; (exit code, result), with errors printed to stderr. The client waits
+    10 s for a reply, plus the request's own timeout (checkpoint-now)."""
+    from tpud.control import ControlClient, ControlError, DaemonUnreachable
+    from tpud.paths import Paths
+
+    path = Paths.resolve(args.home).runtime / "control.sock"
+    name = command.replace("_", "-")
+    try:
+        return EXIT_OK, ControlClient(path).call(command, **request)
+    except DaemonUnreachable as e:
+        import os
+
+        where = (f"from --home {args.home}" if args.home else f"from TPUD_HOME={os.environ['TPUD_HOME']}"
+                 if os.environ.get("TPUD_HOME") else "the default path; no --home or TPUD_HOME given")
+        print(f"tpud {name}: {e}\n  ({where}) the daemon may not be running; if it runs with another home, "
+              "pass the same --home DIR or set TPUD_HOME", file=sys.stderr)
+        return EXIT_DAEMON_UNREACHABLE, None
+    except ControlError as e:
+        print(f"tpud {name}: {e.message} ({e.code})", file=sys.stderr)
+        return (EXIT_JOB_UNKNOWN if e.code in ("unknown_job", "not_running") else EXIT_FAILED), None
+
+
+def _dash(value: object, fmt: Callable[[float], str] = str) -> str:
+    return "-" if value is None else fmt(value)
+
+
+def _rate(v: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if v >= size * 0.99995:
+            return f"{v / size:.2f}{unit}" if unit != "k" else f"{v / size:.1f}{unit}"
+    return f"{v:.0f}"
+
+
+def _status_row(job: dict) -> tuple[str, ...]:
+    step, max_steps = job.get("step"), job.get("max_steps")
+    ckpt = job.get("last_checkpoint")
+    return (
+        str(job.get("name", "?")),
+        _dash(job.get("state")),
+        "-" if step is None and max_steps is None else f"{_dash(step)}/{_dash(max_steps)}",
+        _dash(job.get("loss"), lambda v: f"{v:.4g}"),
+        _dash(job.get("tokens_per_second"), _rate),
+        _dash(job.get("mfu"), lambda v: f"{v * 100:.1f}%"),
+        f"{ckpt.get('step')}@{ckpt.get('tier')} {_dash(ckpt.get('age_seconds'), _age)}" if ckpt else "-",
+        _dash(job.get("restarts")),
+        _dash(job.get("age_seconds"), _age),
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    code, result = _control(args, "status", jobs=args.jobs)
+    if result is None:
+        return code
+    jobs = result.get("jobs", [])
+    if args.output == "json":
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    rows = [("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "AGE")]
+    rows += [_status_row(job) for job in jobs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if not jobs:
+        print("(no jobs)")
+    for job in jobs:
+        if job.get("error"):
+            print(f"\n{job.get('name', '?')}: error:")
+            for line in str(job["error"]).splitlines():
+                print(f"  {line}")
+    return EXIT_OK
+
+
+def _add_status(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="show the daemon's jobs",
+        description="Show jobs (all, or the named ones): state, step, loss, tokens/s, MFU, last checkpoint "
+        "(step@tier age), restarts, age; errors of invalid job files below the table. Exit 3 when a named "
+        "job is unknown, 4 when the daemon cannot be reached.",
+    )
+    parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all)")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    _add_home(parser)
+    parser.set_defaults(func=_status)
+
+
+def _checkpoint_now(args: argparse.Namespace) -> int:
+    code, result = _control(args, "checkpoint_now", jobs=args.jobs, wait=not args.no_wait, timeout=args.timeout)
+    if result is None:
+        return code
+    status = EXIT_OK
+    for r in result.get("results", []):
+        job = r.get("job", "?")
+        if not r.get("ok"):
+            print(f"{job}: checkpoint failed: {r.get('error') or 'unknown error'}")
+            status = EXIT_FAILED
+        elif r.get("step") is None:
+            print(f"{job}: checkpoint requested" + (" (not waiting)" if args.no_wait else ""))
+        else:
+            micro = f" micro-step {r['micro_step']}" if r.get("micro_step") else ""
+            took = f" in {r['seconds']:.1f}s" if isinstance(r.get("seconds"), (int, float)) else ""
+            print(f"{job}: step {r['step']}{micro} committed to {r.get('tier') or '-'} {r.get('path') or '-'}{took}")
+    return status
+
+
+def _add_checkpoint_now(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "checkpoint-now",
+        help="checkpoint running jobs now",
+        description="Ask running jobs (all, or the named ones) to checkpoint at their next step boundary and, "
+        "unless --no-wait, wait for the local commit and print step, tier, path and duration per job. "
+        "Exit 1 when a checkpoint failed, 3 when a job is unknown or not running, 4 when the daemon "
+        "cannot be reached.",
+    )
+    parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all running jobs)")
+    parser.add_argument("--no-wait", action="store_true", help="return once the request is delivered")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                        help="give up waiting for the commit after S seconds (default 600)")
+    _add_home(parser)
+    parser.set_defaults(func=_checkpoint_now)
+
+
+def _stop_or_start(args: argparse.Namespace) -> int:
+    code, result = _control(args, args.command, job=args.job)
+    if result is None:
+        return code
+    print(f"{result.get('job', args.job)}: {result.get('state', '?')}")
+    return EXIT_OK
+
+
+def _add_stop(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "stop",
+        help="checkpoint and stop a job",
+        description="Checkpoint a job and stop it; it stays stopped (also across daemon restarts) until "
+        "`tpud start`. Prints the job's new state. Exit 3 when the job is unknown or not running.",
+    )
+    parser.add_argument("job", metavar="JOB", help="job name")
+    _add_home(parser)
+    parser.set_defaults(func=_stop_or_start)
+
+
+def _add_start(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "start",
+        help="start a stopped job",
+        description="Start a stopped job again (resuming from its newest checkpoint). Prints the job's new "
+        "state. Exit 3 when the job is unknown.",
+    )
+    parser.add_argument("job", metavar="JOB", help="job name")
+    _add_home(parser)
+    parser.set_defaults(func=_stop_or_start)
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    from engine import logs
+    from tpud.daemon import Daemon
+    from tpud.paths import Paths
+
+    logs.configure(fmt="json")  # journald and the tests read it as JSON lines
+    return Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr).run()
+
+
+def _add_daemon(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "daemon",
+        help="run the service (systemd runs this)",
+        description="The long-running service: watches jobs.d/ for job files, runs and supervises a worker per "
+        "job (restarts, checkpoints, GCS uploads), answers tpud status/checkpoint-now/stop/start on "
+        "<runtime>/control.sock and serves Prometheus metrics. SIGTERM checkpoints every job and exits 0; "
+        "SIGHUP reloads tpud.yaml and rescans jobs.d/.",
+    )
+    parser.add_argument("--metrics-addr", metavar="HOST:PORT", default=None,
+                        help="Prometheus listener (default: tpud.yaml's metrics_addr, else 127.0.0.1:9477; "
+                        "port 0 picks a free port, written to <runtime>/metrics.addr)")
+    _add_home(parser)
+    parser.set_defaults(func=_daemon)
+
+
+COMMANDS: Sequence[Callable[[Subparsers], None]] = (
+    _add_daemon, _add_run, _add_validate, _add_schema, _add_checkpoints,
+    _add_status, _add_checkpoint_now, _add_stop, _add_start,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,7 +44,7 @@ def exit_status(returncode: int) -> int:
 class WorkerProcess:
     """One running worker: `python -m tpud.worker SPEC.json`, output on a pipe."""
 
-    def __init__(self, spec: JobSpec, paths: Paths, log_format: str):
+    def __init__(self, spec: JobSpec, paths: Paths, log_format: str, extra_env: dict[str, str] | None = None):
         job_dir = paths.job_dir(spec.name)
         job_dir.mkdir(parents=True, exist_ok=True)
         spec_file = job_dir / "spec.json"
@@ -54,7 +54,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tpud.worker", str(spec_file), "--state-dir", str(paths.state)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=worker_env(log_format), start_new_session=True,
+            env={**worker_env(log_format), **(extra_env or {})}, start_new_session=True,
         )
         self.pid = self.proc.pid
         os.set_blocking(self.proc.stdout.fileno(), False)

@@ -18,10 +18,39 @@ import structlog
 from engine import exit_codes, logs
 from engine.config import JobSpec
 from engine.errors import ConfigError
-from engine.hooks import SignalHooks
+from engine.hooks import Action, Boundary, Request, SignalHooks
+from tpud import channel
 from tpud.supervisor import die_with_parent
 
 log = structlog.get_logger()
+
+
+class ChannelHooks(SignalHooks):
+    """The engine's hooks over the daemon's channel, with signals kept as the fallback."""
+
+    def __init__(self, path: str | None):
+        super().__init__()
+        self.connection = channel.connect(path) if path else None
+        self.heartbeats = channel.HeartbeatClock()
+        self._send({"type": "hello", "pid": os.getpid()})
+
+    def _send(self, message: dict) -> None:
+        if self.connection is not None and not self.connection.send(message):
+            log.warning("lost the daemon channel; signals still work")
+            self.connection = None
+
+    def poll(self, at: Boundary) -> Request | None:
+        if self.heartbeats.due():
+            self._send({"type": "heartbeat", "step": at.step, "micro_step": at.micro_step})
+        request = super().poll(at)
+        for message in (self.connection.receive() or []) if self.connection else []:
+            if message.get("type") == "request":
+                deadline = message.get("deadline_s")
+                request = Request(Action(message["action"]), None if deadline is None else float(deadline))
+        return request
+
+    def emit(self, event: str, **fields) -> None:
+        self._send({"type": "event", "event": event, **fields})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.train import Trainer  # torch is imported here, after argument checks
 
     try:
-        trainer = Trainer(spec, args.state_dir, SignalHooks())
+        trainer = Trainer(spec, args.state_dir, ChannelHooks(os.environ.get("TPUD_CHANNEL")))
     except ConfigError as e:
         log.error("job cannot run here", key=e.key, error=str(e))
         return exit_codes.BAD_INPUT

@@ -1,0 +1,201 @@
+"""`tpud daemon` end to end: real daemon, real workers, real files, sockets and signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint import manifest as mf
+from tests.conftest import PYTHON, REPO, python_env
+
+pytestmark = pytest.mark.slow
+JOB = """\
+name: {name}
+include: {repo}/configs/jobs/tiny-cpu.yaml
+data: {{corpus_bytes: 400000, seq_len: 64, micro_batch_size: 4}}
+train: {{max_steps: {max_steps}, log_interval: 1}}
+scheduler: {{warmup_steps: 1}}
+checkpoint: {{interval_steps: 0}}
+"""
+
+
+def job_text(name: str, max_steps: int = 100000) -> str:
+    return JOB.format(name=name, repo=REPO, max_steps=max_steps)
+
+
+class Daemon:
+    def __init__(self, home: Path, env: dict | None = None):
+        self.home = home
+        self.log = open(home / "daemon.log", "ab")
+        self.proc = subprocess.Popen([PYTHON, "-m", "tpud", "daemon", "--home", str(home), "--metrics-addr",
+                                      "127.0.0.1:0"], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=python_env(**(env or {})))
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, "-m", "tpud", *args, "--home", str(self.home)], capture_output=True,
+                              text=True, env=python_env(), timeout=120)
+
+    def status(self) -> dict[str, dict]:
+        out = self.cli("status", "-o", "json")
+        if out.returncode:
+            return {}
+        return {job["name"]: job for job in json.loads(out.stdout)["jobs"]}
+
+    def wait_for(self, predicate, what: str, timeout: float = 120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            jobs = self.status()
+            if jobs and predicate(jobs):
+                return jobs
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}; status: {self.status()}\n{self.tail()}")
+
+    def tail(self) -> str:
+        return (self.home / "daemon.log").read_text()[-4000:]
+
+    def events(self, event: str) -> list[dict]:
+        records = []
+        for line in (self.home / "daemon.log").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == event:
+                records.append(record)
+        return records
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def worker_pid(daemon: Daemon, job: str) -> int:
+    for pid in children_of(daemon.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tpud.worker" in cmdline and any(job.encode() in part for part in cmdline):
+            return pid
+    raise AssertionError(f"no worker for {job}")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """What editors do: write a temporary file, then rename it over the original."""
+    tmp = path.with_name(f".{path.name}.swp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def test_daemon_supervises_jobs_from_the_watched_directory(tmp_path):
+    jobs_dir = tmp_path / "jobs.d"
+    jobs_dir.mkdir()
+    daemon = Daemon(tmp_path)
+    try:
+        # Drop a job: it starts and runs.
+        (jobs_dir / "alpha.yaml").write_text(job_text("alpha"))
+        daemon.wait_for(lambda j: j.get("alpha", {}).get("state") == "RUNNING" and (j["alpha"]["step"] or 0) >= 2,
+                        "alpha running")
+
+        # checkpoint-now waits for the local commit and reports it.
+        out = daemon.cli("checkpoint-now", "alpha")
+        assert out.returncode == 0, out.stderr
+        committed = mf.committed_steps(tmp_path / "state" / "checkpoints" / "alpha")
+        assert committed and str(committed[-1][0]) in out.stdout
+        saved_step = committed[-1][0]
+
+        # A second job, and two broken files: the daemon and the other jobs carry on.
+        (jobs_dir / "beta.yaml").write_text(job_text("beta"))
+        (jobs_dir / "broken.yaml").write_text("name: broken\ntrain: [unclosed\n")
+        (jobs_dir / "typo.yaml").write_text(job_text("typo") + "trian: {}\n")
+        jobs = daemon.wait_for(lambda j: j.get("beta", {}).get("state") == "RUNNING" and "broken" in j
+                               and "typo" in j, "beta running and the errors shown")
+        assert f"{jobs_dir / 'broken.yaml'}:3: invalid YAML" in jobs["broken"]["error"]
+        assert f"{jobs_dir / 'typo.yaml'}:7: trian: unknown key" in jobs["typo"]["error"]
+        assert jobs["alpha"]["state"] == "RUNNING"
+
+        # SIGKILL a worker: restarted, resumed from the checkpoint, not from zero.
+        os.kill(worker_pid(daemon, "alpha"), signal.SIGKILL)
+        jobs = daemon.wait_for(lambda j: j["alpha"]["restarts"] == 1 and j["alpha"]["state"] == "RUNNING",
+                               "alpha restarted")
+        restored = [r for r in daemon.events("checkpoint restored") if r.get("job") == "alpha"]
+        assert restored and restored[-1]["step"] == saved_step
+
+        # Change the file with a temp-file rename: restarted with the new spec, resumed.
+        before = len(restored)
+        write_atomically(jobs_dir / "alpha.yaml", job_text("alpha", max_steps=90000))
+        daemon.wait_for(lambda j: j["alpha"]["max_steps"] == 90000 and j["alpha"]["state"] == "RUNNING",
+                        "alpha restarted with the new spec")
+        restored = [r for r in daemon.events("checkpoint restored") if r.get("job") == "alpha"]
+        assert len(restored) == before + 1 and restored[-1]["step"] >= saved_step
+
+        # Delete it: STOPPED, with a final checkpoint.
+        steps_before = {s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "alpha")}
+        (jobs_dir / "alpha.yaml").unlink()
+        daemon.wait_for(lambda j: j["alpha"]["state"] == "STOPPED", "alpha stopped")
+        steps_after = {s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "alpha")}
+        assert max(steps_after) > max(steps_before)
+        assert daemon.status()["beta"]["state"] == "RUNNING"
+
+        # SIGTERM: every job checkpointed, exit 0, nothing left behind.
+        beta_worker = worker_pid(daemon, "beta")
+        beta_before = max(s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "beta") or
+                          [(0, None, None)])
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(timeout=120) == 0, daemon.tail()
+        assert max(s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "beta")) > beta_before
+        time.sleep(0.5)
+        assert not Path(f"/proc/{beta_worker}").exists() or "Z" in Path(f"/proc/{beta_worker}/stat").read_text()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait()
+
+
+def test_sd_notify_ready_status_watchdog_stopping_in_order(tmp_path):
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    daemon = Daemon(tmp_path, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"})
+    try:
+        seen = []
+        while not any("WATCHDOG=1" in m for m in seen):
+            seen.append(notify.recv(4096).decode())
+        daemon.proc.send_signal(signal.SIGTERM)
+        while not any("STOPPING=1" in m for m in seen):
+            seen.append(notify.recv(4096).decode())
+        assert daemon.proc.wait(timeout=60) == 0
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+    first = lambda key: next(i for i, m in enumerate(seen) if key in m)  # noqa: E731
+    assert first("READY=1") < first("WATCHDOG=1") < first("STOPPING=1")
+    assert "STATUS=0 jobs" in seen[first("READY=1")]
+
+
+def test_systemd_unit_verifies(tmp_path):
+    unit = (REPO / "systemd" / "tpud.service").read_text()
+    for setting in ("Type=notify", "KillMode=mixed", "WatchdogSec=", "Restart=on-failure", "RuntimeDirectory=tpud",
+                    "StateDirectory=tpud", "ConfigurationDirectory=tpud", "TimeoutStopSec="):
+        assert setting in unit
+    # verify checks that ExecStart exists: point it at this installation's tpud.
+    local = tmp_path / "tpud.service"
+    local.write_text(unit.replace("/usr/local/bin/tpud", str(Path(PYTHON).parent / "tpud")))
+    out = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,322 @@
+"""tpud.metrics: every series scraped over HTTP and parsed, and one scrape by a real Prometheus."""
+
+from __future__ import annotations
+
+import enum
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+import tpud
+from tpud.metrics import (
+    CHECKPOINT_BUCKETS,
+    JOB_STATES,
+    Metrics,
+    format_address,
+    parse_address,
+    write_address_file,
+)
+from tests import prometheus as prometheus_helper
+from tests.prometheus import prometheus  # noqa: F401  (fixture)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def metrics(clock):
+    m = Metrics(clock=clock)
+    m.serve("127.0.0.1:0")
+    yield m
+    m.close()
+
+
+def scrape(m: Metrics) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET /metrics and parse it: sample name -> [(labels, value)]."""
+    host, port = m.address
+    with urllib.request.urlopen(f"http://{format_address(host, port)}/metrics", timeout=5) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    found = [v for lab, v in samples.get(name, []) if lab == labels]
+    assert len(found) == 1, f"{name}{labels}: {found}; have {samples.get(name)}"
+    return found[0]
+
+
+def series_of_job(samples, job: str) -> list[str]:
+    return [name for name, items in samples.items() for lab, _ in items if lab.get("job") == job]
+
+
+def test_build_info():
+    m = Metrics()
+    samples = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(
+        m.exposition().decode()) for s in f.samples}
+    assert samples["tpud_build_info"] == ({"version": tpud.__version__}, 1.0)
+
+
+def test_job_state_is_one_hot(metrics):
+    metrics.job_state("llm", "STARTING")
+    metrics.job_state("llm", "RUNNING")
+    metrics.job_state("other", "BACKOFF")
+    s = scrape(metrics)
+    llm = {lab["state"]: v for lab, v in s["tpud_job_state"] if lab["job"] == "llm"}
+    assert llm == {state: (1.0 if state == "RUNNING" else 0.0) for state in JOB_STATES}
+    other = {lab["state"]: v for lab, v in s["tpud_job_state"] if lab["job"] == "other"}
+    assert sum(other.values()) == 1.0 and other["BACKOFF"] == 1.0
+
+
+def test_job_state_accepts_enum_and_rejects_unknown(metrics):
+    class State(enum.Enum):
+        CHECKPOINTING = "checkpointing"
+
+    metrics.job_state("llm", State.CHECKPOINTING)
+    assert value(scrape(metrics), "tpud_job_state", job="llm", state="CHECKPOINTING") == 1.0
+    with pytest.raises(ValueError, match="unknown job state"):
+        metrics.job_state("llm", "DANCING")
+
+
+def test_job_progress_sets_only_what_is_given(metrics):
+    metrics.job_progress("llm", step=10, loss=2.5, tokens_per_second=12345.0, mfu=0.41)
+    metrics.job_progress("llm", step=11)
+    s = scrape(metrics)
+    assert value(s, "tpud_job_step", job="llm") == 11
+    assert value(s, "tpud_job_loss", job="llm") == 2.5
+    assert value(s, "tpud_job_tokens_per_second", job="llm") == 12345.0
+    assert value(s, "tpud_job_mfu_ratio", job="llm") == pytest.approx(0.41)
+
+    metrics.job_progress("fresh", loss=3.0)
+    s = scrape(metrics)
+    assert value(s, "tpud_job_loss", job="fresh") == 3.0
+    assert "fresh" not in {lab["job"] for lab, _ in s["tpud_job_step"]}
+
+
+def test_heartbeat_age_grows_with_the_clock(metrics, clock):
+    assert "tpud_heartbeat_age_seconds" not in scrape(metrics)
+    metrics.heartbeat("llm", clock.now)
+    assert value(scrape(metrics), "tpud_heartbeat_age_seconds", job="llm") == 0.0
+    clock.now += 7.5
+    assert value(scrape(metrics), "tpud_heartbeat_age_seconds", job="llm") == 7.5
+    clock.now += 30
+    assert value(scrape(metrics), "tpud_heartbeat_age_seconds", job="llm") == 37.5
+    metrics.heartbeat("llm", clock.now - 1)
+    assert value(scrape(metrics), "tpud_heartbeat_age_seconds", job="llm") == 1.0
+
+
+def test_restarts_and_preemption_notices(metrics):
+    metrics.restart("llm", "crash")
+    metrics.restart("llm", "crash")
+    metrics.restart("llm", "hang")
+    metrics.preemption_notice("gce-metadata")
+    s = scrape(metrics)
+    assert value(s, "tpud_job_restarts_total", job="llm", reason="crash") == 2
+    assert value(s, "tpud_job_restarts_total", job="llm", reason="hang") == 1
+    assert value(s, "tpud_preemption_notices_total", source="gce-metadata") == 1
+    assert not [n for n in s if n.endswith("_created")], "no *_created series are exported"
+
+
+def test_checkpoint_histogram_bytes_step_and_failures(metrics):
+    metrics.checkpoint("llm", tier="local", reason="periodic", seconds=0.3, bytes=1000, step=100)
+    metrics.checkpoint("llm", tier="local", reason="periodic", seconds=45.0, bytes=500, step=200)
+    metrics.checkpoint("llm", tier="gcs", reason="preemption", seconds=1500.0, bytes=1500, step=200)
+    metrics.checkpoint_failure("llm", "gcs")
+    s = scrape(metrics)
+
+    local = dict(job="llm", tier="local", reason="periodic")
+    buckets = {lab["le"]: v for lab, v in s["tpud_checkpoint_duration_seconds_bucket"]
+               if {k: lab[k] for k in local} == local}
+    assert [float(le) for le in buckets if le != "+Inf"] == list(CHECKPOINT_BUCKETS)
+    assert CHECKPOINT_BUCKETS[0] == 0.1 and CHECKPOINT_BUCKETS[-1] == 1800.0
+    assert buckets["0.25"] == 0 and buckets["0.5"] == 1 and buckets["30.0"] == 1
+    assert buckets["60.0"] == 2 and buckets["+Inf"] == 2
+    assert value(s, "tpud_checkpoint_duration_seconds_count", **local) == 2
+    assert value(s, "tpud_checkpoint_duration_seconds_sum", **local) == pytest.approx(45.3)
+    gcs = dict(job="llm", tier="gcs", reason="preemption")
+    assert value(s, "tpud_checkpoint_duration_seconds_count", **gcs) == 1
+
+    assert value(s, "tpud_checkpoint_bytes_total", job="llm", tier="local") == 1500
+    assert value(s, "tpud_checkpoint_bytes_total", job="llm", tier="gcs") == 1500
+    assert value(s, "tpud_checkpoint_last_committed_step", job="llm", tier="local") == 200
+    assert value(s, "tpud_checkpoint_last_committed_step", job="llm", tier="gcs") == 200
+    assert value(s, "tpud_checkpoint_failures_total", job="llm", tier="gcs") == 1
+    # A committed checkpoint makes its tier's failure counter exist at 0 (rate() needs it).
+    assert value(s, "tpud_checkpoint_failures_total", job="llm", tier="local") == 0
+
+
+def test_goodput_and_badput(metrics):
+    metrics.goodput("llm", 0.93)
+    metrics.badput("llm", "restart", 12.0)
+    metrics.badput("llm", "restart", 3.0)
+    metrics.badput("llm", "checkpoint", 1.5)
+    s = scrape(metrics)
+    assert value(s, "tpud_goodput_ratio", job="llm") == pytest.approx(0.93)
+    assert value(s, "tpud_badput_seconds_total", job="llm", kind="restart") == 15.0
+    assert value(s, "tpud_badput_seconds_total", job="llm", kind="checkpoint") == 1.5
+
+
+def feed(m: Metrics, job: str, at: float) -> None:
+    m.job_state(job, "RUNNING")
+    m.job_progress(job, step=5, loss=1.0, tokens_per_second=10.0, mfu=0.5)
+    m.heartbeat(job, at)
+    m.restart(job, "crash")
+    m.checkpoint(job, tier="local", reason="periodic", seconds=1.0, bytes=10, step=5)
+    m.checkpoint_failure(job, "gcs")
+    m.goodput(job, 0.9)
+    m.badput(job, "restart", 2.0)
+
+
+def test_remove_job_drops_every_series_of_that_job_only(metrics, clock):
+    feed(metrics, "gone", clock.now)
+    feed(metrics, "kept", clock.now)
+    metrics.preemption_notice("sigterm")
+    before = scrape(metrics)
+    assert set(series_of_job(before, "gone")) == set(series_of_job(before, "kept"))
+    assert len(set(series_of_job(before, "gone"))) >= 15  # every per-job name, _bucket etc.
+
+    metrics.remove_job("gone")
+    after = scrape(metrics)
+    assert series_of_job(after, "gone") == []
+    assert set(series_of_job(after, "kept")) == set(series_of_job(before, "kept"))
+    assert value(after, "tpud_preemption_notices_total", source="sigterm") == 1
+    assert value(after, "tpud_build_info", version=tpud.__version__) == 1
+
+    metrics.remove_job("gone")  # again: a no-op
+    metrics.remove_job("never-seen")
+    metrics.restart("gone", "crash")  # a job that comes back starts from zero
+    assert value(scrape(metrics), "tpud_job_restarts_total", job="gone", reason="crash") == 1
+
+
+def test_private_registry():
+    a, b = Metrics(), Metrics()
+    a.restart("x", "crash")
+    assert b"tpud_job_restarts_total{" not in b.exposition()
+    assert not [n for n in REGISTRY._names_to_collectors if n.startswith("tpud_")]
+
+
+def test_concurrent_updates_lose_nothing(metrics):
+    def work(i: int) -> None:
+        for _ in range(500):
+            metrics.restart("llm", "crash")
+            metrics.job_state(f"j{i}", "RUNNING")
+            metrics.remove_job(f"j{i}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = scrape(metrics)
+    assert value(s, "tpud_job_restarts_total", job="llm", reason="crash") == 4000
+    assert {lab["job"] for lab, _ in s.get("tpud_job_state", [])} == set()
+
+
+def test_serve_port_zero_address_file_and_close(tmp_path):
+    m = Metrics()
+    host, port = m.serve("127.0.0.1:0")
+    assert host == "127.0.0.1" and port > 0
+    with pytest.raises(RuntimeError, match="already running"):
+        m.serve("127.0.0.1:0")
+    addr_file = tmp_path / "run" / "metrics.addr"
+    write_address_file(addr_file, host, port)
+    assert addr_file.read_text() == f"127.0.0.1:{port}\n"
+    assert list(addr_file.parent.iterdir()) == [addr_file]  # no temporary left behind
+    assert parse_address(addr_file.read_text()) == (host, port)
+    with urllib.request.urlopen(f"http://{addr_file.read_text().strip()}/metrics", timeout=5) as r:
+        assert b"tpud_build_info" in r.read()
+
+    m.close()
+    m.close()  # idempotent
+    with pytest.raises(OSError):
+        socket.create_connection((host, port), timeout=2).close()
+    # The port is free again: serve on it once more.
+    assert m.serve(f"127.0.0.1:{port}") == (host, port)
+    m.close()
+
+
+def test_serve_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    m = Metrics()
+    host, port = m.serve("[::1]:0")
+    try:
+        assert host == "::1" and port > 0
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as r:
+            assert b"tpud_build_info" in r.read()
+    finally:
+        m.close()
+
+
+def test_address_parsing():
+    assert parse_address("127.0.0.1:9477") == ("127.0.0.1", 9477)
+    assert parse_address("[::1]:0") == ("::1", 0)
+    assert parse_address(":9477") == ("", 9477)
+    assert parse_address("localhost:80") == ("localhost", 80)
+    for bad in ("9477", "127.0.0.1", "::1:80", "[::1]80", "h:x", "h:70000"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+    assert format_address("::1", 5) == "[::1]:5"
+    assert format_address("10.0.0.1", 5) == "10.0.0.1:5"
+
+
+def test_import_does_not_load_torch():
+    code = "import sys, tpud.metrics; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_missing_prometheus_skips_locally_and_fails_in_ci(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_BIN", raising=False)
+    monkeypatch.setattr(prometheus_helper.shutil, "which", lambda name: None)
+    monkeypatch.setattr(prometheus_helper.os.path, "exists", lambda path: False)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install prometheus"):
+        prometheus_helper.prometheus_binary()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI is set"):
+        prometheus_helper.prometheus_binary()
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_the_exporter(prometheus):  # noqa: F811
+    m = Metrics()
+    host, port = m.serve("127.0.0.1:0")
+    try:
+        m.job_state("llm", "RUNNING")
+        m.job_progress("llm", step=42)
+        server = prometheus([f"{host}:{port}"])
+        samples = server.wait_for("tpud_job_step", lambda s: [x.value for x in s] == [42.0],
+                                  timeout=20)
+        assert samples[0].labels["job"] == "llm"  # honor_labels: tpud's job label wins
+        assert samples[0].labels["__name__"] == "tpud_job_step"
+        running = server.query('tpud_job_state{state="RUNNING"}')
+        assert [(x.labels["job"], x.value) for x in running] == [("llm", 1.0)]
+        assert server.query("up")[0].value == 1.0
+    finally:
+        m.close()

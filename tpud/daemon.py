@@ -1,0 +1,292 @@
+"""`tpud daemon`: the long-running service that systemd starts.
+
+One thread owns all job state and runs the loop: worker output and exits, worker
+channels, timers, and the calls other threads post (the control socket, the job-file
+watcher and the metrics server run in threads of their own and never touch a job
+directly). Signal handlers only record; the loop acts (supervisord's discipline).
+
+SIGTERM: every running job checkpoints and stops, pending GCS uploads finish within
+the stop budget, exit 0. SIGHUP: reload tpud.yaml and rescan jobs.d. The daemon never
+imports torch: workers are separate processes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import selectors
+import signal
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+import structlog
+
+from tpud import __version__
+from tpud.control import ControlError, ControlServer
+from tpud.jobs import Job, State
+from tpud.metrics import Metrics, write_address_file
+from tpud.notify import Notifier
+from tpud.paths import Paths
+from tpud.settings import load_settings
+from tpud.watcher import Watcher, scan
+
+log = structlog.get_logger()
+TICK_S = 0.5
+
+
+class Daemon:
+    def __init__(self, paths: Paths, metrics_addr: str | None = None):
+        self.paths = paths
+        self.settings, settings_error = load_settings(paths.config)
+        if settings_error:
+            log.error("invalid settings file; using defaults", error=settings_error)
+        self.metrics_addr = metrics_addr or self.settings.metrics_addr
+        self.selector = selectors.DefaultSelector()
+        self.jobs: dict[str, Job] = {}
+        self.invalid: dict[Path, str] = {}  # job files that do not validate, with their errors
+        self.notifier = Notifier()
+        self.metrics = Metrics()
+        self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
+        self._signals: list[int] = []
+        self._rescan = True
+        self._stopping_since: float | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # --- the Loop interface jobs use ---
+
+    def watch(self, fileobj, callback: Callable[[], None]) -> None:
+        self.selector.register(fileobj, selectors.EVENT_READ, callback)
+
+    def unwatch(self, fileobj) -> None:
+        try:
+            self.selector.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass
+
+    def relay(self, output: bytes) -> None:
+        sys.stdout.buffer.write(output)
+        sys.stdout.buffer.flush()
+
+    # --- crossing threads ---
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # already awake
+
+    def call(self, fn: Callable, timeout: float = 30.0):
+        """Run fn on the loop thread and return its result (called from other threads)."""
+        future: Future = Future()
+        self._calls.put((fn, future))
+        self.wake()
+        return future.result(timeout)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # --- job files ---
+
+    def _on_files_changed(self) -> None:
+        self._rescan = True
+        self.wake()
+
+    def reconcile(self) -> None:
+        """Bring the jobs in line with jobs.d: start new ones, restart changed ones, stop removed ones."""
+        self._rescan = False
+        files = scan(self.paths.jobs_dir)
+        previously_invalid, self.invalid = self.invalid, {}
+        present: set[str] = set()
+        for path, job_file in sorted(files.items()):
+            existing = next((j for j in self.jobs.values() if j.file == path), None)
+            if job_file.error is not None:
+                self.invalid[path] = job_file.error
+                if existing is not None:  # the earlier valid version keeps running
+                    present.add(existing.name)
+                    existing.error = job_file.error
+                if previously_invalid.get(path) != job_file.error:
+                    log.error("invalid job file", file=str(path), error=job_file.error)
+                continue
+            spec, name = job_file.spec, job_file.spec.name
+            present.add(name)
+            job = self.jobs.get(name)
+            if job is None:
+                job = self.jobs[name] = Job(spec, path, self.paths, self, self.metrics,
+                                            stop_timeout=self.settings.job_stop_timeout_seconds)
+                job.digest = job_file.digest
+                if not job.held:
+                    job.start()
+            elif job.digest != job_file.digest:
+                job.digest, job.error = job_file.digest, None
+                log.info("job file changed; restarting with the new spec", job=name)
+                job.replace_spec(spec, path)
+            else:
+                job.error = None
+        for name, job in self.jobs.items():
+            if name not in present and job.state not in (State.STOPPED, State.STOPPING):
+                log.info("job file removed; checkpointing and stopping", job=name)
+                job.stop("removed")
+
+    # --- control requests (control thread) ---
+
+    def handle_control(self, request: dict) -> dict:
+        command = request["command"]
+        if command == "status":
+            return self.call(lambda: self.status(request.get("jobs") or []))
+        if command == "checkpoint_now":
+            return self._checkpoint_now(request.get("jobs") or [], bool(request.get("wait", True)),
+                                        float(request.get("timeout") or 600))
+        if command in ("stop", "start"):
+            return self.call(lambda: self._stop_start(command, request.get("job")))
+        raise ControlError("bad_request", f"unknown command {command!r}")
+
+    def _job(self, name: str) -> Job:
+        job = self.jobs.get(name)
+        if job is None:
+            raise ControlError("unknown_job", f"no job named {name!r}")
+        return job
+
+    def status(self, names: list[str]) -> dict:
+        jobs = [self._job(n).snapshot() for n in names] if names else [j.snapshot() for j in self.jobs.values()]
+        if not names:
+            jobs += [{"name": path.stem, "state": "INVALID", "file": str(path), "error": error, "step": None,
+                      "max_steps": None, "loss": None, "tokens_per_second": None, "mfu": None, "restarts": 0,
+                      "last_checkpoint": None, "age_seconds": None}
+                     for path, error in self.invalid.items()
+                     if not any(j.file == path for j in self.jobs.values())]
+        return {"jobs": jobs}
+
+    def _stop_start(self, command: str, name: str) -> dict:
+        job = self._job(name)
+        if command == "stop":
+            if job.state in (State.STOPPED, State.SUCCEEDED, State.FAILED):
+                raise ControlError("not_running", f"job {name} is {job.state.value}")
+            job.held = True
+            job.stop("stop")
+        else:
+            job.held = False
+            job.start()
+        return {"job": name, "state": job.state.value}
+
+    def _checkpoint_now(self, names: list[str], wait: bool, timeout: float) -> dict:
+        def request() -> dict[str, Future]:
+            chosen = [self._job(n) for n in names] if names else [j for j in self.jobs.values() if j.active]
+            if names:
+                for job in chosen:
+                    if job.state not in (State.RUNNING, State.CHECKPOINTING):
+                        raise ControlError("not_running", f"job {job.name} is {job.state.value}")
+            return {job.name: job.checkpoint_now(deadline_s=None) for job in chosen}
+
+        futures = self.call(request)
+        if not wait:
+            return {"results": [{"job": name, "ok": True, "requested": True} for name in futures]}
+        deadline = time.monotonic() + timeout
+        results = []
+        for name, future in futures.items():
+            try:
+                results.append(future.result(max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                results.append({"job": name, "ok": False, "error": f"no commit within {timeout:.0f}s"})
+            except Exception as e:
+                results.append({"job": name, "ok": False, "error": str(e)})
+        return {"results": results}
+
+    # --- the loop ---
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._signals.append(signum)
+
+    def _summary(self) -> str:
+        counts: dict[str, int] = {}
+        for job in self.jobs.values():
+            counts[job.state.value] = counts.get(job.state.value, 0) + 1
+        states = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())) or "no jobs"
+        return f"{len(self.jobs)} jobs: {states}" + (f"; {len(self.invalid)} invalid" if self.invalid else "")
+
+    def _begin_shutdown(self) -> None:
+        self._stopping_since = time.monotonic()
+        self.notifier.stopping("checkpointing every job before exit")
+        self.notifier.extend_timeout(self.settings.stop_budget_seconds)
+        for job in self.jobs.values():
+            job.stop("shutdown")
+
+    def _shutdown_done(self) -> bool:
+        if any(job.active for job in self.jobs.values()):
+            if time.monotonic() - self._stopping_since < self.settings.stop_budget_seconds:
+                return False
+            log.error("stop budget spent; killing the remaining workers")
+            for job in self.jobs.values():
+                if job.worker is not None:
+                    job.worker.signal(signal.SIGKILL)
+            return False if any(job.worker is not None for job in self.jobs.values()) else True
+        return True
+
+    def run(self) -> int:
+        for directory in (self.paths.jobs_dir, self.paths.state, self.paths.runtime):
+            directory.mkdir(parents=True, exist_ok=True)
+        host, port = self.metrics.serve(self.metrics_addr)
+        write_address_file(self.paths.runtime / "metrics.addr", host, port)
+        control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
+        control.start()
+        watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
+        watcher.start()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        previous_wakeup = signal.set_wakeup_fd(self._wake_w)
+        self.watch(self._wake_r, self._drain_wake)
+        log.info("tpud daemon started", version=__version__, jobs_dir=str(self.paths.jobs_dir),
+                 metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"))
+        try:
+            self.reconcile()
+            self.notifier.ready(self._summary())
+            last_status = ""
+            while True:
+                for key, _ in self.selector.select(TICK_S):
+                    key.data()
+                while not self._calls.empty():
+                    fn, future = self._calls.get()
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:
+                        future.set_exception(e)
+                while self._signals:
+                    signum = self._signals.pop(0)
+                    if signum == signal.SIGHUP:
+                        self.settings, error = load_settings(self.paths.config)
+                        log.info("reloading settings and rescanning jobs", error=error)
+                        self._rescan = True
+                    elif self._stopping_since is None:
+                        log.info("stopping: checkpointing every job", signal=signal.Signals(signum).name)
+                        self._begin_shutdown()
+                if self._rescan and self._stopping_since is None:
+                    self.reconcile()
+                for job in list(self.jobs.values()):
+                    job.tick()
+                self.notifier.watchdog()
+                if (summary := self._summary()) != last_status:
+                    self.notifier.status(summary)
+                    last_status = summary
+                if self._stopping_since is not None and self._shutdown_done():
+                    break
+            remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
+            for job in self.jobs.values():
+                if job.tiers.uploader is not None and not job.tiers.uploader.close(timeout=max(1.0, remaining)):
+                    log.error("stop budget spent before every upload finished", job=job.name)
+            log.info("tpud daemon stopped")
+            return 0
+        finally:
+            signal.set_wakeup_fd(previous_wakeup)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            watcher.stop()
+            control.close()
+            self.metrics.close()

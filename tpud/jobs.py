@@ -1,0 +1,372 @@
+"""One job under supervision: an explicit state machine around its worker process.
+
+    PENDING -> STARTING -> RUNNING -> SUCCEEDED
+                             |  |--> CHECKPOINTING -> RUNNING
+                             |  |--> STOPPING -> STOPPED        (tpud stop, file removed, shutdown)
+                             |  '--> BACKOFF -> STARTING        (crash)
+                             '--> FAILED                         (restart budget spent, exit 76/78)
+
+Everything here runs on the daemon's main loop thread: the loop hands a job its worker's
+output, channel messages, exit status and timer ticks, and the job decides. The worker's
+exit code says what happened (engine/exit_codes.py, DESIGN.md). Restart counts and
+history persist in <state>/jobs/<job>/job.json, so a restarted daemon carries on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import signal
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from engine import exit_codes
+from engine.config import JobSpec
+from tpud import channel
+from tpud.paths import Paths
+from tpud.supervisor import CheckpointTiers, WorkerProcess
+
+log = structlog.get_logger()
+
+
+class State(str, enum.Enum):
+    PENDING = "PENDING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    CHECKPOINTING = "CHECKPOINTING"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    PREEMPTED = "PREEMPTED"
+    BACKOFF = "BACKOFF"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+ACTIVE = {State.STARTING, State.RUNNING, State.CHECKPOINTING, State.STOPPING}
+
+
+class Loop(Protocol):
+    """What a job needs from the daemon's event loop."""
+
+    def watch(self, fileobj, callback) -> None: ...
+    def unwatch(self, fileobj) -> None: ...
+    def relay(self, output: bytes) -> None: ...
+
+
+class MetricsSink(Protocol):
+    def job_state(self, job: str, state: str) -> None: ...
+    def job_progress(self, job: str, **values) -> None: ...
+    def heartbeat(self, job: str, at: float) -> None: ...
+    def restart(self, job: str, reason: str) -> None: ...
+    def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int, step: int) -> None: ...
+    def checkpoint_failure(self, job: str, tier: str) -> None: ...
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    micro_step: int
+    tier: str
+    path: str
+    at: float  # wall time
+
+
+@dataclass
+class Waiter:
+    """A `tpud checkpoint-now` caller waiting for the next local commit."""
+
+    future: Future
+    since: float = field(default_factory=time.monotonic)
+
+
+def classify_exit(status: int) -> str:
+    """A restart reason for tpud_job_restarts_total{reason}."""
+    if status == 128 + signal.SIGKILL:
+        return "killed"  # OOM killer or an operator
+    if status > 128:
+        return "signal"
+    return "crash"
+
+
+class Job:
+    def __init__(self, spec: JobSpec, file: Path, paths: Paths, loop: Loop, metrics: MetricsSink,
+                 *, stop_timeout: float, clock=time.monotonic):
+        self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
+        self.clock, self.stop_timeout = clock, stop_timeout
+        self.name = spec.name
+        self.state = State.PENDING
+        self.error: str | None = None
+        self.progress: dict = {}
+        self.last_checkpoint: Checkpoint | None = None
+        self.worker: WorkerProcess | None = None
+        self.listener: channel.Listener | None = None
+        self.connection: channel.Connection | None = None
+        self.tiers = CheckpointTiers(spec, paths)
+        self.waiters: list[Waiter] = []
+        self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown
+        self.next_spec: JobSpec | None = None
+        self.backoff_until = 0.0
+        self.kill_at: float | None = None
+        self._partial = b""
+        self._last_error_line: str | None = None
+        self._state_file = paths.job_dir(self.name) / "job.json"
+        persisted = self._load()
+        self.restarts_total: int = persisted.get("restarts_total", 0)
+        self.crash_times: deque[float] = deque()  # monotonic, within the restart window
+        self.first_started: float | None = persisted.get("first_started")
+        self.history: list[dict] = persisted.get("history", [])
+        # An operator's `tpud stop` holds the job stopped until `tpud start`, across daemon restarts.
+        self.held: bool = persisted.get("held", False)
+        self.digest: str | None = None  # of the job file this spec came from
+        self.metrics.job_state(self.name, self.state.value)
+
+    # --- persistence ---
+
+    def _load(self) -> dict:
+        try:
+            return json.loads(self._state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _save(self) -> None:
+        self._state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"restarts_total": self.restarts_total, "first_started": self.first_started,
+                                   "held": self.held, "history": self.history[-50:]}, indent=1))
+        tmp.replace(self._state_file)
+
+    def _set(self, state: State, reason: str = "") -> None:
+        if state is self.state:
+            return
+        log.info("job state", job=self.name, state=state.value, previous=self.state.value, reason=reason or None)
+        self.history.append({"at": time.time(), "from": self.state.value, "to": state.value, "reason": reason})
+        self.state = state
+        self.metrics.job_state(self.name, state.value)
+        self._save()
+
+    # --- commands (from the daemon loop) ---
+
+    def start(self) -> None:
+        """Start (or restart) the worker, resuming from the newest committed checkpoint."""
+        if self.worker is not None:
+            return
+        self.error, self.stop_reason, self.kill_at = None, None, None
+        try:
+            self.tiers.prepare()
+        except Exception as e:  # an unreachable GCS tier: retry later, like a crash
+            self._crashed(f"cannot prepare checkpoints: {e}", "checkpoint_tier")
+            return
+        job_runtime = self.paths.runtime / "jobs"
+        self.listener = channel.Listener(job_runtime / f"{self.name}.sock")
+        self.loop.watch(self.listener, self._on_accept)
+        self.worker = WorkerProcess(self.spec, self.paths, "json", extra_env={"TPUD_CHANNEL": str(self.listener.path)})
+        self.loop.watch(self.worker.stdout, self._on_output)
+        if self.first_started is None:
+            self.first_started = time.time()
+        self._set(State.STARTING, f"pid {self.worker.pid}")
+
+    def stop(self, reason: str) -> None:
+        """Checkpoint and stop; a worker that does not stop in time is killed."""
+        self.stop_reason = reason
+        if self.state in (State.STARTING, State.RUNNING, State.CHECKPOINTING):
+            self._request("checkpoint_and_exit", deadline_s=None, fallback=signal.SIGTERM)
+            self.kill_at = self.clock() + self.stop_timeout
+            self._set(State.STOPPING, reason)
+        elif self.state in (State.PENDING, State.BACKOFF):
+            self._set(State.STOPPED, reason)
+
+    def replace_spec(self, spec: JobSpec, file: Path) -> None:
+        """The job file changed: checkpoint, stop, and start again with the new spec."""
+        self.file = file
+        if self.state in ACTIVE:
+            self.next_spec = spec
+            if self.state is not State.STOPPING:
+                self.stop("reload")
+        else:
+            self._adopt(spec)
+            if not self.held:
+                self.start()
+
+    def _adopt(self, spec: JobSpec) -> None:
+        self.spec, self.next_spec = spec, None
+        self.tiers = CheckpointTiers(spec, self.paths)
+
+    def checkpoint_now(self, deadline_s: float | None) -> Future:
+        """A future resolved with the next committed local checkpoint (or an error)."""
+        waiter = Waiter(Future())
+        if self.state not in (State.RUNNING, State.CHECKPOINTING):
+            waiter.future.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
+            return waiter.future
+        self.waiters.append(waiter)
+        self._request("checkpoint", deadline_s=deadline_s, fallback=signal.SIGUSR1)
+        self._set(State.CHECKPOINTING, "requested")
+        return waiter.future
+
+    def _request(self, action: str, deadline_s: float | None, fallback: int) -> None:
+        sent = self.connection is not None and self.connection.send(
+            {"type": "request", "action": action, "deadline_s": deadline_s})
+        if not sent and self.worker is not None:
+            self.worker.signal(fallback)  # the signal fallback: same meaning, next boundary
+
+    # --- what the loop hands us ---
+
+    def _on_accept(self) -> None:
+        connection = self.listener.accept()
+        if connection is None:
+            return
+        if self.connection is not None:
+            self.loop.unwatch(self.connection)
+            self.connection.close()
+        self.connection = connection
+        self.loop.watch(connection, self._on_channel)
+
+    def _on_channel(self) -> None:
+        messages = self.connection.receive()
+        if messages is None:
+            self.loop.unwatch(self.connection)
+            self.connection.close()
+            self.connection = None
+            return
+        for message in messages:
+            self._on_message(message)
+
+    def _on_message(self, message: dict) -> None:
+        kind = message.get("type")
+        if kind in ("hello", "heartbeat"):
+            self.metrics.heartbeat(self.name, self.clock())
+        if kind == "heartbeat" and self.state is State.STARTING:
+            self._set(State.RUNNING)  # the loop is running: restore and compilation are behind it
+        if kind != "event":
+            return
+        event = message.get("event")
+        if event == "started" and self.state is State.STARTING:
+            self._set(State.RUNNING)
+        if event == "step":
+            self.metrics.heartbeat(self.name, self.clock())
+            self.progress = {k: message.get(k) for k in ("step", "loss", "tokens_per_s", "mfu")}
+            self.metrics.job_progress(self.name, step=message.get("step"), loss=message.get("loss"),
+                                      tokens_per_second=message.get("tokens_per_s"), mfu=message.get("mfu"))
+        elif event == "checkpoint_committed":
+            self._committed(message)
+        elif event == "checkpoint_restored":
+            self.progress.setdefault("step", message.get("step"))
+        elif event == "checkpoint_failed":
+            self.metrics.checkpoint_failure(self.name, "local")
+            for waiter in self.waiters:
+                waiter.future.set_exception(RuntimeError(message.get("error", "checkpoint failed")))
+            self.waiters.clear()
+            if self.state is State.CHECKPOINTING:
+                self._set(State.RUNNING, "checkpoint failed")
+
+    def _committed(self, message: dict) -> None:
+        checkpoint = Checkpoint(message["step"], message.get("micro_step", 0), "local", message["path"], time.time())
+        self.last_checkpoint = checkpoint
+        self.metrics.checkpoint(self.name, tier="local", reason=message.get("reason", ""),
+                                seconds=message.get("seconds", 0.0), bytes=message.get("bytes", 0),
+                                step=checkpoint.step)
+        if self.tiers.uploader is not None:
+            self.tiers.uploader.submit(Path(checkpoint.path))
+        result = {"job": self.name, "ok": True, "step": checkpoint.step, "micro_step": checkpoint.micro_step,
+                  "tier": "local", "path": checkpoint.path, "seconds": message.get("seconds")}
+        for waiter in self.waiters:
+            waiter.future.set_result({**result, "seconds": round(time.monotonic() - waiter.since, 3)})
+        self.waiters.clear()
+        if self.state is State.CHECKPOINTING:
+            self._set(State.RUNNING, f"checkpoint at step {checkpoint.step}")
+
+    def _on_output(self) -> None:
+        chunk = self.worker.stdout.read(65536)
+        if chunk:
+            # Relay the worker's log (JSON lines) to ours; remember its last error for status.
+            self.loop.relay(chunk)
+            *lines, self._partial = (self._partial + chunk).split(b"\n")
+            for line in lines:
+                if b'"level": "error"' in line or b"Traceback" in line or b"Error" in line[:80]:
+                    self._last_error_line = line.decode(errors="replace")[-2000:]
+            return
+        self.loop.unwatch(self.worker.stdout)
+        self._exited(self.worker.wait())
+
+    def _release(self) -> None:
+        if self.connection is not None:
+            self.loop.unwatch(self.connection)
+            self.connection.close()
+            self.connection = None
+        if self.listener is not None:
+            self.loop.unwatch(self.listener)
+            self.listener.close()
+            self.listener = None
+        self.worker, self.kill_at = None, None
+
+    def _exited(self, status: int) -> None:
+        self._release()
+        for waiter in self.waiters:
+            waiter.future.set_exception(RuntimeError(f"worker exited ({status}) before the checkpoint"))
+        self.waiters.clear()
+        log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
+        if status == exit_codes.OK:
+            self._set(State.SUCCEEDED, "reached max_steps")
+        elif self.stop_reason == "reload" and status in (exit_codes.STOPPED, exit_codes.OK):
+            self._adopt(self.next_spec or self.spec)
+            self.start()
+        elif self.stop_reason is not None and status == exit_codes.STOPPED:
+            self._set(State.STOPPED, self.stop_reason)
+        elif self.stop_reason is not None and self.kill_at is None and status > 128:
+            self._set(State.STOPPED, f"{self.stop_reason} (killed)")
+        elif status == exit_codes.STOPPED:
+            self.start()  # stopped on a request from outside the daemon: resume
+        elif status in (exit_codes.BAD_INPUT, exit_codes.NONFINITE_LOSS):
+            self.error = self._last_error_line or f"worker exited with {status}"
+            self._set(State.FAILED, f"exit {status}")
+        elif self.stop_reason is not None:
+            self._set(State.STOPPED, f"{self.stop_reason} (exit {status})")
+        else:
+            self._crashed(self._last_error_line or f"worker exited with {status}", classify_exit(status))
+
+    def _crashed(self, error: str, reason: str) -> None:
+        self.error = error
+        policy, now = self.spec.restart, self.clock()
+        while self.crash_times and now - self.crash_times[0] > policy.window_seconds:
+            self.crash_times.popleft()
+        if len(self.crash_times) >= policy.max_restarts:
+            self._set(State.FAILED, f"{len(self.crash_times)} restarts within {policy.window_seconds:.0f}s")
+            return
+        self.crash_times.append(now)
+        self.restarts_total += 1
+        self.metrics.restart(self.name, reason)
+        delay = min(policy.backoff_max_seconds, policy.backoff_initial_seconds * 2 ** (len(self.crash_times) - 1))
+        self.backoff_until = now + delay
+        self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")
+
+    def tick(self) -> None:
+        """Timers: backoff expiry, and killing a worker that ignored a stop."""
+        now = self.clock()
+        if self.state is State.BACKOFF and now >= self.backoff_until:
+            self.start()
+        if self.kill_at is not None and now >= self.kill_at and self.worker is not None:
+            log.warning("worker did not stop in time; killing it", job=self.name)
+            self.worker.signal(signal.SIGKILL)
+            self.kill_at = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def snapshot(self) -> dict:
+        last = self.last_checkpoint
+        return {
+            "name": self.name, "state": self.state.value, "file": str(self.file),
+            "step": self.progress.get("step"), "max_steps": self.spec.train.max_steps,
+            "loss": self.progress.get("loss"), "tokens_per_second": self.progress.get("tokens_per_s"),
+            "mfu": self.progress.get("mfu"), "restarts": self.restarts_total,
+            "last_checkpoint": None if last is None else {"step": last.step, "tier": last.tier,
+                                                          "age_seconds": round(time.time() - last.at, 1)},
+            "error": self.error,
+            "age_seconds": None if self.first_started is None else round(time.time() - self.first_started, 1),
+        }

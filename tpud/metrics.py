@@ -1,0 +1,305 @@
+"""The daemon's Prometheus exporter (DESIGN.md, "Metrics").
+
+Every series lives on this object's own CollectorRegistry, never prometheus-client's global
+one, so several Metrics (tests, a daemon and a `tpud run`) can share one process. The daemon
+calls the methods below from any thread; `serve()` exposes /metrics over HTTP.
+
+Names and units are the interface (prefix tpud_, base units, counters end in _total):
+tpud_build_info{version}, tpud_job_state{job,state}, tpud_job_step{job}, tpud_job_loss{job},
+tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_restarts_total{job,reason},
+tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier,reason}
+(histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
+tpud_checkpoint_last_committed_step{job,tier}, tpud_heartbeat_age_seconds{job},
+tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}.
+
+Every per-job series carries a `job` label, which collides with the `job` target label
+Prometheus attaches on scrape: scrape tpud with `honor_labels: true`, or the tpud job name
+arrives as `exported_job`.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+
+from tpud import __version__
+
+DEFAULT_ADDRESS = "127.0.0.1:9477"
+
+JOB_STATES = (
+    "PENDING", "STARTING", "RUNNING", "CHECKPOINTING", "STOPPING", "STOPPED", "PREEMPTED",
+    "BACKOFF", "SUCCEEDED", "FAILED",
+)
+
+# A checkpoint takes from a fraction of a second (a small local save) to tens of minutes
+# (a large model to GCS): 0.1 s .. 30 min, then +Inf.
+CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                      1200.0, 1800.0)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"HOST:PORT" or "[V6]:PORT" -> (host, port). The host may be empty (all addresses)."""
+    address = address.strip()
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"bad address {address!r}: expected [IPV6]:PORT")
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            raise ValueError(f"bad address {address!r}: expected HOST:PORT")
+        if ":" in host:
+            raise ValueError(f"bad address {address!r}: write an IPv6 host as [HOST]:PORT")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"bad port in address {address!r}") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"port out of range in address {address!r}")
+    return host, number
+
+
+def format_address(host: str, port: int) -> str:
+    """(host, port) -> "HOST:PORT", with an IPv6 host in brackets (the form parse_address reads)."""
+    try:
+        v6 = isinstance(ipaddress.ip_address(host.split("%")[0]), ipaddress.IPv6Address)
+    except ValueError:
+        v6 = ":" in host
+    return f"[{host}]:{port}" if v6 else f"{host}:{port}"
+
+
+def write_address_file(path: str | os.PathLike, host: str, port: int) -> None:
+    """Write "HOST:PORT\\n" to path atomically (<runtime>/metrics.addr): a reader sees the old
+    file or the whole new one, never a partial line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(format_address(host, port) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+class _WithoutCreated:
+    """The registry as served: without the *_created series prometheus-client adds to counters
+    and histograms (not part of DESIGN's names; Prometheus would store each as one more
+    series). Local to this registry, unlike prometheus_client.disable_created_metrics()."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self):
+        for family in self._registry.collect():
+            if family.type in ("counter", "histogram", "summary", "gaugehistogram"):
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+class _HeartbeatCollector:
+    """tpud_heartbeat_age_seconds{job}: computed at scrape time from the injected clock."""
+
+    NAME = "tpud_heartbeat_age_seconds"
+    HELP = "Seconds since the job's last heartbeat (monotonic clock)."
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["job"])
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["job"])
+        now = self._metrics._clock()
+        for job, at in self._metrics._heartbeats_snapshot():
+            family.add_metric([job], max(0.0, now - at))
+        yield family
+
+
+class Metrics:
+    """The daemon's metrics on a private registry. Every method is thread-safe."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, version: str = __version__):
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}  # job -> (metric, labels)
+        self._heartbeats: dict[str, float] = {}
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        self._build_info = Gauge("tpud_build_info", "tpud build; the value is always 1.",
+                                 ["version"], registry=r)
+        self._build_info.labels(version).set(1)
+        self._state = Gauge("tpud_job_state", "1 for the job's current state, 0 for the others.",
+                            ["job", "state"], registry=r)
+        self._step = Gauge("tpud_job_step", "Last training step the job reported.", ["job"],
+                           registry=r)
+        self._loss = Gauge("tpud_job_loss", "Last training loss the job reported.", ["job"],
+                           registry=r)
+        self._tps = Gauge("tpud_job_tokens_per_second", "Training throughput in tokens per second.",
+                          ["job"], registry=r)
+        self._mfu = Gauge("tpud_job_mfu_ratio", "Model FLOPs utilisation (0..1).", ["job"],
+                          registry=r)
+        self._restarts = Counter("tpud_job_restarts_total", "Worker restarts by reason.",
+                                 ["job", "reason"], registry=r)
+        self._preemptions = Counter("tpud_preemption_notices_total",
+                                    "Preemption or maintenance notices received, by source.",
+                                    ["source"], registry=r)
+        self._ckpt_seconds = Histogram("tpud_checkpoint_duration_seconds",
+                                       "Wall time of committed checkpoints.",
+                                       ["job", "tier", "reason"], buckets=CHECKPOINT_BUCKETS,
+                                       registry=r)
+        self._ckpt_bytes = Counter("tpud_checkpoint_bytes_total", "Bytes of committed checkpoints.",
+                                   ["job", "tier"], registry=r)
+        self._ckpt_failures = Counter("tpud_checkpoint_failures_total", "Failed checkpoints.",
+                                      ["job", "tier"], registry=r)
+        self._ckpt_step = Gauge("tpud_checkpoint_last_committed_step",
+                                "Step of the newest committed checkpoint.", ["job", "tier"],
+                                registry=r)
+        self._goodput = Gauge("tpud_goodput_ratio",
+                              "Productive training time over total job time (0..1).", ["job"],
+                              registry=r)
+        self._badput = Counter("tpud_badput_seconds_total", "Unproductive job time by kind.",
+                               ["job", "kind"], registry=r)
+        r.register(_HeartbeatCollector(self))
+        self._exposed = _WithoutCreated(r)
+
+    # -- per-job series -------------------------------------------------------------------
+
+    def _child(self, metric, *labels: str):
+        """metric.labels(*labels), remembered under the job (labels[0]) for remove_job."""
+        labels = tuple(str(v) for v in labels)
+        self._series.setdefault(labels[0], set()).add((metric, labels))
+        return metric.labels(*labels)
+
+    def job_state(self, job: str, state: str | enum.Enum) -> None:
+        """tpud_job_state{job,state}: 1 for `state`, 0 for every other known state."""
+        name = state.name if isinstance(state, enum.Enum) else str(state)
+        name = name.upper()
+        if name not in JOB_STATES:
+            raise ValueError(f"unknown job state {state!r}; known: {', '.join(JOB_STATES)}")
+        with self._lock:
+            for s in JOB_STATES:
+                self._child(self._state, job, s).set(1 if s == name else 0)
+
+    def job_progress(self, job: str, *, step: int | None = None, loss: float | None = None,
+                     tokens_per_second: float | None = None, mfu: float | None = None) -> None:
+        """Set whichever of step, loss, throughput and MFU are given."""
+        with self._lock:
+            for metric, value in ((self._step, step), (self._loss, loss),
+                                  (self._tps, tokens_per_second), (self._mfu, mfu)):
+                if value is not None:
+                    self._child(metric, job).set(float(value))
+
+    def heartbeat(self, job: str, at: float) -> None:
+        """Record a heartbeat at monotonic time `at` (the clock given to Metrics)."""
+        with self._lock:
+            self._heartbeats[str(job)] = float(at)
+
+    def _heartbeats_snapshot(self) -> list[tuple[str, float]]:
+        with self._lock:
+            return list(self._heartbeats.items())
+
+    def restart(self, job: str, reason: str) -> None:
+        with self._lock:
+            self._child(self._restarts, job, reason).inc()
+
+    def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int,
+                   step: int) -> None:
+        """A committed checkpoint: duration, bytes written and its step, per tier."""
+        with self._lock:
+            self._child(self._ckpt_seconds, job, tier, reason).observe(float(seconds))
+            self._child(self._ckpt_bytes, job, tier).inc(bytes)
+            self._child(self._ckpt_step, job, tier).set(step)
+            self._child(self._ckpt_failures, job, tier)  # exists at 0, so rate() sees the first
+
+    def checkpoint_failure(self, job: str, tier: str) -> None:
+        with self._lock:
+            self._child(self._ckpt_failures, job, tier).inc()
+
+    def preemption_notice(self, source: str) -> None:
+        """Not per job: a notice concerns the machine. Survives remove_job."""
+        self._preemptions.labels(str(source)).inc()
+
+    def goodput(self, job: str, ratio: float) -> None:
+        with self._lock:
+            self._child(self._goodput, job).set(float(ratio))
+
+    def badput(self, job: str, kind: str, seconds: float) -> None:
+        """Add `seconds` of unproductive time of `kind` (e.g. restart, checkpoint, preemption)."""
+        with self._lock:
+            self._child(self._badput, job, kind).inc(float(seconds))
+
+    def remove_job(self, job: str) -> None:
+        """Drop every series labelled with this job."""
+        with self._lock:
+            for metric, labels in self._series.pop(str(job), ()):
+                try:
+                    metric.remove(*labels)
+                except KeyError:
+                    pass
+            self._heartbeats.pop(str(job), None)
+
+    def exposition(self) -> bytes:
+        """The text exposition format, as /metrics serves it."""
+        return generate_latest(self._exposed)
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def serve(self, address: str = DEFAULT_ADDRESS) -> tuple[str, int]:
+        """Serve /metrics on "HOST:PORT" (or "[V6]:PORT") in a daemon thread; port 0 picks a free
+        port. Returns the bound (host, port)."""
+        host, port = parse_address(address)
+        with self._lock:
+            if self._server is not None:
+                raise RuntimeError("metrics server already running")
+            server, thread = start_http_server(port, addr=host or "0.0.0.0", registry=self._exposed)
+            self._server, self._thread = server, thread
+            bound = server.server_address
+            return str(bound[0]), int(bound[1])
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The bound (host, port) while serving, else None."""
+        with self._lock:
+            if self._server is None:
+                return None
+            bound = self._server.server_address
+            return str(bound[0]), int(bound[1])
+
+    def close(self) -> None:
+        """Stop the HTTP server and release its port. Idempotent."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Metrics:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
