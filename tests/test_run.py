@@ -51,7 +51,9 @@ def test_run_trains_to_max_steps_and_exits_0(tmp_path):
     records = [json.loads(line) for line in out.splitlines()]
     steps = [r["step"] for r in records if r["event"] == "step"]
     assert steps == [1, 2, 3, 4, 5]
-    assert records[-1]["event"] == "worker exited" and records[-1]["status"] == 0
+    exited = next(r for r in records if r["event"] == "worker exited")
+    assert exited["status"] == 0 and {"job": "tiny-cpu", "state": "SUCCEEDED"}.items() <= next(
+        r for r in records if r["event"] == "job state" and r["state"] == "SUCCEEDED").items()
     assert all(r["job"] == "tiny-cpu" for r in records if r["event"] == "step")
     spec = json.loads((tmp_path / "state" / "jobs" / "tiny-cpu" / "spec.json").read_text())
     assert spec["train"]["max_steps"] == 5  # the worker trained the validated, overridden spec
@@ -59,7 +61,7 @@ def test_run_trains_to_max_steps_and_exits_0(tmp_path):
 
 def test_sigterm_checkpoints_then_stops_with_exit_75(tmp_path):
     proc = tpud_run(tmp_path, "train.max_steps=100000")
-    worker = next(r["pid"] for r in read_until(proc, "worker started"))
+    worker = read_until(proc, "worker started")[-1]["pid"]
     read_until(proc, "step")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
@@ -70,9 +72,23 @@ def test_sigterm_checkpoints_then_stops_with_exit_75(tmp_path):
     assert not alive(worker)
 
 
+def test_a_killed_worker_is_restarted_and_resumes(tmp_path):
+    proc = tpud_run(tmp_path, "train.max_steps=100000", "checkpoint.interval_steps=3")
+    worker = read_until(proc, "worker started")[-1]["pid"]
+    read_until(proc, "checkpoint committed")
+    os.kill(worker, signal.SIGKILL)
+    backoff = next(r for r in read_until(proc, "job state") if r["event"] == "job state")
+    assert backoff["state"] == "BACKOFF" and backoff["reason"].startswith("killed")
+    restarted = read_until(proc, "checkpoint restored")[-1]
+    assert restarted["step"] >= 3  # resumed from the checkpoint, not from zero
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == exit_codes.STOPPED
+
+
 def test_worker_dies_with_a_killed_supervisor(tmp_path):
     proc = tpud_run(tmp_path, "train.max_steps=100000")
-    worker = next(r["pid"] for r in read_until(proc, "worker started"))
+    worker = read_until(proc, "worker started")[-1]["pid"]
     read_until(proc, "step")
     proc.kill()
     proc.wait()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 
 from engine.specfile import SpecError, dump_schema, load_spec
@@ -81,8 +82,8 @@ def _add_schema(subparsers: Subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from engine import exit_codes, logs
+    from tpud.daemon import Daemon
     from tpud.paths import Paths
-    from tpud.supervisor import run_foreground
 
     logs.configure()
     try:
@@ -90,21 +91,26 @@ def _run(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(e, file=sys.stderr)
         return exit_codes.BAD_INPUT
-    return run_foreground(spec, Paths.resolve(args.home))
+    worker_log = "console" if sys.stdout.isatty() else "json"
+    return Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(spec, Path(args.job)),
+                  worker_log_format=worker_log).run()
 
 
 def _add_run(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run one job in the foreground",
-        description="Validate a job file, run its training worker as a child process under the supervisor, "
-        "stream its log, and exit with the worker's exit code (0 done, 75 stopped on request, "
-        "76 non-finite loss, 78 invalid job, other: crash). Ctrl-C or SIGTERM asks the worker to stop "
-        "at its next step boundary; a second one kills it.",
+        description="Validate a job file and run it in the foreground under the same supervisor as the daemon "
+        "(crash restarts with backoff, GCS tier, metrics), streaming the worker's log; exit with the worker's "
+        "last exit code when the job ends (0 done, 75 stopped, 76 non-finite loss, 78 invalid job, other: "
+        "crashed beyond its restart budget). Ctrl-C or SIGTERM checkpoints and stops; a second one kills.",
     )
     parser.add_argument("job", metavar="JOB.yaml", help="job file")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, value parsed as YAML (e.g. train.max_steps=50)")
+    parser.add_argument("--metrics-addr", metavar="HOST:PORT", default="127.0.0.1:0",
+                        help="Prometheus listener (default: a free port on 127.0.0.1, written to "
+                        "<runtime>/metrics.addr)")
     _add_home(parser)
     parser.set_defaults(func=_run)
 
@@ -135,7 +141,6 @@ def _checkpoints(args: argparse.Namespace) -> int:
     import json
     import logging
     import time
-    from pathlib import Path
 
     import structlog
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import structlog
 
+from engine.config import JobSpec
 from tpud import __version__
 from tpud.control import ControlError, ControlServer
 from tpud.jobs import Job, State
@@ -39,8 +40,12 @@ TICK_S = 0.5
 
 
 class Daemon:
-    def __init__(self, paths: Paths, metrics_addr: str | None = None):
-        self.paths = paths
+    """The service; with `single` set, `tpud run`: one job, no watcher or control socket,
+    and the loop ends when that job does."""
+
+    def __init__(self, paths: Paths, metrics_addr: str | None = None, single: tuple[JobSpec, Path] | None = None,
+                 worker_log_format: str = "json"):
+        self.paths, self.single, self.worker_log_format = paths, single, worker_log_format
         self.settings, settings_error = load_settings(paths.config)
         if settings_error:
             log.error("invalid settings file; using defaults", error=settings_error)
@@ -104,6 +109,14 @@ class Daemon:
     def reconcile(self) -> None:
         """Bring the jobs in line with jobs.d: start new ones, restart changed ones, stop removed ones."""
         self._rescan = False
+        if self.single is not None:
+            if not self.jobs:
+                spec, file = self.single
+                self.jobs[spec.name] = Job(spec, file, self.paths, self, self.metrics,
+                                           stop_timeout=self.settings.job_stop_timeout_seconds,
+                                           log_format=self.worker_log_format)
+                self.jobs[spec.name].start()
+            return
         files = scan(self.paths.jobs_dir)
         previously_invalid, self.invalid = self.invalid, {}
         present: set[str] = set()
@@ -236,14 +249,16 @@ class Daemon:
             directory.mkdir(parents=True, exist_ok=True)
         host, port = self.metrics.serve(self.metrics_addr)
         write_address_file(self.paths.runtime / "metrics.addr", host, port)
-        control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
-        control.start()
-        watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
-        watcher.start()
+        control = watcher = None
+        if self.single is None:
+            control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
+            control.start()
+            watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
+            watcher.start()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         previous_wakeup = signal.set_wakeup_fd(self._wake_w)
         self.watch(self._wake_r, self._drain_wake)
-        log.info("tpud daemon started", version=__version__, jobs_dir=str(self.paths.jobs_dir),
+        log.info("tpud started", version=__version__, jobs_dir=None if self.single else str(self.paths.jobs_dir),
                  metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"))
         try:
             self.reconcile()
@@ -267,6 +282,11 @@ class Daemon:
                     elif self._stopping_since is None:
                         log.info("stopping: checkpointing every job", signal=signal.Signals(signum).name)
                         self._begin_shutdown()
+                    else:
+                        log.warning("second stop signal: killing the workers")
+                        for job in self.jobs.values():
+                            if job.worker is not None:
+                                job.worker.signal(signal.SIGKILL)
                 if self._rescan and self._stopping_since is None:
                     self.reconcile()
                 for job in list(self.jobs.values()):
@@ -277,16 +297,29 @@ class Daemon:
                     last_status = summary
                 if self._stopping_since is not None and self._shutdown_done():
                     break
+                if self.single is not None and not any(job.active or job.state is State.BACKOFF
+                                                       for job in self.jobs.values()):
+                    self._stopping_since = time.monotonic()
+                    break
             remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
             for job in self.jobs.values():
                 if job.tiers.uploader is not None and not job.tiers.uploader.close(timeout=max(1.0, remaining)):
                     log.error("stop budget spent before every upload finished", job=job.name)
-            log.info("tpud daemon stopped")
-            return 0
+            log.info("tpud stopped")
+            return self._exit_status()
         finally:
             signal.set_wakeup_fd(previous_wakeup)
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            watcher.stop()
-            control.close()
+            if watcher is not None:
+                watcher.stop()
+            if control is not None:
+                control.close()
             self.metrics.close()
+
+    def _exit_status(self) -> int:
+        """The daemon exits 0; `tpud run` exits with its worker's last status."""
+        if self.single is None:
+            return 0
+        (job,) = self.jobs.values()
+        return job.last_status if job.last_status is not None else 1

@@ -96,9 +96,10 @@ def classify_exit(status: int) -> str:
 
 class Job:
     def __init__(self, spec: JobSpec, file: Path, paths: Paths, loop: Loop, metrics: MetricsSink,
-                 *, stop_timeout: float, clock=time.monotonic):
+                 *, stop_timeout: float, log_format: str = "json", clock=time.monotonic):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
-        self.clock, self.stop_timeout = clock, stop_timeout
+        self.clock, self.stop_timeout, self.log_format = clock, stop_timeout, log_format
+        self.last_status: int | None = None  # the last worker's exit status
         self.name = spec.name
         self.state = State.PENDING
         self.error: str | None = None
@@ -165,8 +166,10 @@ class Job:
         job_runtime = self.paths.runtime / "jobs"
         self.listener = channel.Listener(job_runtime / f"{self.name}.sock")
         self.loop.watch(self.listener, self._on_accept)
-        self.worker = WorkerProcess(self.spec, self.paths, "json", extra_env={"TPUD_CHANNEL": str(self.listener.path)})
+        self.worker = WorkerProcess(self.spec, self.paths, self.log_format,
+                                    extra_env={"TPUD_CHANNEL": str(self.listener.path)})
         self.loop.watch(self.worker.stdout, self._on_output)
+        log.info("worker started", job=self.name, pid=self.worker.pid)
         if self.first_started is None:
             self.first_started = time.time()
         self._set(State.STARTING, f"pid {self.worker.pid}")
@@ -306,6 +309,7 @@ class Job:
 
     def _exited(self, status: int) -> None:
         self._release()
+        self.last_status = status
         for waiter in self.waiters:
             waiter.future.set_exception(RuntimeError(f"worker exited ({status}) before the checkpoint"))
         self.waiters.clear()

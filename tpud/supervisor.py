@@ -1,16 +1,15 @@
-"""Run one job's worker as a child process, relay its output, and stop it cleanly.
+"""A worker process and the checkpoint tiers around it, as the supervisor sees them.
 
-supervisord's discipline: signal handlers only record what arrived (and wake the loop
-through set_wakeup_fd); the main loop decides what to do. The worker runs in its own
-process group so a terminal's Ctrl-C reaches only the supervisor, which then asks the
-worker to checkpoint and stop at its next boundary; a second signal kills it.
+The worker runs in its own process group (a terminal's Ctrl-C reaches only the
+supervisor, which then asks the worker to checkpoint and stop) and dies with its
+supervisor (parent-death signal), so no worker is ever orphaned. The GCS tier lives on
+the supervisor's side, so an upload outlives a worker crash.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from typing import BinaryIO
 import structlog
 
 from engine.config import JobSpec
-from tpud.gcs import GcsTier, RemoteError
+from tpud.gcs import GcsTier
 from tpud.paths import Paths
 from tpud.uploader import Uploader, ensure_newest_local
 
@@ -104,64 +103,6 @@ class CheckpointTiers:
     def close(self) -> bool:
         """Wait for pending uploads; True when everything committed locally is also remote."""
         return self.uploader.close(timeout=None) if self.uploader else True
-
-
-def run_foreground(spec: JobSpec, paths: Paths, out: BinaryIO | None = None) -> int:
-    """Run the job's worker to completion; returns its exit status."""
-    out = out or sys.stdout.buffer
-    # The worker's log is parsed for checkpoint events, so it is JSON whatever the terminal.
-    tiers = CheckpointTiers(spec, paths)
-    log_format = "console" if os.isatty(out.fileno()) and tiers.tier is None else "json"
-    try:
-        tiers.prepare()
-    except RemoteError as e:
-        log.error("cannot reach the GCS tier to find the newest checkpoint; not starting", error=str(e))
-        return 1
-    received: list[int] = []
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    previous_wakeup = signal.set_wakeup_fd(wake_w)
-    try:
-        worker = WorkerProcess(spec, paths, log_format)
-        log.info("worker started", job=spec.name, pid=worker.pid, state_dir=str(paths.state))
-        selector = selectors.DefaultSelector()
-        selector.register(worker.stdout, selectors.EVENT_READ)
-        selector.register(wake_r, selectors.EVENT_READ)
-        stops_sent, partial = 0, b""
-        while True:
-            for key, _ in selector.select():
-                if key.fileobj == wake_r:
-                    os.read(wake_r, 512)
-                    continue
-                chunk = worker.stdout.read(65536)
-                if not chunk:  # EOF: the worker and everything it spawned closed the pipe
-                    status = worker.wait()
-                    log.info("worker exited", job=spec.name, status=status)
-                    if not tiers.close():
-                        log.error("some checkpoints were not uploaded", job=spec.name)
-                    return status
-                out.write(chunk)
-                out.flush()
-                *lines, partial = (partial + chunk).split(b"\n")
-                for line in lines:
-                    tiers.on_worker_line(line)
-            while received:
-                signum = received.pop(0)
-                stops_sent += 1
-                if stops_sent == 1:
-                    log.info("stopping worker: checkpoint, then exit", signal=signal.Signals(signum).name)
-                    worker.signal(signal.SIGTERM)
-                else:
-                    log.warning("second stop signal: killing the worker")
-                    worker.signal(signal.SIGKILL)
-    finally:
-        signal.set_wakeup_fd(previous_wakeup)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        os.close(wake_r)
-        os.close(wake_w)
 
 
 def die_with_parent(expected_parent: int | None) -> None:
