@@ -14,6 +14,7 @@ import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO, python_env
+from tests.prometheus import prometheus  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 JOB = """\
@@ -199,3 +200,39 @@ def test_systemd_unit_verifies(tmp_path):
     local.write_text(unit.replace("/usr/local/bin/tpud", str(Path(PYTHON).parent / "tpud")))
     out = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_prometheus_scrapes_the_daemon_and_the_control_socket_survives_fuzzing(tmp_path, prometheus):  # noqa: F811
+    (tmp_path / "jobs.d").mkdir()
+    (tmp_path / "jobs.d" / "gamma.yaml").write_text(job_text("gamma"))
+    daemon = Daemon(tmp_path)
+    try:
+        daemon.wait_for(lambda j: j.get("gamma", {}).get("state") == "RUNNING", "gamma running")
+        address = (tmp_path / "run" / "metrics.addr").read_text().strip()
+        server = prometheus([address])
+        samples = server.wait_for('tpud_job_step{job="gamma"}', lambda s: s and s[0].value > 0, timeout=60)
+        assert samples[0].value > 0
+
+        # Garbage on the control socket: each line answered or the connection dropped.
+        payloads = [b"{", b"[]", b"null", b'{"version": 1}', b'{"version": 2, "command": "status"}',
+                    b'{"version": 1, "command": "status", "jobs": "gamma"}', b'{"version": 1, "command": "nope"}',
+                    b'{"version": 1, "command": "stop", "job": 7}', bytes(range(256)), b"x" * (2 << 20)]
+        for payload in payloads:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(str(tmp_path / "run" / "control.sock"))
+                try:
+                    s.sendall(payload + b"\n")
+                    reply = s.recv(65536)
+                except (BrokenPipeError, ConnectionResetError):
+                    continue  # dropped: allowed for oversized lines
+                assert not reply or json.loads(reply.splitlines()[0])["ok"] is False
+        for _ in range(20):  # abrupt disconnects mid-line
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(tmp_path / "run" / "control.sock"))
+                s.sendall(b'{"version": 1, "comm')
+        jobs = daemon.status()
+        assert jobs["gamma"]["state"] == "RUNNING" and daemon.proc.poll() is None
+    finally:
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(timeout=60) == 0
