@@ -316,20 +316,17 @@ class Job:
         log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
         if status == exit_codes.OK:
             self._set(State.SUCCEEDED, "reached max_steps")
-        elif self.stop_reason == "reload" and status in (exit_codes.STOPPED, exit_codes.OK):
+        elif self.stop_reason == "reload":  # however it exited, the new spec takes over
             self._adopt(self.next_spec or self.spec)
             self.start()
-        elif self.stop_reason is not None and status == exit_codes.STOPPED:
-            self._set(State.STOPPED, self.stop_reason)
-        elif self.stop_reason is not None and self.kill_at is None and status > 128:
-            self._set(State.STOPPED, f"{self.stop_reason} (killed)")
+        elif self.stop_reason is not None:
+            detail = "" if status == exit_codes.STOPPED else f" (exit {status}, no final checkpoint)"
+            self._set(State.STOPPED, self.stop_reason + detail)
         elif status == exit_codes.STOPPED:
             self.start()  # stopped on a request from outside the daemon: resume
         elif status in (exit_codes.BAD_INPUT, exit_codes.NONFINITE_LOSS):
             self.error = self._last_error_line or f"worker exited with {status}"
             self._set(State.FAILED, f"exit {status}")
-        elif self.stop_reason is not None:
-            self._set(State.STOPPED, f"{self.stop_reason} (exit {status})")
         else:
             self._crashed(self._last_error_line or f"worker exited with {status}", classify_exit(status))
 
