@@ -147,3 +147,16 @@ def test_interval_seconds_triggers_saves_sync_or_async(tiny_spec, tmp_path, mode
     assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path))] == [1, 2, 3, 4, 5]
     started = [f["reason"] for e, f in script.events if e == "checkpoint_started"]
     assert started == ["interval"] * 4 + ["final"]
+
+
+def test_when_the_only_checkpoint_is_damaged_the_process_refuses_to_train_on_it(tiny_spec, tmp_path):
+    spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.interval_steps=0")
+    trainer(spec, tmp_path).run()
+    data = next((job_dir(tmp_path) / "step_000000004").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="failed verification"):
+        trainer(spec, tmp_path)
+    assert trainer(spec, tmp_path).progress.step == 0  # the restart begins afresh
+    assert len(list((job_dir(tmp_path) / "corrupt").iterdir())) == 1

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from engine.backends.base import Backend, DataPosition, peak_flops_for
@@ -71,18 +70,13 @@ class TorchBackend(Backend):
             values /= dist.get_world_size()
         callback(values.tolist())
 
-    def stage(self, state: dict) -> dict:
-        if self.device.type != "cuda":
-            return super().stage(state)
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        # Pinned memory on CUDA: device-to-host copies run at full speed and asynchronously.
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.device.type == "cuda")
 
-        def to_pinned(x):
-            if not isinstance(x, torch.Tensor):
-                return x
-            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x.detach(), non_blocking=True)
-
-        staged = tree_map(to_pinned, state)
-        torch.cuda.synchronize(self.device)
-        return staged
+    def _staging_done(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def memory_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None

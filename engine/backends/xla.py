@@ -126,8 +126,12 @@ class XlaBackend(Backend):
 
     def stage(self, state: dict) -> dict:
         # Each device's shard goes to the host as it is, never gathered into a whole tensor.
+        import torch_xla.core.xla_model as xm
         from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
+        # Shard handles are placeholders while the step that fills them still runs
+        # asynchronously; reading them then fails ("async operation is in flight").
+        xm.wait_device_ops()
         return _sharded_cpu_state_dict(state)
 
     def shard_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -142,6 +146,9 @@ class XlaBackend(Backend):
             for value in optimizer.state.get(param, {}).values():
                 if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
                     self._xs.mark_sharding(value, self.mesh, spec)
+
+    def host_view(self, state: dict) -> dict:
+        return self.stage(state)  # device shards must reach the host either way
 
     def planners(self) -> tuple:
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
