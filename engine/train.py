@@ -265,8 +265,13 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         log.error("invalid job spec", problems=str(e).splitlines())
         return exit_codes.BAD_INPUT
     logs.configure(spec.logging.level)
+    return train(spec, args.state_dir or default_state_dir(), hooks or SignalHooks())
+
+
+def train(spec: JobSpec, state_dir: Path, hooks: Hooks) -> int:
+    """Train a validated spec to its end or a stop; the worker's exit code."""
     try:
-        trainer = Trainer(spec, args.state_dir or default_state_dir(), hooks or SignalHooks())
+        trainer = Trainer(spec, state_dir, hooks)
     except ConfigError as e:
         log.error("job cannot run here", key=e.key, error=str(e))
         return exit_codes.BAD_INPUT

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from engine import exit_codes, logs
+from engine import logs
 from engine.config import JobSpec
-from engine.errors import ConfigError
 from engine.hooks import Action, Boundary, Request, SignalHooks
 from tpud import channel
 from tpud.supervisor import die_with_parent
@@ -63,17 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = JobSpec.model_validate_json(args.spec.read_text())
     logs.configure(spec.logging.level)
     structlog.contextvars.bind_contextvars(job=spec.name)
-    from engine.train import Trainer  # torch is imported here, after argument checks
+    from engine.train import train  # torch is imported here, after argument checks
 
-    try:
-        trainer = Trainer(spec, args.state_dir, ChannelHooks(os.environ.get("TPUD_CHANNEL")))
-    except ConfigError as e:
-        log.error("job cannot run here", key=e.key, error=str(e))
-        return exit_codes.BAD_INPUT
-    try:
-        return trainer.run()
-    finally:
-        trainer.backend.close()
+    return train(spec, args.state_dir, ChannelHooks(os.environ.get("TPUD_CHANNEL")))
 
 
 if __name__ == "__main__":
