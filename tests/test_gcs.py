@@ -431,3 +431,22 @@ def test_uploader_clears_stale_pins_and_unpins_on_close(gcs_server, tmp_path):
     uploader.submit(make_step(local, 8, sizes=(100,)))
     assert uploader.close(timeout=30)
     assert pinned_steps(local) == set() and uploader.stats.last == "step_000000008"
+
+
+@pytest.mark.slow  # the failed attempt waits out the client's retries
+def test_uploader_reports_each_attempt(gcs_server, tmp_path, monkeypatch):
+    local = tmp_path / "local" / JOB
+    results = []
+    uploader = Uploader(make_tier(), local, keep=3, retry_initial=0.1, retry_maximum=0.2,
+                        on_result=lambda key, transfer: results.append((key, transfer))).start()
+    uploader.submit(make_step(local, 4))
+    assert uploader.wait(60)
+    assert results[0][0] == (4, 0) and results[0][1].bytes > 0
+    gcs_server.stop()  # the next attempt fails: reported with no transfer
+    uploader.submit(make_step(local, 8, seed=1))
+    deadline = time.monotonic() + 30
+    while not any(t is None for _, t in results) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ((8, 0), None) in results
+    gcs_server.restart()
+    uploader.close(timeout=60)

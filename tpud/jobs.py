@@ -108,7 +108,7 @@ class Job:
         self.worker: WorkerProcess | None = None
         self.listener: channel.Listener | None = None
         self.connection: channel.Connection | None = None
-        self.tiers = CheckpointTiers(spec, paths)
+        self.tiers = CheckpointTiers(spec, paths, self._uploaded)
         self.waiters: list[Waiter] = []
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown
         self.next_spec: JobSpec | None = None
@@ -198,7 +198,7 @@ class Job:
 
     def _adopt(self, spec: JobSpec) -> None:
         self.spec, self.next_spec = spec, None
-        self.tiers = CheckpointTiers(spec, self.paths)
+        self.tiers = CheckpointTiers(spec, self.paths, self._uploaded)
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
@@ -282,6 +282,17 @@ class Job:
         self.waiters.clear()
         if self.state is State.CHECKPOINTING:
             self._set(State.RUNNING, f"checkpoint at step {checkpoint.step}")
+
+    def _uploaded(self, key: tuple[int, int], transfer) -> None:
+        """From the uploader's thread: the GCS tier's metrics, and status's newest checkpoint."""
+        if transfer is None:
+            self.metrics.checkpoint_failure(self.name, "gcs")
+            return
+        self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
+                                bytes=transfer.bytes, step=key[0])
+        last = self.last_checkpoint
+        if last is None or (key[0], key[1]) >= (last.step, last.micro_step):
+            self.last_checkpoint = Checkpoint(key[0], key[1], "gcs", "", time.time())  # one assignment: atomic
 
     def _on_output(self) -> None:
         chunk = self.worker.stdout.read(65536)

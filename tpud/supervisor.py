@@ -78,10 +78,12 @@ class CheckpointTiers:
     It lives here rather than in the worker so that an upload outlives a worker crash.
     """
 
-    def __init__(self, spec: JobSpec, paths: Paths):
+    def __init__(self, spec: JobSpec, paths: Paths, on_upload=None):
+        """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread."""
         self.local_job_dir = Path(spec.checkpoint.dir or paths.state / "checkpoints") / spec.name
         self.tier = GcsTier.for_spec(spec)
-        self.uploader = Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep) if self.tier else None
+        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)
+                         if self.tier else None)
 
     def prepare(self) -> None:
         """Before a worker starts: bring the newest committed step here if only GCS has it."""

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from engine.checkpoint.manifest import PINS, pin, read_manifest, step_dir_name, unpin
-from tpud.gcs import GcsTier, RemoteConflict, newest_valid_local
+from tpud.gcs import GcsTier, RemoteConflict, Transfer, newest_valid_local
 
 log = structlog.get_logger()
 
@@ -53,8 +54,11 @@ class Uploader:
     """Background uploads of one job's committed local steps (in local_job_dir) to its GcsTier."""
 
     def __init__(self, tier: GcsTier, local_job_dir: Path, keep: int, *, retry_initial: float = 5.0,
-                 retry_maximum: float = 300.0):
+                 retry_maximum: float = 300.0, on_result: Callable[[Key, Transfer | None], None] | None = None):
+        """on_result(key, transfer) after each attempt, from the uploader's thread; transfer is
+        None when the attempt failed."""
         self.tier = tier
+        self.on_result = on_result
         self.local_job_dir = Path(local_job_dir)
         self.keep = keep
         self.retry_initial = retry_initial
@@ -220,6 +224,7 @@ class Uploader:
             self._bytes += transfer.bytes
             self._last = max(key, self._last or key)
             self._last_error = None
+        self._report(key, transfer)
         try:
             deleted = self.tier.apply_retention(self.keep)
             if deleted:
@@ -230,7 +235,15 @@ class Uploader:
             log.warning("gcs retention failed; tried again after the next upload", job=self.tier.job, error=str(e))
         return False
 
+    def _report(self, key: Key, transfer: Transfer | None) -> None:
+        if self.on_result is not None:
+            try:
+                self.on_result(key, transfer)
+            except Exception as e:  # a reporting bug must not stop uploads
+                log.error("gcs uploader: on_result failed", job=self.tier.job, error=repr(e))
+
     def _failed(self, key: Key, step_dir: Path, error: Exception) -> bool:
+        self._report(key, None)
         with self._cond:
             self._failures += 1
             self._last_error = f"{step_dir.name}: {error}"
