@@ -113,3 +113,14 @@ def test_restart_counts_and_hold_survive_a_daemon_restart(make_job):
     again = make()
     assert again.restarts_total == 1 and again.held
     assert [h["to"] for h in again.history] == ["BACKOFF"]
+
+
+def test_workers_never_inherit_the_service_managers_sockets(monkeypatch):
+    from tpud.supervisor import worker_env
+
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("KEEP_ME", "1")
+    env = worker_env("json")
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"} & env.keys()
+    assert env["KEEP_ME"] == "1" and env["TPUD_LOG_FORMAT"] == "json" and env["PYTHONUNBUFFERED"] == "1"
