@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# Fixtures that start real servers: fake-gcs-server and Debian's Prometheus.
+pytest_plugins = ("tests.gcs_server", "tests.prometheus")
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
 

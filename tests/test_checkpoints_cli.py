@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import PYTHON, REPO, python_env
-from tests.gcs_server import GcsServer, free_port, gcs_server  # noqa: F401  (fixture)
+from tests.gcs_server import free_port
 from tests.test_gcs import BUCKET, FAST, make_step
 from tpud.gcs import GcsTier
 

@@ -14,7 +14,6 @@ import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO, python_env
-from tests.prometheus import prometheus  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 JOB = """\
@@ -202,7 +201,7 @@ def test_systemd_unit_verifies(tmp_path):
     assert out.returncode == 0, out.stderr
 
 
-def test_prometheus_scrapes_the_daemon_and_the_control_socket_survives_fuzzing(tmp_path, prometheus):  # noqa: F811
+def test_prometheus_scrapes_the_daemon_and_the_control_socket_survives_fuzzing(tmp_path, prometheus):
     (tmp_path / "jobs.d").mkdir()
     (tmp_path / "jobs.d" / "gamma.yaml").write_text(job_text("gamma"))
     daemon = Daemon(tmp_path)

@@ -23,7 +23,7 @@ from engine.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
-from tests.gcs_server import GcsServer, gcs_server  # noqa: F401  (fixture)
+from tests.gcs_server import GcsServer
 from tpud.gcs import GcsTier, RemoteConflict, RemoteCorrupt, RemoteUnavailable, RetryPolicy
 from tpud.uploader import Uploader, ensure_newest_local
 

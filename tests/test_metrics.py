@@ -24,7 +24,6 @@ from tpud.metrics import (
     write_address_file,
 )
 from tests import prometheus as prometheus_helper
-from tests.prometheus import prometheus  # noqa: F401  (fixture)
 
 
 class FakeClock:

@@ -10,7 +10,6 @@ import pytest
 
 from engine import exit_codes
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.gcs_server import gcs_server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 QUICK = ["data.corpus_bytes=400000", "data.micro_batch_size=4", "data.seq_len=64", "scheduler.warmup_steps=1",

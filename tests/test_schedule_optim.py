@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from engine.attention.sdpa import sdpa_attention

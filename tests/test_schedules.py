@@ -257,8 +257,6 @@ def test_trainer_runs_each_steps_micro_batches_under_a_ramp(tiny_spec, tmp_path)
 
 
 def test_wsd_decay_longer_than_the_steps_after_warmup_is_an_error(tmp_path):
-    from engine.specfile import SpecError, load_spec
-
     job = tmp_path / "job.yaml"
     job.write_text("name: j\ntrain:\n  max_steps: 100\nscheduler:\n  name: wsd\n  warmup_steps: 50\n"
                    "  decay_fraction: 0.6\n")
