@@ -26,6 +26,21 @@ class Request:
     deadline_s: float | None = None
 
 
+_STRENGTH = {Action.CHECKPOINT: 0, Action.CHECKPOINT_AND_EXIT: 1, Action.STOP: 2}
+
+
+def merge(a: Request | None, b: Request | None) -> Request | None:
+    """Two pending requests as one: the stronger action, the tighter deadline.
+
+    A checkpoint asked for while a checkpoint-and-exit waits must not cancel the exit.
+    """
+    if a is None or b is None:
+        return a or b
+    action = max(a.action, b.action, key=_STRENGTH.__getitem__)
+    deadlines = [d for d in (a.deadline_s, b.deadline_s) if d is not None]
+    return Request(action, min(deadlines) if deadlines else None)
+
+
 @dataclass(frozen=True)
 class Boundary:
     step: int        # optimizer steps completed
@@ -53,8 +68,7 @@ class SignalHooks(Hooks):
         signal.signal(signal.SIGUSR1, lambda *_: self._record(Action.CHECKPOINT))
 
     def _record(self, action: Action) -> None:
-        if self._pending is None or self._pending.action is not Action.CHECKPOINT_AND_EXIT:
-            self._pending = Request(action, deadline_s=0.0)
+        self._pending = merge(self._pending, Request(action, deadline_s=0.0))
 
     def poll(self, at: Boundary) -> Request | None:
         request, self._pending = self._pending, None

@@ -31,7 +31,7 @@ from engine.data.corpus import stdlib_corpus
 from engine.data.loader import AccumSchedule, PackedLoader
 from engine.errors import ConfigError
 from engine.checkpoint.checkpointer import Checkpointer, Progress
-from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks
+from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.models.llama import Transformer, flops_per_token
 from engine.optim import build_optimizer
@@ -152,10 +152,7 @@ class Trainer:
     def _request(self) -> Request | None:
         """The request to act on at this boundary, if any; others wait for their boundary."""
         p = self.progress
-        incoming = self.hooks.poll(Boundary(p.step, p.micro_step))
-        if incoming is not None:
-            self._deferred = incoming
-        request = self._deferred
+        request = self._deferred = merge(self._deferred, self.hooks.poll(Boundary(p.step, p.micro_step)))
         if request is None or p.micro_step == 0:
             self._deferred = None
             return request

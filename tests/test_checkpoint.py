@@ -160,3 +160,24 @@ def test_when_the_only_checkpoint_is_damaged_the_process_refuses_to_train_on_it(
         trainer(spec, tmp_path)
     assert trainer(spec, tmp_path).progress.step == 0  # the restart begins afresh
     assert len(list((job_dir(tmp_path) / "corrupt").iterdir())) == 1
+
+
+@pytest.mark.parametrize("stop_at", [Boundary(0, 0), Boundary(0, 1), Boundary(0, 2)])
+def test_a_checkpoint_before_the_first_update_resumes_exactly(tiny_spec, tmp_path, stop_at):
+    spec = tiny_spec(*QUICK, "train.max_steps=3", "checkpoint.interval_steps=0")
+    whole = trainer(spec, tmp_path / "whole", hooks := Script())
+    whole.run()
+    assert trainer(spec, tmp_path / "cut", Script({stop_at: Request(Action.CHECKPOINT_AND_EXIT, 0)})).run() == 75
+    resumed = trainer(spec, tmp_path / "cut", again := Script())
+    assert resumed.run() == 0
+    assert_same_training_state(whole, resumed)
+    assert again.losses == hooks.losses
+
+
+def test_a_later_checkpoint_request_does_not_cancel_a_pending_exit(tiny_spec, tmp_path):
+    requests = {Boundary(1, 1): Request(Action.CHECKPOINT_AND_EXIT),  # waits for the step boundary
+                Boundary(1, 2): Request(Action.CHECKPOINT, deadline_s=0)}
+    t = trainer(tiny_spec(*QUICK, "checkpoint.interval_steps=0"), tmp_path, Script(requests))
+    assert t.run() == 75
+    # Merged: exit (the stronger action) at the next boundary (the tighter deadline).
+    assert (t.progress.step, t.progress.micro_step) == (1, 2)

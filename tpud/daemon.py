@@ -138,13 +138,16 @@ class Daemon:
                                             stop_timeout=self.settings.job_stop_timeout_seconds)
                 job.digest = job_file.digest
                 if not job.held:
-                    job.start()
+                    self._guard(job.start, job)
             elif job.digest != job_file.digest:
                 job.digest, job.error = job_file.digest, None
                 log.info("job file changed; restarting with the new spec", job=name)
-                job.replace_spec(spec, path)
+                self._guard(lambda: job.replace_spec(spec, path), job)
             else:
                 job.error = None
+                if job.state is State.STOPPED and job.stop_reason == "removed" and not job.held:
+                    log.info("job file is back; starting", job=name)
+                    self._guard(job.start, job)
         for name, job in self.jobs.items():
             if name not in present and job.state not in (State.STOPPED, State.STOPPING):
                 log.info("job file removed; checkpointing and stopping", job=name)
@@ -187,6 +190,8 @@ class Daemon:
             job.held = True
             job.stop("stop")
         else:
+            if self._stopping_since is not None:
+                raise ControlError("not_running", "the daemon is shutting down")
             job.held = False
             job.start()
         return {"job": name, "state": job.state.value}
@@ -215,6 +220,21 @@ class Daemon:
         return {"results": results}
 
     # --- the loop ---
+
+    def _guard(self, fn: Callable[[], None], job: Job | None = None) -> None:
+        """Nothing a worker sends or a file says may take the daemon (and every job) down."""
+        try:
+            fn()
+        except Exception as e:
+            log.exception("internal error handled; the daemon carries on", job=job.name if job else None,
+                          error=repr(e))
+            if job is not None:
+                job.fail(f"internal error: {e!r}")
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run fn on the loop thread soon (from any thread, without waiting)."""
+        self._calls.put((lambda: self._guard(fn), Future()))
+        self.wake()
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signals.append(signum)
@@ -266,7 +286,9 @@ class Daemon:
             last_status = ""
             while True:
                 for key, _ in self.selector.select(TICK_S):
-                    key.data()
+                    # An earlier callback of this same batch may have released this object.
+                    if self.selector.get_map().get(key.fd) is key:
+                        self._guard(key.data)
                 while not self._calls.empty():
                     fn, future = self._calls.get()
                     try:
@@ -288,9 +310,9 @@ class Daemon:
                             if job.worker is not None:
                                 job.worker.signal(signal.SIGKILL)
                 if self._rescan and self._stopping_since is None:
-                    self.reconcile()
+                    self._guard(self.reconcile)
                 for job in list(self.jobs.values()):
-                    job.tick()
+                    self._guard(job.tick, job)
                 self.notifier.watchdog()
                 if (summary := self._summary()) != last_status:
                     self.notifier.status(summary)
@@ -301,8 +323,8 @@ class Daemon:
                                                        for job in self.jobs.values()):
                     self._stopping_since = time.monotonic()
                     break
-            remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
             for job in self.jobs.values():
+                remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
                 if job.tiers.uploader is not None and not job.tiers.uploader.close(timeout=max(1.0, remaining)):
                     log.error("stop budget spent before every upload finished", job=job.name)
             log.info("tpud stopped")

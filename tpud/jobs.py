@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -57,6 +58,7 @@ class Loop(Protocol):
     def watch(self, fileobj, callback) -> None: ...
     def unwatch(self, fileobj) -> None: ...
     def relay(self, output: bytes) -> None: ...
+    def post(self, fn) -> None: ...  # run fn on the loop thread, from any thread
 
 
 class MetricsSink(Protocol):
@@ -82,6 +84,7 @@ class Waiter:
     """A `tpud checkpoint-now` caller waiting for the next local commit."""
 
     future: Future
+    after_step: int = 0  # only a checkpoint of this step or later answers the request
     since: float = field(default_factory=time.monotonic)
 
 
@@ -125,6 +128,8 @@ class Job:
         # An operator's `tpud stop` holds the job stopped until `tpud start`, across daemon restarts.
         self.held: bool = persisted.get("held", False)
         self.digest: str | None = None  # of the job file this spec came from
+        self.heartbeat_step = 0  # the step of the worker's latest heartbeat
+        self._preparing = False  # a thread is fetching the newest checkpoint from GCS
         self.metrics.job_state(self.name, self.state.value)
 
     # --- persistence ---
@@ -155,14 +160,38 @@ class Job:
 
     def start(self) -> None:
         """Start (or restart) the worker, resuming from the newest committed checkpoint."""
-        if self.worker is not None:
+        if self.worker is not None or self._preparing:
             return
-        self.error, self.stop_reason, self.kill_at = None, None, None
+        if self.next_spec is not None:  # a reload interrupted by a stop: the new spec wins
+            self._adopt(self.next_spec)
+        self.error, self.stop_reason, self.kill_at, self._last_error_line = None, None, None, None
+        if self.tiers.tier is None:
+            self._spawn()
+            return
+        # Listing and downloading from GCS can take minutes: never on the loop thread.
+        self._preparing = True
+        self._set(State.STARTING, "fetching the newest checkpoint from GCS")
+        threading.Thread(target=self._prepare, name=f"prepare-{self.name}", daemon=True).start()
+
+    def _prepare(self) -> None:
         try:
             self.tiers.prepare()
         except Exception as e:  # an unreachable GCS tier: retry later, like a crash
-            self._crashed(f"cannot prepare checkpoints: {e}", "checkpoint_tier")
-            return
+            error = f"cannot prepare checkpoints: {e}"
+            self.loop.post(lambda: self._prepared(error))
+        else:
+            self.loop.post(lambda: self._prepared(None))
+
+    def _prepared(self, error: str | None) -> None:
+        self._preparing = False
+        if self.stop_reason is not None:  # stopped while preparing
+            self._set(State.STOPPED, self.stop_reason)
+        elif error is not None:
+            self._crashed(error, "checkpoint_tier")
+        else:
+            self._spawn()
+
+    def _spawn(self) -> None:
         job_runtime = self.paths.runtime / "jobs"
         self.listener = channel.Listener(job_runtime / f"{self.name}.sock")
         self.loop.watch(self.listener, self._on_accept)
@@ -177,6 +206,8 @@ class Job:
     def stop(self, reason: str) -> None:
         """Checkpoint and stop; a worker that does not stop in time is killed."""
         self.stop_reason = reason
+        if self._preparing:
+            return  # _prepared() sees the stop
         if self.state in (State.STARTING, State.RUNNING, State.CHECKPOINTING):
             self._request("checkpoint_and_exit", deadline_s=None, fallback=signal.SIGTERM)
             self.kill_at = self.clock() + self.stop_timeout
@@ -197,12 +228,16 @@ class Job:
                 self.start()
 
     def _adopt(self, spec: JobSpec) -> None:
+        old_remote = self.spec.checkpoint.remote
         self.spec, self.next_spec = spec, None
-        self.tiers = CheckpointTiers(spec, self.paths, self._uploaded)
+        if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
+            # The old uploader finishes its upload in flight in the background, then stops.
+            threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
+            self.tiers = CheckpointTiers(spec, self.paths, self._uploaded)
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
-        waiter = Waiter(Future())
+        waiter = Waiter(Future(), after_step=self.heartbeat_step)
         if self.state not in (State.RUNNING, State.CHECKPOINTING):
             waiter.future.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
             return waiter.future
@@ -219,7 +254,17 @@ class Job:
 
     # --- what the loop hands us ---
 
+    def fail(self, error: str) -> None:
+        """An internal error while handling this job: treat it as a crash of its worker."""
+        self.error = error
+        if self.worker is not None:
+            self.worker.signal(signal.SIGKILL)  # its exit is then handled as a crash
+        else:
+            self._crashed(error, "internal")
+
     def _on_accept(self) -> None:
+        if self.listener is None:
+            return
         connection = self.listener.accept()
         if connection is None:
             return
@@ -230,6 +275,8 @@ class Job:
         self.loop.watch(connection, self._on_channel)
 
     def _on_channel(self) -> None:
+        if self.connection is None:
+            return
         messages = self.connection.receive()
         if messages is None:
             self.loop.unwatch(self.connection)
@@ -243,6 +290,8 @@ class Job:
         kind = message.get("type")
         if kind in ("hello", "heartbeat"):
             self.metrics.heartbeat(self.name, self.clock())
+            if isinstance(message.get("step"), int):
+                self.heartbeat_step = message["step"]
         if kind == "heartbeat" and self.state is State.STARTING:
             self._set(State.RUNNING)  # the loop is running: restore and compilation are behind it
         if kind != "event":
@@ -268,6 +317,8 @@ class Job:
                 self._set(State.RUNNING, "checkpoint failed")
 
     def _committed(self, message: dict) -> None:
+        if not isinstance(message.get("step"), int) or not isinstance(message.get("path"), str):
+            return  # not something our worker sends
         checkpoint = Checkpoint(message["step"], message.get("micro_step", 0), "local", message["path"], time.time())
         self.last_checkpoint = checkpoint
         self.metrics.checkpoint(self.name, tier="local", reason=message.get("reason", ""),
@@ -277,10 +328,12 @@ class Job:
             self.tiers.uploader.submit(Path(checkpoint.path))
         result = {"job": self.name, "ok": True, "step": checkpoint.step, "micro_step": checkpoint.micro_step,
                   "tier": "local", "path": checkpoint.path, "seconds": message.get("seconds")}
-        for waiter in self.waiters:
+        # An older save still being written when the request came does not answer it.
+        answered = [w for w in self.waiters if checkpoint.step >= w.after_step]
+        for waiter in answered:
             waiter.future.set_result({**result, "seconds": round(time.monotonic() - waiter.since, 3)})
-        self.waiters.clear()
-        if self.state is State.CHECKPOINTING:
+        self.waiters = [w for w in self.waiters if w not in answered]
+        if self.state is State.CHECKPOINTING and not self.waiters:
             self._set(State.RUNNING, f"checkpoint at step {checkpoint.step}")
 
     def _uploaded(self, key: tuple[int, int], transfer) -> None:
@@ -290,9 +343,12 @@ class Job:
             return
         self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
                                 bytes=transfer.bytes, step=key[0])
+        self.loop.post(lambda: self._uploaded_on_loop(key))
+
+    def _uploaded_on_loop(self, key: tuple[int, int]) -> None:
         last = self.last_checkpoint
         if last is None or (key[0], key[1]) >= (last.step, last.micro_step):
-            self.last_checkpoint = Checkpoint(key[0], key[1], "gcs", "", time.time())  # one assignment: atomic
+            self.last_checkpoint = Checkpoint(key[0], key[1], "gcs", "", time.time())
 
     def _on_output(self) -> None:
         chunk = self.worker.stdout.read(65536)
@@ -300,6 +356,7 @@ class Job:
             # Relay the worker's log (JSON lines) to ours; remember its last error for status.
             self.loop.relay(chunk)
             *lines, self._partial = (self._partial + chunk).split(b"\n")
+            self._partial = self._partial[-65536:]  # a worker printing without newlines
             for line in lines:
                 if b'"level": "error"' in line or b"Traceback" in line or b"Error" in line[:80]:
                     self._last_error_line = line.decode(errors="replace")[-2000:]

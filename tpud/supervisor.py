@@ -81,6 +81,7 @@ class CheckpointTiers:
     def __init__(self, spec: JobSpec, paths: Paths, on_upload=None):
         """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread."""
         self.local_job_dir = Path(spec.checkpoint.dir or paths.state / "checkpoints") / spec.name
+        self.keep = spec.checkpoint.keep
         self.tier = GcsTier.for_spec(spec)
         self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)
                          if self.tier else None)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 import structlog
 
 from engine import logs
 from engine.config import JobSpec
-from engine.hooks import Action, Boundary, Request, SignalHooks
+from engine.hooks import Action, Boundary, Request, SignalHooks, merge
 from tpud import channel
 from tpud.supervisor import die_with_parent
 
@@ -29,23 +30,33 @@ class ChannelHooks(SignalHooks):
 
     def __init__(self, path: str | None):
         super().__init__()
+        # The checkpoint writer's thread emits events while the training thread polls.
+        self._lock = threading.Lock()
         self.connection = channel.connect(path) if path else None
         self.heartbeats = channel.HeartbeatClock()
         self._send({"type": "hello", "pid": os.getpid()})
 
     def _send(self, message: dict) -> None:
-        if self.connection is not None and not self.connection.send(message):
-            log.warning("lost the daemon channel; signals still work")
-            self.connection = None
+        with self._lock:
+            if self.connection is not None and not self.connection.send(message):
+                log.warning("lost the daemon channel; signals still work")
+                self.connection = None
 
     def poll(self, at: Boundary) -> Request | None:
         if self.heartbeats.due():
             self._send({"type": "heartbeat", "step": at.step, "micro_step": at.micro_step})
         request = super().poll(at)
-        for message in (self.connection.receive() or []) if self.connection else []:
+        with self._lock:
+            messages = (self.connection.receive() or []) if self.connection is not None else []
+        for message in messages:
             if message.get("type") == "request":
-                deadline = message.get("deadline_s")
-                request = Request(Action(message["action"]), None if deadline is None else float(deadline))
+                try:
+                    deadline = message.get("deadline_s")
+                    incoming = Request(Action(message["action"]), None if deadline is None else float(deadline))
+                except (KeyError, ValueError, TypeError):
+                    log.warning("ignoring a malformed request from the daemon", message=message)
+                    continue
+                request = merge(request, incoming)
         return request
 
     def emit(self, event: str, **fields) -> None:

@@ -79,6 +79,23 @@ class Checkpointer:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._remove_unfinished()
+        self._create_optimizer_state()
+
+    def _create_optimizer_state(self) -> None:
+        """Create the optimizer's state now, exactly as its first step would.
+
+        DCP's state-dict helper fills an empty optimizer's state with a zero-lr step, which
+        also counts a step: a checkpoint taken before the first update would otherwise
+        resume with a different step count, or hold no optimizer state at all. Doing it in
+        every run, and resetting the counters, makes state creation part of the start.
+        """
+        get_state_dict(self.model, self.optimizer)
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                state["step"] = 0
 
     def emit(self, event: str, **fields) -> None:
         """To the supervisor through the hooks, and to the log for the operator."""
@@ -106,8 +123,12 @@ class Checkpointer:
     def save(self, progress: Progress, reason: str, *, wait: bool = False) -> None:
         """Checkpoint `progress`; returns once staged (async) or committed (sync or wait)."""
         self.wait()
-        if (self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)).exists():
-            return  # already committed (e.g. the step this run resumed from)
+        existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
+        if existing.exists():  # already committed (e.g. the step this run resumed from)
+            manifest = mf.read_manifest(existing)
+            self.emit("checkpoint_committed", step=progress.step, micro_step=progress.micro_step, reason=reason,
+                      path=str(existing), bytes=manifest.total_bytes if manifest else 0, seconds=0.0)
+            return
         started = time.monotonic()
         blocking = wait or not self.cfg.async_
         # A save the loop waits for anyway writes the live state; only async saves need a copy.
