@@ -277,6 +277,17 @@ class GcsTier:
 
     # -- upload ---------------------------------------------------------------------------
 
+    def _pause_before_retry(self, verb: str, name: str, where: str, failing: int, error: Exception, attempt: int,
+                            until: float) -> None:
+        """Give up once the retry deadline has passed; otherwise log and sleep the backoff."""
+        if time.monotonic() >= until:
+            raise RemoteUnavailable(f"{verb}ing {where}: {failing} files still failing after "
+                                    f"{self.retry.deadline:g}s of retries: {_cause(error)}")
+        pause = self.retry.backoff(attempt)
+        log.warning(f"gcs {verb} retrying", job=self.job, step=name, files=failing, error=_cause(error),
+                    retry_in_s=round(pause, 2))
+        time.sleep(min(pause, max(0.0, until - time.monotonic())))
+
     def upload_step(self, local_step_dir: Path) -> Transfer:
         """Upload a committed local step directory: data objects in parallel, create-only,
         each verified against the manifest, then manifest.json (create-only) last."""
@@ -347,14 +358,8 @@ class GcsTier:
                     self._verify_uploaded(blob, entry, where + path, until)
                 del pending[path]
             if pending:
-                if time.monotonic() >= until:
-                    raise RemoteUnavailable(f"uploading {where}: {len(pending)} files still failing after "
-                                            f"{self.retry.deadline:g}s of retries: {_cause(transient[0])}")
-                pause = self.retry.backoff(attempt)
+                self._pause_before_retry("upload", name, where, len(pending), transient[0], attempt, until)
                 attempt += 1
-                log.warning("gcs upload retrying", job=self.job, step=name, files=len(pending),
-                            error=_cause(transient[0]), retry_in_s=round(pause, 2))
-                time.sleep(min(pause, max(0.0, until - time.monotonic())))
 
         # Every data object is there and verified: now the commit marker.
         manifest_blob = self.bucket.blob(prefix + MANIFEST)
@@ -463,14 +468,8 @@ class GcsTier:
                                             f"{target}")
                     del pending[path]
                 if pending:
-                    if time.monotonic() >= until:
-                        raise RemoteUnavailable(f"downloading {where}: {len(pending)} files still failing after "
-                                                f"{self.retry.deadline:g}s of retries: {_cause(transient[0])}")
-                    pause = self.retry.backoff(attempt)
+                    self._pause_before_retry("download", name, where, len(pending), transient[0], attempt, until)
                     attempt += 1
-                    log.warning("gcs download retrying", job=self.job, step=name, files=len(pending),
-                                error=_cause(transient[0]), retry_in_s=round(pause, 2))
-                    time.sleep(min(pause, max(0.0, until - time.monotonic())))
             write_manifest(tmp, manifest)  # fsyncs the data files, then the manifest, last
             if target.exists():  # an uncommitted or damaged leftover: out of the way first
                 aside = Path(tempfile.mkdtemp(prefix=f".tmp-{name}.replaced-", dir=local_job_dir))
