@@ -6,22 +6,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from engine.hooks import Hooks
 from engine.specfile import load_spec
 from engine.train import Trainer
-
-
-class Losses(Hooks):
-    def __init__(self):
-        self.losses = []
-
-    def emit(self, event, **fields):
-        if event == "step":
-            self.losses.append(fields["loss"])
+from tests.recorders import StepLosses
 
 
 def main(job: str, state_dir: str, *overrides: str) -> None:
-    hooks = Losses()
+    hooks = StepLosses()
     trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), hooks)
     trainer.run()
     if dist.get_rank() == 0:

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from engine.hooks import Hooks
+from tests.recorders import StepLosses
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 
@@ -24,18 +24,12 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tiny_spec, t
     assert out.returncode == 0, out.stderr[-3000:]
     ddp = json.loads(out.stdout.strip().splitlines()[-1])
 
-    class Losses(Hooks):
-        losses = []
-
-        def emit(self, event, **fields):
-            if event == "step":
-                self.losses.append(fields["loss"])
-
-    single = Trainer(tiny_spec(*COMMON, "data.micro_batch_size=4"), tmp_path / "one", Losses())
+    recorded = StepLosses()
+    single = Trainer(tiny_spec(*COMMON, "data.micro_batch_size=4"), tmp_path / "one", recorded)
     single.run()
     assert ddp["world"] == 2
     # Rank r loads the r-th half of each global batch; DDP averages the gradients, and the
     # logged loss is averaged over ranks: the same numbers up to summation order.
-    assert ddp["losses"] == pytest.approx(Losses.losses, rel=1e-5)
+    assert ddp["losses"] == pytest.approx(recorded.losses, rel=1e-5)
     weights = [p.detach().sum().item() for p in single.model.parameters()]
     assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=1e-5)

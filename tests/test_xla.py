@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from engine.hooks import Hooks
+from tests.recorders import StepLosses
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 
@@ -53,15 +53,7 @@ def test_eager_attention_under_xla_matches_cpu_and_tpu_kernels_are_refused_off_t
 
 
 def test_xla_losses_match_the_cpu_backend(xla_run, tiny_spec, tmp_path):
-    class Losses(Hooks):
-        def __init__(self):
-            self.losses = []
-
-        def emit(self, event, **fields):
-            if event == "step":
-                self.losses.append(fields["loss"])
-
-    cpu = Losses()
+    cpu = StepLosses()
     Trainer(tiny_spec(*COMMON, "device.backend=cpu"), tmp_path, cpu).run()
     assert xla_run["exit"] == 0 and len(xla_run["losses"]) == 6
     # Same weights, batches and fp32 math; XLA fuses and reorders reductions, so step 1

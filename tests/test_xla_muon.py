@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from engine.hooks import Hooks
+from tests.recorders import StepLosses
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 
@@ -18,15 +18,6 @@ pytestmark = pytest.mark.xla
 COMMON = ["optimizer.name=muon", "train.mixed_precision=fp32", "attention.kernel=eager", "train.max_steps=6",
           "train.log_interval=1", "scheduler.warmup_steps=2", "data.micro_batch_size=8", "data.seq_len=64",
           "data.corpus_bytes=400000"]
-
-
-class Losses(Hooks):
-    def __init__(self):
-        self.losses = []
-
-    def emit(self, event, **fields):
-        if event == "step":
-            self.losses.append(fields["loss"])
 
 
 def test_muon_trains_under_spmd_with_sharded_weights_and_state_without_recompiling(tiny_spec, tmp_path):
@@ -52,7 +43,7 @@ def test_muon_trains_under_spmd_with_sharded_weights_and_state_without_recompili
     # The loss falls, and follows the cpu run (measured within 6e-5 relative over these 6
     # steps, bf16 Newton-Schulz on both; the loss moves ~0.3 per step).
     assert xla["losses"][-1] < xla["losses"][0] - 0.5
-    cpu = Losses()
+    cpu = StepLosses()
     Trainer(tiny_spec(*COMMON, "device.backend=cpu"), tmp_path / "cpu", cpu).run()
     assert xla["losses"][0] == pytest.approx(cpu.losses[0], rel=1e-5)
     assert xla["losses"] == pytest.approx(cpu.losses, rel=2e-3)
