@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from tests.recorders import StepLosses
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
+from tests.recorders import StepLosses
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
