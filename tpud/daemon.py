@@ -59,6 +59,7 @@ class Daemon:
         self._signals: list[int] = []
         self._rescan = True
         self._stopping_since: float | None = None
+        self._loop_done = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -89,6 +90,8 @@ class Daemon:
     def call(self, fn: Callable, timeout: float = 30.0):
         """Run fn on the loop thread and return its result (called from other threads)."""
         future: Future = Future()
+        if self._loop_done:
+            raise ControlError("not_running", "the daemon is shutting down")
         self._calls.put((fn, future))
         self.wake()
         return future.result(timeout)
@@ -330,6 +333,10 @@ class Daemon:
             log.info("tpud stopped")
             return self._exit_status()
         finally:
+            self._loop_done = True
+            while not self._calls.empty():  # asked as the loop ended: refuse, do not leave waiting
+                _, future = self._calls.get()
+                future.set_exception(ControlError("not_running", "the daemon is shutting down"))
             signal.set_wakeup_fd(previous_wakeup)
             for s, handler in previous.items():
                 signal.signal(s, handler)
