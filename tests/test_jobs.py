@@ -124,3 +124,17 @@ def test_workers_never_inherit_the_service_managers_sockets(monkeypatch):
     env = worker_env("json")
     assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"} & env.keys()
     assert env["KEEP_ME"] == "1" and env["TPUD_LOG_FORMAT"] == "json" and env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_the_daemon_side_never_imports_torch():
+    """DESIGN.md: the daemon process needs only the spec schema; a worker crash never reaches it."""
+    import subprocess
+
+    from tests.conftest import PYTHON, python_env
+
+    code = ("import sys, tpud.cli, tpud.daemon, tpud.jobs, tpud.supervisor, tpud.channel, tpud.control, "
+            "tpud.watcher, tpud.metrics, tpud.gcs, tpud.uploader, tpud.notify, engine.specfile, "
+            "engine.checkpoint.manifest; assert 'torch' not in sys.modules, sorted(m for m in sys.modules "
+            "if m.startswith('torch'))")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=python_env())
+    assert out.returncode == 0, out.stderr
