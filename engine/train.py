@@ -150,17 +150,19 @@ class Trainer:
     # --- requests and checkpoints ---
 
     def _request(self) -> Request | None:
-        """The request to act on at this boundary, if any; others wait for their boundary."""
+        """The request to act on at this boundary, agreed by every rank; others wait."""
         p = self.progress
         request = self._deferred = merge(self._deferred, self.hooks.poll(Boundary(p.step, p.micro_step)))
-        if request is None or p.micro_step == 0:
+        now = None
+        if request is not None:
+            remaining = (self.loader.accum.at(p.step) - p.micro_step) * self._micro_seconds
+            # Mid-step, act only if the step would not finish within the deadline.
+            if p.micro_step == 0 or (request.deadline_s is not None and remaining >= request.deadline_s):
+                now = request
+        now = self.backend.agree(now)
+        if now is not None:
             self._deferred = None
-            return request
-        remaining = (self.loader.accum.at(p.step) - p.micro_step) * self._micro_seconds
-        if request.deadline_s is not None and remaining >= request.deadline_s:
-            self._deferred = None
-            return request  # the step would not finish in time: checkpoint mid-step
-        return None
+        return now
 
     def _act(self, request: Request) -> int | None:
         """Carry out a request; an exit code when the worker must stop."""

@@ -1,18 +1,32 @@
 """Run by tests/test_distributed.py under torchrun; rank 0 prints one JSON line."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
+from engine.hooks import Action, Boundary, Request
 from engine.specfile import load_spec
 from engine.train import Trainer
 from tests.recorders import StepLosses
 
 
+class RankZeroRequest(StepLosses):
+    """Asks rank 0 alone for a checkpoint at one boundary, as a signal to one process would."""
+
+    def __init__(self, at: Boundary | None):
+        super().__init__()
+        self.at = at
+
+    def poll(self, at):
+        return Request(Action.CHECKPOINT) if at == self.at and dist.get_rank() == 0 else None
+
+
 def main(job: str, state_dir: str, *overrides: str) -> None:
-    hooks = StepLosses()
+    request_at = os.environ.get("PROBE_RANK0_CHECKPOINT_AT")
+    hooks = RankZeroRequest(Boundary(*map(int, request_at.split(","))) if request_at else None)
     trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), hooks)
     trainer.run()
     if dist.get_rank() == 0:

@@ -14,6 +14,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from engine.hooks import Action, Request
+
+_ACTIONS = (Action.CHECKPOINT, Action.CHECKPOINT_AND_EXIT, Action.STOP)  # weakest first
+
 # Peak dense bf16 FLOP/s per device, from the vendors' data sheets.
 PEAK_FLOPS = {
     "v4": 275e12,
@@ -115,6 +119,23 @@ class Backend:
         return None, None
 
     checkpoint_group = None  # process group for checkpoint collectives; None in one process
+    # Its own group: an async save's collectives run on the writer thread meanwhile.
+    agreement_group = None
+
+    def agree(self, request: Request | None) -> Request | None:
+        """Every rank acts on the same request at the same boundary (DESIGN.md, Processes).
+
+        A request may reach one rank only (a signal, one host's daemon); the strongest one
+        any rank has is taken by all, through one tiny all-reduce on the checkpoint group.
+        Without it, that rank alone would enter a checkpoint's collectives and hang.
+        """
+        if self.agreement_group is None:
+            return request
+        import torch.distributed as dist
+
+        code = torch.tensor([0 if request is None else _ACTIONS.index(request.action) + 1])
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.agreement_group)
+        return None if code.item() == 0 else Request(_ACTIONS[code.item() - 1], deadline_s=0.0)
 
     def rng_state(self) -> dict:
         state = {"torch": torch.get_rng_state()}

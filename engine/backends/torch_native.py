@@ -45,6 +45,7 @@ class TorchBackend(Backend):
             # Checkpoints are written from a background thread: their collectives get a
             # group of their own so they never interleave with the training step's.
             self.checkpoint_group = dist.new_group(backend="gloo")
+            self.agreement_group = dist.new_group(backend="gloo")
         self.num_devices = world
         self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
         self._peak_flops = peak_flops

@@ -61,6 +61,7 @@ class XlaBackend(Backend):
             if not dist.is_initialized():
                 dist.init_process_group("gloo", init_method="xla://")
             self.checkpoint_group = dist.new_group(backend="gloo")
+            self.agreement_group = dist.new_group(backend="gloo")
         self.device_kind = self._tpu_type()
         self.attention_kernels = ("splash", "flash", "eager") if self.device_kind else ("eager",)
         self.bf16 = True
