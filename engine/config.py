@@ -7,9 +7,10 @@ and never imports torch. Loading YAML (includes, overrides, line numbers) lives 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError,
+                      model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
@@ -374,8 +375,62 @@ class RestartConfig(Section):
     backoff_max_seconds: float = Field(300.0, ge=0)
 
 
+class HealthConfig(Section):
+    """How the supervisor judges a worker (DESIGN.md: hang, crash, non-finite loss)."""
+
+    heartbeat_timeout_seconds: float = Field(
+        60.0, gt=0, description="A worker silent for longer than this and hang_step_multiple x the median step "
+        "time is hung: SIGTERM, then SIGKILL after kill_grace_seconds, then restart and resume.")
+    hang_step_multiple: float = Field(10.0, gt=0, description="Slow steps are not hangs: see heartbeat_timeout_seconds.")
+    startup_timeout_seconds: float = Field(
+        900.0, gt=0, description="Allowance until the first startup_steps steps are done (restore, compilation).")
+    startup_steps: PositiveInt = Field(2, description="Steps after each start that get the startup allowance.")
+    checkpoint_timeout_seconds: float = Field(
+        600.0, gt=0, description="Allowance while the training loop waits for a checkpoint to be written.")
+    kill_grace_seconds: float = Field(15.0, ge=0, description="From SIGTERM to SIGKILL for a hung worker.")
+    nonfinite: Literal["rollback", "stop"] = Field(
+        "rollback", description="On a NaN/inf loss: rollback = restart from the newest committed checkpoint and "
+        "skip the batches of the bad step; stop = exit 76 and FAILED.")
+    max_rollbacks: NonNegativeInt = Field(3, description="Rollbacks allowed per job; the next non-finite loss fails it.")
+
+
+def _as_list(value: object) -> object:
+    return [value] if isinstance(value, int) else value
+
+
+Steps = Annotated[list[NonNegativeInt], BeforeValidator(_as_list)]
+
+
+class InjectConfig(Section):
+    """Faults for tests and drills. A daemon refuses jobs carrying them unless its settings
+    say allow_fault_injection: true. Steps are as logged: step N is the N-th optimizer step."""
+
+    hang_at_step: Steps = Field([], description="Hang (ignoring SIGTERM) right after step N completes.")
+    crash_at_step: Steps = Field([], description="Raise an exception right after step N completes.")
+    nan_at_step: Steps = Field([], description="The loss of step N is NaN (its batch is poisoned).")
+    repeat: bool = Field(
+        False, description="Fire every time the step is reached (a deterministic fault); by default each fault "
+        "fires once per job, as transient faults do.")
+
+
+class DebugConfig(Section):
+    inject: InjectConfig | None = None
+
+
+class WandbConfig(Section):
+    """Weights & Biases, logged by the supervisor from the host-side step metrics (rank 0 only)."""
+
+    project: str
+    entity: str | None = None
+    name: str | None = Field(None, description="Display name; default: the job name.")
+    group: str | None = None
+    tags: list[str] = []
+    mode: Literal["online", "offline"] = Field("online", description="offline writes runs under <state>/jobs/<job>/wandb.")
+
+
 class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
+    wandb: WandbConfig | None = Field(None, description="Off unless set.")
 
 
 class JobSpec(Section):
@@ -390,7 +445,9 @@ class JobSpec(Section):
     device: DeviceConfig = DeviceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
+    health: HealthConfig = HealthConfig()
     logging: LoggingConfig = LoggingConfig()
+    debug: DebugConfig = DebugConfig()
 
     @model_validator(mode="after")
     def _cross_section(self) -> JobSpec:
