@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-# Fixtures that start real servers: fake-gcs-server and Debian's Prometheus.
-pytest_plugins = ("tests.gcs_server", "tests.prometheus")
+# Fixtures that start real servers: fake-gcs-server, Debian's Prometheus, our GCE metadata server.
+pytest_plugins = ("tests.gcs_server", "tests.prometheus", "tests.metadata_server")
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"

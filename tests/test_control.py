@@ -20,7 +20,7 @@ JOBS = {
     "llama": {"name": "llama", "state": "RUNNING", "step": 1200, "max_steps": 5000, "loss": 2.3456789,
               "tokens_per_second": 123456.0, "mfu": 0.41234, "restarts": 1,
               "last_checkpoint": {"step": 1000, "tier": "local", "age_seconds": 301.0}, "error": None,
-              "age_seconds": 3 * 3600 + 5},
+              "age_seconds": 3 * 3600 + 5, "goodput": {"ratio": 0.9234}},
     "broken": {"name": "broken", "state": "PENDING", "step": None, "max_steps": None, "loss": None,
                "tokens_per_second": None, "mfu": None, "restarts": 0, "last_checkpoint": None,
                "error": "/etc/tpud/jobs.d/broken.yaml:3: optim.lr: Input should be a valid number\n"
@@ -138,10 +138,11 @@ def test_status_table(server, home, capsys):
     assert main(["status", "--home", str(home)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].split() == ["JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "AGE"]
+    assert lines[0].split() == ["JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS",
+                                "GOODPUT", "AGE"]
     assert lines[1].split() == ["llama", "RUNNING", "1200/5000", "2.346", "123.5k", "41.2%", "1000@local", "5m",
-                                "1", "3h"]
-    assert lines[2].split() == ["broken", "PENDING", "-", "-", "-", "-", "-", "0", "42s"]
+                                "1", "92.3%", "3h"]
+    assert lines[2].split() == ["broken", "PENDING", "-", "-", "-", "-", "-", "0", "-", "42s"]
     assert lines[0].index("STATE") == lines[1].index("RUNNING")  # aligned columns
     error_at = lines.index("broken: error:")
     assert lines[error_at + 1:] == ["  /etc/tpud/jobs.d/broken.yaml:3: optim.lr: Input should be a valid number",

@@ -82,13 +82,162 @@ def test_backoff_does_not_start_early(make_job):
     assert job.state is State.BACKOFF and job.starts == 0
 
 
-@pytest.mark.parametrize("status", [76, 78])
-def test_bad_input_and_non_finite_loss_fail_without_restart(make_job, status):
+def test_bad_input_fails_without_restart_and_says_why(make_job):
     make, _ = make_job
     job = make()
-    job._last_error_line = '{"event": "job cannot run here", "key": "attention.kernel"}'
-    job._exited(status)
+    job.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
+    job._exited(78)
     assert job.state is State.FAILED and job.starts == 0 and "attention.kernel" in job.error
+
+
+def test_non_finite_loss_rolls_back_at_most_max_rollbacks_times(make_job):
+    make, now = make_job
+    job = make()
+    job.spec = job.spec.model_copy(update={"health": job.spec.health.model_copy(update={"max_rollbacks": 2})})
+    for attempt in (1, 2):
+        job.nonfinite = {"event": "nonfinite", "step": 7, "loss": "nan", "policy": "rollback"}
+        job._exited(76)
+        assert job.state is State.BACKOFF and job.rollbacks == attempt
+        job.tick()  # a rollback restarts at once
+        assert job.state is State.STARTING and job.starts == attempt
+    job.nonfinite = {"event": "nonfinite", "step": 9, "loss": "inf", "policy": "rollback"}
+    job._exited(76)
+    assert job.state is State.FAILED and "step 9" in job.error and "2 rollbacks spent" in job.error
+    assert job.metrics.restarts == ["nonfinite", "nonfinite"]
+
+
+def test_non_finite_loss_with_policy_stop_fails(make_job):
+    make, _ = make_job
+    job = make()
+    job.nonfinite = {"event": "nonfinite", "step": 3, "loss": "nan", "policy": "stop"}
+    job._exited(76)
+    assert job.state is State.FAILED and job.starts == 0 and "non-finite loss (nan) at step 3" in job.error
+
+
+def test_a_crash_is_classified_for_metrics_and_status(make_job):
+    make, _ = make_job
+    job = make()
+    job.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
+                     "    boom()", "RuntimeError: injected crash after step 4"])
+    job._exited(1)
+    assert job.metrics.restarts == ["exception"] and job.state is State.BACKOFF
+    assert job.error.startswith("RuntimeError: injected crash after step 4")
+    job.tail.clear()  # as at the next spawn
+    job._exited(128 + 11)
+    assert job.metrics.restarts == ["exception", "signal"] and "SIGSEGV" in job.error
+
+
+def test_the_restart_budget_fails_the_job_with_the_last_reason(make_job):
+    make, now = make_job
+    job = make(max_restarts=1)
+    job._exited(139)
+    now[0] = job.backoff_until
+    job.tick()
+    job._exited(139)
+    assert job.state is State.FAILED
+    assert "restart budget spent" in job.history[-1]["reason"] and "SIGSEGV" in job.history[-1]["reason"]
+
+
+class Worker:
+    """Stands in for a live worker: records signals."""
+
+    def __init__(self):
+        self.signals = []
+        self.stdout = None
+
+    def signal(self, signum):
+        self.signals.append(signum)
+
+
+def running(job, now, step_time=0.5):
+    job.worker = Worker()
+    job._set(State.RUNNING)
+    job.last_heard = now[0]
+    job._on_message({"type": "event", "event": "started", "step": 0, "badput": {}})
+    for step in range(1, 11):
+        job._on_message({"type": "event", "event": "step", "step": step, "step_time_s": step_time, "badput": {}})
+
+
+def test_a_silent_worker_is_hung_after_the_bound_then_terminated_and_killed(make_job):
+    import signal
+
+    make, now = make_job
+    job = make()
+    running(job, now, step_time=10.0)  # slow steps: the bound is 10 x the median, not the 60 s floor
+    assert job.hang_bound() == 100.0
+    now[0] += 99
+    job.tick()
+    assert job.hang is None and job.worker.signals == []
+    now[0] += 2
+    job.tick()
+    assert "no heartbeat for 101s" in job.hang and job.worker.signals == [signal.SIGTERM]
+    now[0] += job.spec.health.kill_grace_seconds
+    job.tick()
+    assert job.worker.signals == [signal.SIGTERM, signal.SIGKILL]
+    job.worker = None
+    job._exited(137)
+    assert job.state is State.BACKOFF and job.metrics.restarts == ["hang"] and job.error.startswith("hung")
+
+
+def test_startup_and_checkpoints_get_longer_allowances(make_job):
+    make, now = make_job
+    job = make()
+    job.worker = Worker()
+    health = job.spec.health
+    assert job.hang_bound() == health.startup_timeout_seconds  # restoring and compiling
+    job._on_message({"type": "event", "event": "started", "step": 40, "badput": {}})
+    job._on_message({"type": "event", "event": "step", "step": 41, "step_time_s": 0.1, "badput": {}})
+    assert job.hang_bound() == health.startup_timeout_seconds  # the first steps compile
+    job._on_message({"type": "event", "event": "step", "step": 42, "step_time_s": 0.1, "badput": {}})
+    assert job.hang_bound() == health.heartbeat_timeout_seconds
+    job._on_message({"type": "event", "event": "checkpoint_started", "step": 42})
+    assert job.hang_bound() == health.checkpoint_timeout_seconds
+    job._on_message({"type": "event", "event": "checkpoint_committed", "step": 42, "path": "/x", "seconds": 4.0})
+    assert job.hang_bound() == health.heartbeat_timeout_seconds
+
+
+def test_a_preemption_checkpoints_within_the_deadline_and_ends_preempted(make_job):
+    make, now = make_job
+    job = make()
+    running(job, now)
+    job.save_seconds = 4.0  # the last checkpoint took 4 s to write
+    sent = []
+    job._request = lambda action, deadline_s, fallback: sent.append((action, deadline_s))
+    job.preempt(30.0)
+    assert job.state is State.STOPPING and sent == [("checkpoint_and_exit", 30.0 - 6.0 - 1.0)]
+    assert job.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
+    job.worker = None
+    job._exited(75)
+    assert job.state is State.PREEMPTED and job.starts == 0
+    job.notice_cleared()  # the maintenance is over: run again
+    assert job.state is State.STARTING and job.starts == 1
+
+
+def test_a_preemption_keeps_a_waiting_job_from_starting(make_job):
+    make, now = make_job
+    job = make()
+    job._exited(1)
+    assert job.state is State.BACKOFF
+    job.preempt(30.0)
+    now[0] = job.backoff_until + 1
+    job.tick()
+    assert job.state is State.PREEMPTED and job.starts == 0
+
+
+def test_goodput_is_in_status_and_survives_a_daemon_restart(make_job):
+    make, now = make_job
+    job = make()
+    job.worker = Worker()
+    job.ledger.enter("worker")
+    now[0] += 3
+    job._on_message({"type": "event", "event": "started", "step": 0, "badput": {"startup": 1.0, "restore": 0.5}})
+    now[0] += 10
+    job._on_message({"type": "event", "event": "step", "step": 10, "step_time_s": 1, "badput": {"checkpoint": 1.0}})
+    snap = job.snapshot()["goodput"]
+    assert snap["ratio"] == pytest.approx(9 / 13, abs=1e-4)
+    assert snap["badput_seconds"]["startup"] == 2.5 and snap["badput_seconds"]["restore"] == 0.5
+    job._save()
+    assert make().ledger.productive == pytest.approx(9)
 
 
 def test_exit_codes_with_and_without_a_stop_request(make_job):
@@ -133,7 +282,8 @@ def test_the_daemon_side_never_imports_torch():
     from tests.conftest import PYTHON, python_env
 
     code = ("import sys, tpud.cli, tpud.daemon, tpud.jobs, tpud.supervisor, tpud.channel, tpud.control, "
-            "tpud.watcher, tpud.metrics, tpud.gcs, tpud.uploader, tpud.notify, engine.specfile, "
+            "tpud.watcher, tpud.metrics, tpud.gcs, tpud.uploader, tpud.notify, tpud.metadata, tpud.crashes, "
+            "tpud.goodput, tpud.tracking, engine.specfile, "
             "engine.checkpoint.manifest; assert 'torch' not in sys.modules, sorted(m for m in sys.modules "
             "if m.startswith('torch'))")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=python_env())

@@ -92,8 +92,12 @@ def _run(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return exit_codes.BAD_INPUT
     worker_log = "console" if sys.stdout.isatty() else "json"
-    return Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(spec, Path(args.job)),
-                  worker_log_format=worker_log).run()
+    daemon = Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(spec, Path(args.job)),
+                    worker_log_format=worker_log)
+    if refused := daemon.refusal(spec, Path(args.job)):
+        print(refused, file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    return daemon.run()
 
 
 def _add_run(subparsers: Subparsers) -> None:
@@ -266,6 +270,7 @@ def _status_row(job: dict) -> tuple[str, ...]:
         _dash(job.get("mfu"), lambda v: f"{v * 100:.1f}%"),
         f"{ckpt.get('step')}@{ckpt.get('tier')} {_dash(ckpt.get('age_seconds'), _age)}" if ckpt else "-",
         _dash(job.get("restarts")),
+        _dash((job.get("goodput") or {}).get("ratio"), lambda v: f"{v * 100:.1f}%"),
         _dash(job.get("age_seconds"), _age),
     )
 
@@ -280,7 +285,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(result, indent=2))
         return EXIT_OK
-    rows = [("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "AGE")]
+    rows = [("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "AGE")]
     rows += [_status_row(job) for job in jobs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

@@ -5,9 +5,12 @@ channels, timers, and the calls other threads post (the control socket, the job-
 watcher and the metrics server run in threads of their own and never touch a job
 directly). Signal handlers only record; the loop acts (supervisord's discipline).
 
-SIGTERM: every running job checkpoints and stops, pending GCS uploads finish within
-the stop budget, exit 0. SIGHUP: reload tpud.yaml and rescan jobs.d. The daemon never
-imports torch: workers are separate processes.
+Preemption: the GCE metadata server's preempted and TERMINATE maintenance notices make
+every job commit a checkpoint within the deadline and become PREEMPTED; a MIGRATE or an
+upcoming maintenance takes a checkpoint and carries on. SIGTERM (the VM's shutdown path)
+checkpoints every job within the same deadline, lets pending GCS uploads finish within
+the stop budget, and exits 0. SIGHUP: reload tpud.yaml and rescan jobs.d. The daemon
+never imports torch: workers are separate processes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from engine.config import JobSpec
 from tpud import __version__
 from tpud.control import ControlError, ControlServer
 from tpud.jobs import Job, State
+from tpud.metadata import MetadataWatcher, Notice, resolve_host
 from tpud.metrics import Metrics, write_address_file
 from tpud.notify import Notifier
 from tpud.paths import Paths
@@ -59,6 +63,7 @@ class Daemon:
         self._signals: list[int] = []
         self._rescan = True
         self._stopping_since: float | None = None
+        self.notice: Notice | None = None  # the preemption or TERMINATE notice in force
         self._loop_done = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -134,13 +139,24 @@ class Daemon:
                     log.error("invalid job file", file=str(path), error=job_file.error)
                 continue
             spec, name = job_file.spec, job_file.spec.name
+            refused = self.refusal(spec, path)
+            if refused:
+                self.invalid[path] = refused
+                if previously_invalid.get(path) != refused:
+                    log.error("job refused", file=str(path), error=refused)
+                if (existing := self.jobs.get(name)) is not None and existing.file == path:
+                    present.add(name)  # an earlier version keeps running
+                    existing.error = refused
+                continue
             present.add(name)
             job = self.jobs.get(name)
             if job is None:
                 job = self.jobs[name] = Job(spec, path, self.paths, self, self.metrics,
                                             stop_timeout=self.settings.job_stop_timeout_seconds)
                 job.digest = job_file.digest
-                if not job.held:
+                if self.notice is not None:  # this host is going away: do not start anything
+                    job.preempt(self.settings.preemption_deadline_seconds)
+                elif not job.held:
                     self._guard(job.start, job)
             elif job.digest != job_file.digest:
                 job.digest, job.error = job_file.digest, None
@@ -155,6 +171,34 @@ class Daemon:
             if name not in present and job.state not in (State.STOPPED, State.STOPPING):
                 log.info("job file removed; checkpointing and stopping", job=name)
                 job.stop("removed")
+
+    def refusal(self, spec: JobSpec, path: Path) -> str | None:
+        """Why a valid spec may not run under this daemon's settings, as FILE:LINE: KEY: MESSAGE."""
+        if spec.debug.inject is None or self.settings.allow_fault_injection:
+            return None
+        line = _key_line(path, "inject")
+        return (f"{path}{'' if line is None else f':{line}'}: debug.inject: fault injection is refused: "
+                f"set allow_fault_injection: true in {self.paths.config / 'tpud.yaml'} to allow it")
+
+    # --- preemption notices (from the metadata watcher's threads, posted to the loop) ---
+
+    def on_notice(self, notice: Notice) -> None:
+        if notice.kind != "clear":
+            self.metrics.preemption_notice(notice.source)
+        deadline = self.settings.preemption_deadline_seconds
+        log.warning("maintenance notice", source=notice.source, kind=notice.kind, value=notice.value)
+        if notice.kind in ("preemption", "terminate"):
+            self.notice = notice
+            for job in self.jobs.values():
+                self._guard(lambda job=job: job.preempt(deadline), job)
+        elif notice.kind in ("migrate", "upcoming"):
+            for job in self.jobs.values():
+                if job.state in (State.RUNNING, State.CHECKPOINTING):
+                    self._guard(lambda job=job: job.checkpoint_now(deadline_s=deadline), job)
+        elif notice.kind == "clear" and self.notice is not None and self.notice.source == notice.source:
+            self.notice = None
+            for job in self.jobs.values():
+                self._guard(job.notice_cleared, job)
 
     # --- control requests (control thread) ---
 
@@ -180,7 +224,7 @@ class Daemon:
         if not names:
             jobs += [{"name": path.stem, "state": "INVALID", "file": str(path), "error": error, "step": None,
                       "max_steps": None, "loss": None, "tokens_per_second": None, "mfu": None, "restarts": 0,
-                      "last_checkpoint": None, "age_seconds": None}
+                      "last_checkpoint": None, "age_seconds": None, "goodput": None}
                      for path, error in self.invalid.items()
                      if not any(j.file == path for j in self.jobs.values())]
         return {"jobs": jobs}
@@ -254,7 +298,8 @@ class Daemon:
         self.notifier.stopping("checkpointing every job before exit")
         self.notifier.extend_timeout(self.settings.stop_budget_seconds)
         for job in self.jobs.values():
-            job.stop("shutdown")
+            # The VM's shutdown path: it may be a preemption whose notice we never saw.
+            job.stop("shutdown", deadline_s=self.settings.preemption_deadline_seconds)
 
     def _shutdown_done(self) -> bool:
         if any(job.active for job in self.jobs.values()):
@@ -273,6 +318,10 @@ class Daemon:
         host, port = self.metrics.serve(self.metrics_addr)
         write_address_file(self.paths.runtime / "metrics.addr", host, port)
         control = watcher = None
+        metadata = MetadataWatcher(lambda notice: self.post(lambda: self.on_notice(notice)),
+                                   host=resolve_host(self.settings.metadata_host), timeout_sec=self.settings.metadata_timeout_seconds,
+                                   upcoming_poll_seconds=self.settings.upcoming_maintenance_poll_seconds)
+        metadata.start()
         if self.single is None:
             control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
             control.start()
@@ -306,6 +355,8 @@ class Daemon:
                         self._rescan = True
                     elif self._stopping_since is None:
                         log.info("stopping: checkpointing every job", signal=signal.Signals(signum).name)
+                        if signum == signal.SIGTERM:
+                            self.metrics.preemption_notice("sigterm")
                         self._begin_shutdown()
                     else:
                         log.warning("second stop signal: killing the workers")
@@ -330,6 +381,9 @@ class Daemon:
                 remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
                 if job.tiers.uploader is not None and not job.tiers.uploader.close(timeout=max(1.0, remaining)):
                     log.error("stop budget spent before every upload finished", job=job.name)
+            for job in self.jobs.values():
+                remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
+                job.close(timeout=max(1.0, remaining))
             log.info("tpud stopped")
             return self._exit_status()
         finally:
@@ -340,6 +394,7 @@ class Daemon:
             signal.set_wakeup_fd(previous_wakeup)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            metadata.stop()
             if watcher is not None:
                 watcher.stop()
             if control is not None:
@@ -352,3 +407,12 @@ class Daemon:
             return 0
         (job,) = self.jobs.values()
         return job.last_status if job.last_status is not None else 1
+
+
+def _key_line(path: Path, key: str) -> int | None:
+    """The first line of `path` that spells out `key:`, for messages that name a line."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((n for n, line in enumerate(lines, 1) if line.strip().startswith(f"{key}:")), None)

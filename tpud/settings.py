@@ -19,6 +19,17 @@ class Settings(BaseModel):
     job_stop_timeout_seconds: float = Field(
         120.0, gt=0, description="A worker asked to checkpoint and stop is killed after this long.")
     rescan_seconds: float = Field(30.0, gt=0, description="Full rescan of jobs.d as a backstop to file events.")
+    preemption_deadline_seconds: float = Field(
+        30.0, gt=0, description="From a preemption or TERMINATE notice (or SIGTERM) to the VM's end: every job "
+        "commits a checkpoint within it (Spot VMs get 30 s).")
+    metadata_host: str | None = Field(
+        None, description="GCE metadata server HOST[:PORT]; GCE_METADATA_HOST wins, as in google-auth. "
+        "Default metadata.google.internal; off cloud the watcher stays idle.")
+    metadata_timeout_seconds: int = Field(300, gt=0, description="timeout_sec of each hanging metadata GET.")
+    upcoming_maintenance_poll_seconds: float = Field(
+        60.0, gt=0, description="How often the TPU instance/upcoming-maintenance key is read.")
+    allow_fault_injection: bool = Field(
+        False, description="Run jobs with a debug.inject block (tests and drills); refused otherwise.")
 
 
 def load_settings(config_dir: Path) -> tuple[Settings, str | None]:

@@ -8,7 +8,6 @@ the supervisor's side, so an upload outlives a worker crash.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -92,16 +91,6 @@ class CheckpointTiers:
             self.local_job_dir.mkdir(parents=True, exist_ok=True)
             ensure_newest_local(self.tier, self.local_job_dir)
             self.uploader.start()
-
-    def on_worker_line(self, line: bytes) -> None:
-        if self.uploader is None or b"checkpoint committed" not in line:
-            return
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return
-        if record.get("event") == "checkpoint committed":
-            self.uploader.submit(Path(record["path"]))
 
     def close(self) -> bool:
         """Wait for pending uploads; True when everything committed locally is also remote."""

@@ -34,7 +34,8 @@ class ChannelHooks(SignalHooks):
         self._lock = threading.Lock()
         self.connection = channel.connect(path) if path else None
         self.heartbeats = channel.HeartbeatClock()
-        self._send({"type": "hello", "pid": os.getpid()})
+        # The rank tells the daemon whether this host logs the job to wandb (rank 0 only).
+        self._send({"type": "hello", "pid": os.getpid(), "rank": int(os.environ.get("RANK", "0"))})
 
     def _send(self, message: dict) -> None:
         with self._lock:
