@@ -8,10 +8,9 @@ import subprocess
 import time
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import PYTHON, TINY_JOB, python_env
+from tests.states import assert_same_state, checkpoint_state
 
 pytestmark = pytest.mark.slow
 # Big enough (3 M parameters, ~40 MB of state) that a checkpoint write takes a moment.
@@ -49,21 +48,8 @@ def losses(records):
     return {r["step"]: r["loss"] for r in records if r["event"] == "step"}
 
 
-def final_state(home, tmp_path, name):
-    out = tmp_path / f"{name}.pt"
-    dcp_to_torch_save(home / "checkpoints" / "tiny-cpu" / "step_000000024", out)
-    return torch.load(out, weights_only=False)
-
-
-def assert_equal(a, b, path="state"):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_equal(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    else:
-        assert a == b, path
+def final_state(home, tmp_path):
+    return checkpoint_state(home / "checkpoints" / "tiny-cpu" / "step_000000024", tmp_path)
 
 
 def test_killed_at_random_moments_the_run_ends_bit_for_bit_as_never_stopped(tmp_path):
@@ -111,4 +97,4 @@ def test_killed_at_random_moments_the_run_ends_bit_for_bit_as_never_stopped(tmp_
 
     assert len(kills) >= 3, kills
     assert seen == losses(whole.records), f"seed {seed}"  # every step's loss, identical
-    assert_equal(final_state(home, tmp_path, "cut"), final_state(tmp_path / "whole", tmp_path, "whole"))
+    assert_same_state(final_state(home, tmp_path), final_state(tmp_path / "whole", tmp_path))

@@ -318,9 +318,11 @@ class Daemon:
         host, port = self.metrics.serve(self.metrics_addr)
         write_address_file(self.paths.runtime / "metrics.addr", host, port)
         control = watcher = None
-        metadata = MetadataWatcher(lambda notice: self.post(lambda: self.on_notice(notice)),
-                                   host=resolve_host(self.settings.metadata_host), timeout_sec=self.settings.metadata_timeout_seconds,
-                                   upcoming_poll_seconds=self.settings.upcoming_maintenance_poll_seconds)
+        settings = self.settings
+        metadata = MetadataWatcher(
+            lambda notice: self.post(lambda: self.on_notice(notice)), host=resolve_host(settings.metadata_host),
+            timeout_sec=settings.metadata_timeout_seconds,
+            upcoming_poll_seconds=settings.upcoming_maintenance_poll_seconds)
         metadata.start()
         if self.single is None:
             control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)

@@ -554,7 +554,8 @@ class Job:
         if self.worker is not None and self.hang is None and self.kill_at is None:
             silent, bound = now - self.last_heard, self.hang_bound()
             if silent > bound:
-                self.hang = f"hung: no heartbeat for {silent:.0f}s (bound {bound:.0f}s) after step {self.heartbeat_step}"
+                self.hang = (f"hung: no heartbeat for {silent:.0f}s (bound {bound:.0f}s) "
+                             f"after step {self.heartbeat_step}")
                 log.error("worker hung; terminating it", job=self.name, silent_s=round(silent, 1),
                           bound_s=round(bound, 1), step=self.heartbeat_step)
                 self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
@@ -588,7 +589,7 @@ class Job:
             return
         if self.wandb is None:
             self.wandb = WandbRun(cfg, job=self.name, run_id=self._wandb_run_id(),
-                                  directory=self.paths.job_dir(self.name) / "wandb",
+                                  directory=self.paths.job_dir(self.name),
                                   config=json.loads(self.spec.model_dump_json(by_alias=True)),
                                   last_step=self.wandb_step)
         self.wandb.log({k: message.get(k) for k in WANDB_SCALARS}, step=step)

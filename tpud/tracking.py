@@ -162,7 +162,8 @@ class WandbRun:
             import wandb
         except Exception as e:
             log.error("wandb import failed, not logging", job=self.job, error=repr(e))
-            return self._discard()
+            self._discard()
+            return
         run = self._init(wandb)
         retry_s, retry_at = RETRY_INITIAL_S, time.monotonic() + RETRY_INITIAL_S
         # Online, a resumed run knows its own next step (another host, or a lost job state):
@@ -175,7 +176,9 @@ class WandbRun:
                 if not self._rows:
                     break
                 wandb_step, engine_step, values = self._rows.popleft()
-            if run is None and time.monotonic() >= retry_at:
+                closing = self._closing
+            # No new init attempt once closing: it could outlast close()'s timeout for rows being dropped.
+            if run is None and not closing and time.monotonic() >= retry_at:
                 run = self._init(wandb)
                 retry_s = min(retry_s * 2, RETRY_MAXIMUM_S)
                 retry_at = time.monotonic() + retry_s
