@@ -194,6 +194,9 @@ def test_startup_and_checkpoints_get_longer_allowances(make_job):
     assert job.hang_bound() == health.checkpoint_timeout_seconds
     job._on_message({"type": "event", "event": "checkpoint_committed", "step": 42, "path": "/x", "seconds": 4.0})
     assert job.hang_bound() == health.heartbeat_timeout_seconds
+    job._on_message({"type": "event", "event": "checkpoint_started", "step": 43})
+    job._on_message({"type": "heartbeat", "step": 43, "micro_step": 0})  # an async save: the loop runs on
+    assert job.hang_bound() == health.heartbeat_timeout_seconds
 
 
 def test_a_preemption_checkpoints_within_the_deadline_and_ends_preempted(make_job):

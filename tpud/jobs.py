@@ -361,6 +361,7 @@ class Job:
             self.metrics.heartbeat(self.name, self.clock())
             if isinstance(message.get("step"), int):
                 self.heartbeat_step = message["step"]
+            self.saving_since = None  # the loop runs on: an async save needs no allowance
         if kind == "hello" and isinstance(message.get("rank"), int):
             self.rank = message["rank"]
         if kind == "heartbeat" and self.state is State.STARTING:
