@@ -1,0 +1,401 @@
+"""Goodput under chaos: the tiny job supervised by tpud vs a plain restart loop, same seeded schedule.
+
+Two arms, one after the other, train the same job (tiny preset, a log line per step, async
+checkpoints every --checkpoint-interval s) for --minutes each:
+- tpud: `tpud daemon --home TMP`, the job in jobs.d/ (hung after 5 s without a heartbeat, 1 s kill
+  grace, 0.5 s first backoff), preemption notices from our metadata server (tests/metadata_server.py);
+- baseline: `until python -m engine.train JOB.yaml ...; do :; done`: an immediate restart on a
+  non-zero exit, nothing else (no notices, no hang detection).
+
+Chaos: the arm is cut into round(--minutes x --per-minute) equal slots, each with one disruption at
+a seeded random time; kinds cycle through a seeded shuffle of the three. A disruption waits until
+the arm's training process has logged a step since it started.
+- sigkill: SIGKILL the training process (the tpud worker; engine.train).
+- hang: SIGSTOP it (no heartbeats; SIGTERM stays pending, SIGKILL works). tpud detects it; the
+  baseline stays frozen until a later disruption kills it (or --baseline-hang-timeout S: kill
+  after S s without log output).
+- preemption: a notice, and the VM ends --deadline s later and is recreated at once. tpud:
+  instance/preempted=TRUE; at the deadline SIGKILL daemon and worker, preempted=FALSE, a new daemon
+  on the same home (same disk). Baseline: no notice; at the deadline SIGKILL, the loop restarts it.
+
+Per disruption: step reached (last logged before the replacement's `trainer ready`), step resumed
+from (its resumed_at; never replaced: the newest commit), lost steps = reached - resumed, recovery s
+until a step past `reached` is logged (None: not by the arm's end). Goodput, the same way for both:
+last step x clean step time / arm wall time; the clean step time is the median of an undisturbed run
+first (--clean-seconds). tpud's own ledger from `tpud status` too. Targets: 0 lost steps per
+preemption notice (tpud), tpud goodput >= 0.85.
+
+    .venv/bin/python bench/goodput.py                  # ~7 min: a 30 s clean run and two 3 min arms
+    .venv/bin/python bench/goodput.py --minutes 0.5 --per-minute 6 --out /tmp/goodput.json
+Results: a table on stdout and bench/results/goodput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.metadata_server import MetadataServer  # noqa: E402
+from tpud.control import ControlClient  # noqa: E402
+
+KINDS = ("sigkill", "preemption", "hang")
+# Other load slows this 2-thread job in bursts that a median hides: warn when an arm's mean step
+# time and the clean run's differ by more than this factor (goodput is then off, either way).
+NOISY = 1.2
+TARGETS = {"tpud_lost_steps_per_preemption": 0, "tpud_goodput": 0.85}
+# checkpoint_timeout_seconds: a hang that lands while an async save is in flight would
+# otherwise get the default 600 s allowance; this job's saves take well under a second.
+JOB = """\
+name: goodput
+include: {repo}/configs/jobs/tiny-cpu.yaml
+data: {{corpus_bytes: 400000, seq_len: 128, micro_batch_size: 4}}
+train: {{max_steps: 100000000, log_interval: 1}}
+scheduler: {{warmup_steps: 1}}
+checkpoint: {{interval_steps: 0, interval_seconds: {interval}, async: true}}
+restart: {{max_restarts: 1000, backoff_initial_seconds: 0.5}}
+health: {{heartbeat_timeout_seconds: 5, kill_grace_seconds: 1, checkpoint_timeout_seconds: 30}}
+"""
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def child_running(parent: int, module: bytes) -> int | None:
+    """The pid of parent's child running `python -m module`, if any."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent
+                    and module in (entry / "cmdline").read_bytes().split(b"\0")):
+                return int(entry.name)
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return None
+
+
+def spawn(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """A process in its own group (killed as one), output appended to log."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**ENV, **env})
+
+
+def kill_group(pid: int | None) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, TypeError):
+        pass
+
+
+class Tail:
+    """The arm's log (JSON lines, ours and relayed), read as it grows; each record gets `_t`, epoch seconds."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial, self.records, self.grown = path, 0, b"", [], time.time()
+
+    def read(self) -> list[dict]:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        if not chunk:
+            return []
+        self.offset += len(chunk)
+        self.grown = time.time()
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        new = []
+        for line in lines:
+            try:  # a relayed chunk may split a line: such lines are skipped
+                record = json.loads(line)
+                record["_t"] = datetime.fromisoformat(record["timestamp"]).timestamp()
+            except (ValueError, KeyError, TypeError):
+                continue
+            new.append(record)
+        self.records += new
+        return new
+
+
+class TpudArm:
+    name = "tpud"
+
+    def __init__(self, base: Path, job: str, deadline: float):
+        self.home = base / "tpud"
+        (self.home / "jobs.d").mkdir(parents=True)
+        (self.home / "tpud.yaml").write_text(f"preemption_deadline_seconds: {deadline}\n")
+        (self.home / "jobs.d" / "goodput.yaml").write_text(job)
+        self.log, self.server, self.daemon = self.home / "arm.log", MetadataServer(), None
+
+    def start(self) -> None:
+        self.daemon = spawn([sys.executable, "-m", "tpud", "daemon", "--home", str(self.home), "--metrics-addr",
+                             "127.0.0.1:0"], self.log, GCE_METADATA_HOST=self.server.host)
+
+    def training_pid(self) -> int | None:
+        return child_running(self.daemon.pid, b"tpud.worker")
+
+    def notice(self) -> None:
+        self.server.set("instance/preempted", "TRUE")
+
+    def vm_end(self) -> None:
+        """The VM is gone (daemon and worker with it) and recreated at once: a new daemon, same disk."""
+        self.kill()
+        self.server.set("instance/preempted", "FALSE")
+        self.start()
+
+    def status(self) -> dict:
+        """tpud's own view: its goodput ledger persists in job.json, so it spans every daemon of the arm."""
+        try:
+            job = ControlClient(self.home / "run" / "control.sock").call("status")["jobs"][0]
+            return {k: job[k] for k in ("goodput", "restarts", "state", "step")}
+        except Exception as e:  # the daemon may be between incarnations at the very end
+            return {"error": repr(e)}
+
+    def kill(self) -> None:
+        if self.daemon is not None:
+            kill_group(self.training_pid())  # the worker has its own session
+            kill_group(self.daemon.pid)
+            self.daemon.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self.server.close()
+
+
+class BaselineArm:
+    name = "baseline"
+
+    def __init__(self, base: Path, job: str, deadline: float):
+        self.dir = base / "baseline"
+        self.dir.mkdir(parents=True)
+        (self.dir / "goodput.yaml").write_text(job)
+        self.log, self.loop = self.dir / "arm.log", None
+
+    def start(self) -> None:
+        script = 'until "$0" -m engine.train "$@"; do :; done'  # restart on any non-zero exit, at once
+        self.loop = spawn(["bash", "-c", script, sys.executable, str(self.dir / "goodput.yaml"), "--state-dir",
+                           str(self.dir)], self.log)
+
+    def training_pid(self) -> int | None:
+        return child_running(self.loop.pid, b"engine.train")
+
+    def notice(self) -> None:
+        pass  # nothing listens for it
+
+    def vm_end(self) -> None:
+        if (pid := self.training_pid()) is not None:  # (it shares the loop's process group)
+            os.kill(pid, signal.SIGKILL)  # the loop starting it again is the recreated VM
+
+    def status(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self.loop is not None:
+            kill_group(self.loop.pid)  # bash and engine.train share its group
+            self.loop.wait()
+
+
+def make_schedule(minutes: float, per_minute: float, seed: int) -> list[tuple[float, str]]:
+    rng = random.Random(seed)
+    n = max(1, round(minutes * per_minute))
+    slot = minutes * 60 / n
+    order = list(KINDS)
+    rng.shuffle(order)
+    return [(round((i + rng.uniform(0.2, 0.6)) * slot, 1), order[i % len(order)]) for i in range(n)]
+
+
+def run_arm(arm, schedule, args) -> dict:
+    """Run one arm under the schedule; its records, disruptions and tpud's own ledger."""
+    arm.start()
+    t0 = time.time()
+    end, tail, pending, fired = t0 + args.minutes * 60, Tail(arm.log), list(schedule), []
+    ready_pid, stepped, vm_end = None, False, None
+    try:
+        while time.time() < end:
+            for record in tail.read():
+                event = record.get("event")
+                if event == "trainer ready":
+                    ready_pid, stepped = arm.training_pid(), False
+                    print(f"  [{arm.name} {record['_t'] - t0:5.1f}s] trainer ready, resumed at {record['resumed_at']}")
+                elif event == "step":
+                    stepped = True
+                elif event == "worker hung; terminating it":
+                    print(f"  [{arm.name} {record['_t'] - t0:5.1f}s] tpud: {event}")
+            now = time.time()
+            if vm_end is not None and now >= vm_end:
+                arm.vm_end()
+                vm_end = None
+                print(f"  [{arm.name} {now - t0:5.1f}s] VM ended and recreated")
+            if pending and now >= t0 + pending[0][0] and vm_end is None:
+                pid = arm.training_pid()
+                if pid is not None and pid == ready_pid and stepped:  # only a process that is training
+                    scheduled, kind = pending.pop(0)
+                    if kind == "sigkill":
+                        os.kill(pid, signal.SIGKILL)
+                    elif kind == "hang":
+                        os.kill(pid, signal.SIGSTOP)
+                    else:
+                        arm.notice()
+                        vm_end = now + args.deadline
+                    fired.append({"kind": kind, "scheduled_s": scheduled, "at_s": round(now - t0, 2), "_t": now})
+                    print(f"  [{arm.name} {now - t0:5.1f}s] {kind} (pid {pid}, scheduled at {scheduled}s)")
+            hang_timeout = args.baseline_hang_timeout
+            if arm.name == "baseline" and hang_timeout and time.time() - tail.grown > hang_timeout:
+                if (pid := arm.training_pid()) is not None:
+                    os.kill(pid, signal.SIGKILL)  # the crude watchdog: silence means hung
+                    print(f"  [{arm.name} {time.time() - t0:5.1f}s] watchdog killed pid {pid}")
+                tail.grown = time.time()
+            time.sleep(0.1)
+        tail.read()
+        status = arm.status()
+    finally:
+        arm.close()
+    return {"t0": t0, "end": end, "records": tail.records, "fired": fired, "status": status}
+
+
+def analyse(run: dict, clean_step_s: float) -> dict:
+    t0, end, records = run["t0"], run["end"], [r for r in run["records"] if r["_t"] <= run["end"]]
+    steps = [(r["_t"], r["step"]) for r in records if r.get("event") == "step"]
+    step_times = [r["step_time_s"] for r in records if r.get("event") == "step"]
+    readies = [(r["_t"], r.get("resumed_at", 0)) for r in records if r.get("event") == "trainer ready"]
+    commits = [(r["_t"], r["step"]) for r in records if r.get("event") == "checkpoint committed"]
+    hung = [r["_t"] for r in records if r.get("event") == "worker hung; terminating it"]
+    disruptions, replaced = [], set()
+    for d in run["fired"]:
+        t = d["_t"]
+        replacement = next((r for r in readies if r[0] > t), None)
+        until = replacement[0] if replacement else end
+        reached = next((s for ts, s in reversed(steps) if ts < until), 0)
+        if replacement is not None:
+            resumed = replacement[1]
+        else:  # never replaced (a frozen baseline): a restart would resume from the newest commit
+            resumed = next((s for ts, s in reversed(commits) if ts < end), 0)
+        # A second blow to a process already down (a frozen one, SIGKILLed later) loses nothing more.
+        absorbed = replacement in replaced
+        replaced.add(replacement)
+        recovered = next((ts for ts, s in steps if ts > until and s > reached), None) if replacement else None
+        row = {k: v for k, v in d.items() if k != "_t"}
+        row.update(reached=reached, resumed=resumed, lost_steps=0 if absorbed else max(0, reached - resumed),
+                   recovery_s=None if recovered is None else round(recovered - t, 2), absorbed=absorbed)
+        if d["kind"] == "hang" and hung:  # tpud's hang detector: from SIGSTOP to its verdict
+            row["detected_s"] = next((round(h - t, 2) for h in hung if h > t), None)
+        disruptions.append(row)
+    final_step = steps[-1][1] if steps else 0
+    by_kind = {}
+    for kind in (*KINDS, "all"):
+        rows = [d for d in disruptions if kind in ("all", d["kind"])]
+        rec = [d["recovery_s"] for d in rows if d["recovery_s"] is not None]
+        by_kind[kind] = {"n": len(rows), "lost_steps": sum(d["lost_steps"] for d in rows),
+                         "lost_steps_mean": statistics.mean([d["lost_steps"] for d in rows]) if rows else None,
+                         "recovery_s_mean": statistics.mean(rec) if rec else None,
+                         "never_recovered": len(rows) - len(rec)}
+    return {"wall_s": round(end - t0, 2), "final_step": final_step,
+            "mean_step_s": statistics.mean(step_times) if step_times else None,
+            "goodput": round(final_step * clean_step_s / (end - t0), 4),
+            "disruptions": disruptions, "by_kind": by_kind, "tpud_status": run["status"]}
+
+
+def clean_run(base: Path, job: str, seconds: float) -> dict:
+    """Step times of an undisturbed run of the job: the median (the clean step time) and the mean."""
+    (base / "clean").mkdir()
+    (base / "clean" / "goodput.yaml").write_text(job)
+    log = base / "clean" / "arm.log"
+    proc = spawn([sys.executable, "-m", "engine.train", str(base / "clean" / "goodput.yaml"), "--state-dir",
+                  str(base / "clean")], log)
+    try:
+        time.sleep(seconds)
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
+    tail = Tail(log)
+    times = [r["step_time_s"] for r in tail.read() if r.get("event") == "step"][5:]
+    if not times:
+        raise SystemExit(f"the clean run logged no steps in {seconds} s:\n{log.read_text()[-3000:]}")
+    return {"step_s": statistics.median(times), "mean_step_s": statistics.mean(times), "steps": len(times) + 5}
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(arms: dict, clean: dict) -> dict:
+    print(f"\nclean step time {clean['step_s'] * 1000:.1f} ms; lost = lost steps (sum, mean), rec = mean recovery s, "
+          "never = not recovered by the arm's end")
+    head = f"{'lost':>6} {'mean':>6} {'rec':>6} {'never':>5}"
+    print(f"{'':<11} {'n':>3} | {'tpud':^26} | {'baseline':^26}\n{'kind':<11} {'':>3} | {head} | {head}")
+    for kind in (*KINDS, "all"):
+        cells = [f"{k['lost_steps']:>6} {fmt(k['lost_steps_mean'], '6.1f')} {fmt(k['recovery_s_mean'], '6.1f')} "
+                 f"{k['never_recovered']:>5}" for k in (arms[a]["by_kind"][kind] for a in ("tpud", "baseline"))]
+        print(f"{kind:<11} {arms['tpud']['by_kind'][kind]['n']:>3} | {cells[0]} | {cells[1]}")
+    own = (arms["tpud"]["tpud_status"] or {}).get("goodput") or {}
+    print(f"{'goodput':<15} | {arms['tpud']['goodput']:>26.3f} | {arms['baseline']['goodput']:>26.3f}")
+    print(f"{'steps at end':<15} | {arms['tpud']['final_step']:>26} | {arms['baseline']['final_step']:>26}")
+    for name, arm in arms.items():  # goodput assumes the arms step as fast as the clean run did
+        ratio = (arm["mean_step_s"] or clean["mean_step_s"]) / clean["mean_step_s"]
+        if not 1 / NOISY <= ratio <= NOISY:
+            print(f"WARNING: the {name} arm's mean step took {ratio:.2f}x the clean run's: other load on the "
+                  "machine; its goodput is not reliable")
+    detected = [d["detected_s"] for d in arms["tpud"]["disruptions"] if d.get("detected_s") is not None]
+    if detected:
+        print(f"tpud hang detection s (SIGSTOP to verdict): {', '.join(f'{s:.1f}' for s in detected)}")
+    if own:
+        print(f"tpud's own ledger: goodput {fmt(own.get('ratio'), '.3f')}; badput s: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in own["badput_seconds"].items() if v))
+    preemptions = [d for d in arms["tpud"]["disruptions"] if d["kind"] == "preemption"]
+    met = {"tpud_lost_steps_per_preemption": bool(preemptions) and all(d["lost_steps"] == 0 for d in preemptions),
+           "tpud_goodput": arms["tpud"]["goodput"] >= TARGETS["tpud_goodput"]}
+    print(f"target: 0 lost steps per preemption notice (tpud, {len(preemptions)} notices): "
+          f"{'pass' if met['tpud_lost_steps_per_preemption'] else 'MISS'}")
+    print(f"target: tpud goodput >= {TARGETS['tpud_goodput']}: {'pass' if met['tpud_goodput'] else 'MISS'}")
+    print("all targets met" if all(met.values()) else "targets MISSED")
+    return met
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=3.0, help="wall time of each arm")
+    parser.add_argument("--per-minute", type=float, default=1.0, help="disruptions per minute")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=5.0, help="seconds from a preemption notice to the VM's end")
+    parser.add_argument("--checkpoint-interval", type=float, default=5.0, help="periodic checkpoints, both arms")
+    parser.add_argument("--clean-seconds", type=float, default=30.0, help="the undisturbed run for the step time")
+    parser.add_argument("--baseline-hang-timeout", type=float, default=None,
+                        help="give the baseline a watchdog: kill after this many seconds without log output")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput.json")
+    args = parser.parse_args()
+
+    job = JOB.format(repo=REPO, interval=args.checkpoint_interval)
+    schedule = make_schedule(args.minutes, args.per_minute, args.seed)
+    print(f"schedule (s, kind): {schedule}")
+    base = Path(tempfile.mkdtemp(prefix="tpud-goodput-"))
+    arms, load_before = {}, os.getloadavg()
+    try:
+        print(f"clean run, {args.clean_seconds:.0f} s")
+        clean = clean_run(base, job, args.clean_seconds)
+        for arm in (TpudArm(base, job, args.deadline), BaselineArm(base, job, args.deadline)):
+            print(f"{arm.name} arm, {args.minutes:g} min")
+            arms[arm.name] = analyse(run_arm(arm, schedule, args), clean["step_s"])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    met = report(arms, clean)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "goodput", "targets": TARGETS, "passed": all(met.values()), "met": met,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "job": job, "schedule": schedule, "clean": clean, "arms": arms,
+        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "load_before": load_before,
+                    "load_after": os.getloadavg()},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
