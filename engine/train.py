@@ -3,8 +3,19 @@
 Decisions live in the components (backend, attention, loss, optimizer, schedule, data,
 checkpointer); this file wires them together and runs steps. Each optimizer step runs
 its micro-batches (grad_accum_steps, fewer during a batch ramp); the hooks are polled at
-every micro-batch and step boundary, and a checkpoint may be taken at either. Metric tensors are read in batches every log_interval steps through
-the backend, so the hot path never waits for the device.
+every micro-batch and step boundary, and a checkpoint may be taken at either. Metric
+tensors are read in batches every log_interval steps through the backend, so the hot
+path never waits for the device.
+
+A non-finite loss or gradient norm found in those values ends the run with exit 76 at the
+next step boundary (health.nonfinite): with `rollback` the bad step's batches are recorded
+as skipped first (<state>/jobs/<job>/data_skips.json), so the supervisor's restart from the
+newest checkpoint trains past them. No checkpoint ever holds a non-finite step's update:
+every save first waits for the values of the steps it would hold and checks them.
+
+Every `step` event carries this process's badput so far (`Badput`): the time it spent
+starting, restoring, blocked by checkpoints, and fetching data, which the supervisor's
+goodput accounting cannot see from outside.
 """
 
 from __future__ import annotations
@@ -12,9 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import math
 import os
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +41,10 @@ from engine.attention import build_attention
 from engine.backends import build_backend
 from engine.config import JobSpec
 from engine.data.corpus import stdlib_corpus
-from engine.data.loader import AccumSchedule, PackedLoader
+from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips, write_skips
 from engine.errors import ConfigError
 from engine.checkpoint.checkpointer import Checkpointer, Progress
+from engine.faults import Faults
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.models.llama import Transformer, flops_per_token
@@ -47,6 +61,29 @@ class StepResult:
     step: int              # steps completed, this one included
     values: torch.Tensor   # NAMES, on the device, not yet read
     lr: float
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    step: int                # the first logged step whose loss or grad norm is not finite
+    loss: float
+    grad_norm: float | None  # None for a partial step (no norm yet)
+
+
+@dataclass
+class Badput:
+    """Seconds this process has spent not training, by kind, since its Trainer began."""
+
+    startup: float = 0.0     # construction (less restore) and the first step (XLA compiles there)
+    restore: float = 0.0     # loading and verifying the checkpoint resumed from
+    checkpoint: float = 0.0  # the loop blocked by saves (all of a sync save, staging of an async one)
+    data: float = 0.0        # fetching batches on the host and moving them to the device
+
+    def fields(self) -> dict[str, float]:
+        return {kind: round(seconds, 3) for kind, seconds in vars(self).items()}
+
+
+SKIPS_FILE = "data_skips.json"
 
 
 class LanguageModel(nn.Module):
@@ -75,33 +112,58 @@ def host_rss_bytes() -> int:
 
 class Trainer:
     def __init__(self, spec: JobSpec, state_dir: Path, hooks: Hooks | None = None):
+        began = time.monotonic()
         self.spec, self.hooks = spec, hooks or Hooks()
         self.job_dir = Path(state_dir) / "jobs" / spec.name
+        self.badput = Badput()
         self.backend = build_backend(spec.device, cache_dir=str(self.job_dir / "xla_cache"))
         kernel, attention = build_attention(spec.attention, self.backend)
         # Initialise on the host from the seed: every backend then starts from the same weights.
         torch.manual_seed(spec.train.seed)
         self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
+        # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
+        # state directory (torchrun on one host) reads the fault markers before any can fire one.
+        inject = spec.debug.inject
+        self.faults = Faults(inject, self.job_dir, AccumSchedule.of(spec.train)) if inject is not None else None
         self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss, spec.model)))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         tokens = stdlib_corpus(spec.data.corpus_bytes)
         if int(tokens.max()) >= spec.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{spec.model.vocab_size} is below the corpus's largest token id")
+        self.skips_path = self.job_dir / SKIPS_FILE
         self.loader = PackedLoader(tokens, spec.data.seq_len, spec.data.micro_batch_size,
-                                   AccumSchedule.of(spec.train), spec.train.seed, self.backend.data)
+                                   AccumSchedule.of(spec.train), spec.train.seed, self.backend.data,
+                                   read_skips(self.skips_path))
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
         self.flops_per_token = flops_per_token(spec.model, spec.data.seq_len)
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, Path(state_dir) / "checkpoints", spec_hash(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
                                          self.hooks.emit)
+        restoring = time.monotonic()
         self.progress = self.checkpointer.restore() or Progress()
+        self.badput.restore = time.monotonic() - restoring
+        if self.checkpointer.restored is not None:
+            # A checkpoint made on another host carries skips that this host's state file lacks.
+            self.loader.skips = merge_skips(self.loader.skips, self.checkpointer.restored.data_skips)
+        self.checkpointer.data_skips = self.loader.skips
         self._deferred: Request | None = None
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
+        self.pending: list[StepResult] = []  # finished steps whose values are not read yet
+        self._interval_start = time.monotonic()
+        self._train_thread = threading.get_ident()
+        # Non-finite values found by a read: acted on at once when the read ran on the training
+        # thread (every rank reads synchronously there); when it ran on a reader thread (XLA),
+        # only after the next flush, so that every host acts at the same boundary.
+        self._nonfinite: NonFinite | None = None
+        self._nonfinite_unflushed: NonFinite | None = None
+        self._partial_checked = True  # a restored partial step was checked before it was saved
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
                  loss=resolve_loss_name(spec.loss, spec.model), resumed_at=self.progress.step,
-                 precision="bf16" if self.bf16 else "fp32", corpus_tokens=len(tokens), **self.backend.describe())
+                 precision="bf16" if self.bf16 else "fp32", corpus_tokens=len(tokens),
+                 data_skips=[list(s) for s in self.loader.skips], **self.backend.describe())
+        self.badput.startup = time.monotonic() - began - self.badput.restore
 
     @property
     def step(self) -> int:
@@ -115,12 +177,16 @@ class Trainer:
         accum = self.loader.accum.at(p.step)
         started = time.monotonic()
         batch = self.backend.to_device(self.loader.batch(p.step, p.micro_step))
+        self.badput.data += time.monotonic() - started
         last = p.micro_step == accum - 1
         with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
             with self.backend.autocast(self.bf16):
                 loss = self.module(batch[:, :-1], batch[:, 1:])
+            if self.faults is not None and self.faults.poisons(self.loader.index(p.step, p.micro_step)):
+                loss = loss * float("nan")  # NaN gradients too, and so NaN weights: a real blow-up
             (loss / accum).backward()
         p.loss_sum = loss.detach() if p.loss_sum is None else p.loss_sum + loss.detach()
+        self._partial_checked = False
         self.backend.micro_step_end()
         p.micro_step += 1
         p.tokens_seen += batch.shape[0] * (batch.shape[1] - 1) * self.backend.data.world
@@ -170,7 +236,8 @@ class Trainer:
             log.info("stopping on request", step=self.step)
             return exit_codes.STOPPED
         exiting = request.action is Action.CHECKPOINT_AND_EXIT
-        self.checkpointer.save(self.progress, "request", wait=exiting)
+        if (code := self._save("request", wait=exiting)) is not None:
+            return code
         if exiting:
             log.info("checkpointed, stopping on request", step=self.step, micro_step=self.progress.micro_step)
             return exit_codes.STOPPED
@@ -182,10 +249,49 @@ class Trainer:
         by_time = cfg.interval_seconds and time.monotonic() - self.checkpointer.last_save_time >= cfg.interval_seconds
         return bool(by_steps or by_time)
 
+    def _save(self, reason: str, *, wait: bool = False) -> int | None:
+        """Checkpoint, unless the state holds a non-finite step: then the exit code instead."""
+        started = time.monotonic()
+        finite = self._state_is_finite()
+        if finite:
+            self.checkpointer.save(self.progress, reason, wait=wait)
+        self.badput.checkpoint += time.monotonic() - started
+        return None if finite else self._nonfinite_exit()
+
+    def _state_is_finite(self) -> bool:
+        """Read and check the values of every step the checkpoint would hold, waiting for them.
+
+        A checkpoint taken after a non-finite step would hold its update, and a rollback to it
+        would only fail again; so no save starts before the steps it covers are known finite.
+        """
+        self._report_pending()
+        p = self.progress
+        if p.micro_step and not self._partial_checked:
+            # Inside accumulation: a poisoned micro-batch is in the partial gradient already.
+            def check(rows: list) -> None:
+                if not math.isfinite(rows[0]):
+                    self._found(NonFinite(p.step + 1, rows[0], None))
+
+            self.backend.read_values([p.loss_sum], check)
+        self._flush_reads()
+        self._partial_checked = True
+        return self._nonfinite is None
+
     # --- reporting ---
 
+    def _report_pending(self) -> None:
+        """Report the steps done since the last report: every log_interval steps, and before a save."""
+        pending, self.pending = self.pending, []
+        if pending:
+            now = time.monotonic()
+            seconds, self._interval_start = now - self._interval_start, now
+            self._report(pending, seconds)
+
     def _report(self, pending: list[StepResult], seconds: float) -> None:
-        """Emit and log the steps in `pending` once their values reach the host."""
+        """Emit and log the steps in `pending` once their values reach the host, checking them."""
+        # The previous interval's values first: the device finished those steps long ago, and
+        # from here on every host has seen the same values (see _nonfinite).
+        self._flush_reads()
         # Steps pending[0].step - 1 .. pending[-1].step - 1, whose micro-batch counts may differ (batch_ramp).
         tokens = self.loader.tokens_in_steps(pending[0].step - 1, pending[-1].step) * self.backend.data.world
         tokens_per_s = tokens / seconds
@@ -198,24 +304,64 @@ class Trainer:
             "rss_bytes": host_rss_bytes(),
             "device_memory_bytes": self.backend.memory_bytes(),
         }
+        badput = self.badput.fields()
 
         def publish(rows: list[list[float]]) -> None:
+            scalars = None
             for result, row in zip(pending, rows):
+                if self._nonfinite is not None or self._nonfinite_unflushed is not None:
+                    break  # this step and every later one trained on non-finite weights
+                if not all(math.isfinite(v) for v in row):
+                    self._found(NonFinite(result.step, *row))
+                    break
                 scalars = dict(zip(StepResult.NAMES, row), lr=result.lr)
-                self.hooks.emit("step", step=result.step, **scalars, **perf)
-            log.info("step", step=pending[-1].step, max_steps=self.spec.train.max_steps,
-                     **{k: round(v, 5) for k, v in scalars.items()}, **{k: v for k, v in perf.items() if v is not None})
+                self.hooks.emit("step", step=result.step, **scalars, **perf, badput=badput)
+                logged = result.step
+            if scalars is not None:
+                log.info("step", step=logged, max_steps=self.spec.train.max_steps,
+                         **{k: round(v, 5) for k, v in scalars.items()},
+                         **{k: v for k, v in perf.items() if v is not None})
 
         self.backend.read_values([result.values for result in pending], publish)
+
+    def _found(self, bad: NonFinite) -> None:
+        """A read found non-finite values (on the training thread or the backend's reader)."""
+        if threading.get_ident() == self._train_thread:
+            self._nonfinite = self._nonfinite or bad
+        else:
+            self._nonfinite_unflushed = self._nonfinite_unflushed or bad
+
+    def _flush_reads(self) -> None:
+        """Wait for every value read in flight; what they found is then acted on."""
+        self.backend.flush()
+        self._nonfinite = self._nonfinite or self._nonfinite_unflushed
+
+    def _nonfinite_exit(self) -> int:
+        """Exit 76 without a checkpoint; for a rollback, skip the bad step's batches from now on."""
+        bad, policy = self._nonfinite, self.spec.health.nonfinite
+        fields = {"step": bad.step, "loss": bad.loss, "grad_norm": bad.grad_norm, "policy": policy}
+        if policy == "rollback":
+            # The restarted worker resumes from a checkpoint before the bad step (saves check first)
+            # and reads past these micro-batches; persisted before exiting, or it would meet them again.
+            skip = self.loader.skip_range(bad.step - 1)
+            self.loader.skips = merge_skips(self.loader.skips, [skip])
+            write_skips(self.skips_path, self.loader.skips)
+            fields["skip"] = list(skip)
+        log.error("nonfinite", **fields)  # named like the event, as the checkpointer logs its events
+        self.hooks.emit("nonfinite", **fields)
+        return exit_codes.NONFINITE_LOSS
 
     # --- the loop ---
 
     def run(self) -> int:
         train = self.spec.train
-        self.hooks.emit("started", step=self.step, micro_step=self.progress.micro_step)
-        pending: list[StepResult] = []
-        interval_start = time.monotonic()
+        self.hooks.emit("started", step=self.step, micro_step=self.progress.micro_step, badput=self.badput.fields())
+        began = self._interval_start = time.monotonic()
+        counted = self.badput.data + self.badput.checkpoint
+        first_step = True
         try:
+            if self.faults is not None and (self.step, self.progress.micro_step) == (0, 0):
+                self.faults.at_step_boundary(0)
             while self.step < train.max_steps:
                 request = self._request()
                 if request is not None and (code := self._act(request)) is not None:
@@ -223,18 +369,27 @@ class Trainer:
                 self.micro_batch()
                 if self.progress.micro_step < self.loader.accum.at(self.step):
                     continue
-                pending.append(self.optimizer_step())
+                self.pending.append(self.optimizer_step())
+                if first_step:  # startup: under XLA the first step compiles; its data and saves count apart
+                    b = self.badput
+                    b.startup += max(0.0, time.monotonic() - began - (b.data + b.checkpoint - counted))
+                    first_step = False
                 if self.step % train.log_interval == 0 or self.step == train.max_steps:
-                    self._report(pending, time.monotonic() - interval_start)
-                    pending, interval_start = [], time.monotonic()
+                    self._report_pending()
+                if self._nonfinite is not None:
+                    return self._nonfinite_exit()
+                if self.faults is not None:
+                    self.faults.at_step_boundary(self.step)
                 if self.step < train.max_steps and self._interval_due():
-                    self.checkpointer.save(self.progress, "interval")
-            self.checkpointer.save(self.progress, "final", wait=True)
+                    if (code := self._save("interval")) is not None:
+                        return code
+            if (code := self._save("final", wait=True)) is not None:
+                return code
         finally:
             self.backend.flush()
             self.checkpointer.close()
         log.info("training finished", step=self.step)
-        self.hooks.emit("finished", step=self.step)
+        self.hooks.emit("finished", step=self.step, badput=self.badput.fields())
         return exit_codes.OK
 
 

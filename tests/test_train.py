@@ -1,9 +1,13 @@
-"""The training loop in-process on CPU: learning, determinism, accumulation, hooks."""
+"""The training loop in-process on CPU: learning, determinism, accumulation, hooks, badput, manifests."""
+
+import json
+import time
 
 import pytest
 import torch
 
 from engine import exit_codes
+from engine.checkpoint import manifest as mf
 from engine.hooks import Action, Boundary, Hooks, Request
 from engine.train import Trainer
 
@@ -75,3 +79,54 @@ def test_stop_request_mid_accumulation_exits_75(tiny_spec, tmp_path):
     hooks = Recorder(stop_at=Boundary(step=1, micro_step=1))
     trainer, _, code = run(tiny_spec(*SHORT, "train.grad_accum_steps=2"), tmp_path, hooks)
     assert code == exit_codes.STOPPED and trainer.step == 1
+
+
+def test_step_events_carry_cumulative_badput_by_kind(tiny_spec, tmp_path):
+    spec = tiny_spec(*SHORT, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval_steps=2",
+                     "checkpoint.async=false")
+    trainer = Trainer(spec, tmp_path, hooks := Recorder())
+    fetch = trainer.loader.batch
+
+    def slow_fetch(step, micro_step):  # a slow input pipeline: 10 ms a batch
+        time.sleep(0.01)
+        return fetch(step, micro_step)
+
+    trainer.loader.batch = slow_fetch
+    trainer.run()
+    kinds = {"startup", "restore", "checkpoint", "data"}
+    (started,) = [f["badput"] for e, f in hooks.events if e == "started"]
+    assert set(started) == kinds and started["startup"] > 0 and started["data"] == started["checkpoint"] == 0
+    assert started["restore"] < 0.5  # nothing to restore
+    steps = {f["step"]: f["badput"] for e, f in hooks.events if e == "step"}
+    assert all(set(b) == kinds for b in steps.values())
+    assert steps[1]["startup"] > started["startup"]  # the first step is startup too (XLA compiles there)
+    assert all(steps[s]["startup"] == steps[1]["startup"] for s in steps)  # and only the first
+    for kind in kinds:  # cumulative
+        assert [steps[s][kind] for s in sorted(steps)] == sorted(steps[s][kind] for s in steps)
+    # Counted once: the first step's fetch is data, not startup.
+    assert 0.01 <= steps[1]["data"] < 0.1 and 0.06 <= steps[6]["data"] < 0.5
+    # Sync saves at steps 2 and 4: the loop waits for each whole write.
+    written = {f["step"]: f["seconds"] for e, f in hooks.events if e == "checkpoint_committed"}
+    assert steps[2]["checkpoint"] == 0 and steps[3]["checkpoint"] >= written[2] - 0.002 > 0
+    assert steps[5]["checkpoint"] >= written[2] + written[4] - 0.004
+    (finished,) = [f["badput"] for e, f in hooks.events if e == "finished"]
+    assert finished["checkpoint"] >= steps[6]["checkpoint"] + written[6] - 0.002  # the final save too
+
+    resumed = Recorder()
+    Trainer(tiny_spec(*SHORT, "train.max_steps=8", "train.log_interval=1"), tmp_path, resumed).run()
+    (started,) = [f["badput"] for e, f in resumed.events if e == "started"]
+    (restored,) = [f for e, f in resumed.events if e == "checkpoint_restored"]
+    assert started["restore"] >= restored["seconds"] > 0
+
+
+def test_manifests_carry_the_wandb_run_id_and_old_manifests_still_read(tiny_spec, tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUD_WANDB_RUN_ID", "run-1234")
+    run(tiny_spec(*SHORT, "train.max_steps=2", "scheduler.warmup_steps=1"), tmp_path)
+    (_, path, manifest), = mf.committed_steps(tmp_path / "checkpoints" / "tiny-cpu")
+    assert manifest.wandb_run_id == "run-1234" and manifest.data_skips == ()
+    data = json.loads((path / mf.MANIFEST).read_text())
+    assert data["wandb_run_id"] == "run-1234" and data["data_skips"] == []
+    old = {k: v for k, v in data.items() if k not in ("wandb_run_id", "data_skips")}  # written before they existed
+    assert mf.Manifest.from_json(json.dumps(old)) == mf.Manifest.from_json(json.dumps({**data, "wandb_run_id": None}))
+    newer = {**data, "data_skips": [[4, 2]], "added_later": 1}  # a newer writer's field is ignored
+    assert mf.Manifest.from_json(json.dumps(newer)).data_skips == ((4, 2),)

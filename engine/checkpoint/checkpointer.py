@@ -11,10 +11,15 @@ waits for when async) and writes it from a background thread: DCP files into a
 temporary directory, then manifest.json with sizes and CRC32C, then an atomic rename to
 step_N. At most one save is in flight. Local retention never deletes the newest step or
 one the supervisor has pinned while uploading it.
+
+The manifest also carries what must follow the checkpoint to another host but is not
+tensor state: the loader's skipped batch ranges (`data_skips`, set by the trainer) and the
+supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import warnings
@@ -74,6 +79,9 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future | None = None
+        self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
+        self.wandb_run_id = os.environ.get("TPUD_WANDB_RUN_ID") or None
+        self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
         self.last_saved_step: int | None = None
         self.last_save_time = time.monotonic()
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +147,7 @@ class Checkpointer:
         self.emit("checkpoint_started", step=progress.step, micro_step=progress.micro_step, reason=reason,
                   blocking_s=round(blocked, 4))
         self._pending = self._writer.submit(self._write, staged, progress.step, progress.micro_step, reason,
-                                            started)
+                                            started, self.data_skips)
         if blocking:
             self.wait()
 
@@ -149,7 +157,8 @@ class Checkpointer:
         if pending is not None:
             pending.result()
 
-    def _write(self, staged: dict, step: int, micro_step: int, reason: str, started: float) -> None:
+    def _write(self, staged: dict, step: int, micro_step: int, reason: str, started: float,
+               data_skips: tuple[tuple[int, int], ...]) -> None:
         final = self.job_dir / mf.step_dir_name(step, micro_step)
         tmp = self.job_dir / f".tmp-{final.name}"
         try:
@@ -162,7 +171,8 @@ class Checkpointer:
             if self.rank == 0:
                 manifest = mf.Manifest.describe(
                     tmp, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
-                    spec_hash=self.spec_hash, version=_version(), reason=reason)
+                    spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
+                    data_skips=data_skips)
                 mf.write_manifest(tmp, manifest)
                 tmp.rename(final)
                 mf.fsync_path(self.job_dir)
@@ -257,7 +267,7 @@ class Checkpointer:
             for name, param in self.model.named_parameters():
                 param.grad = template["partial"]["grads"][name]
             progress.loss_sum = template["partial"]["loss_sum"]
-        self.last_saved_step = progress.step
+        self.last_saved_step, self.restored = progress.step, manifest
         self.emit("checkpoint_restored", step=progress.step, micro_step=progress.micro_step, path=str(path),
                   seconds=round(time.monotonic() - started, 3))
         return progress

@@ -21,7 +21,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import google_crc32c
@@ -63,6 +63,9 @@ class Manifest:
     files: tuple[FileEntry, ...]
     created_unix: float = field(default_factory=time.time)
     format: int = FORMAT
+    # Optional fields, added later: manifests without them still read, with these defaults.
+    wandb_run_id: str | None = None  # the supervisor's wandb run, so a resume on another host continues it
+    data_skips: tuple[tuple[int, int], ...] = ()  # the loader's skipped micro-batch ranges (rollbacks)
 
     @property
     def total_bytes(self) -> int:
@@ -77,7 +80,10 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise ValueError(f"unknown manifest format {data.get('format')!r}")
         data["files"] = tuple(FileEntry(**f) for f in data["files"])
-        return cls(**data)
+        data["data_skips"] = tuple((int(first), int(count)) for first, count in data.get("data_skips") or ())
+        # Fields a newer writer added are ignored: a rolling upgrade must not make steps vanish.
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
     def describe(cls, directory: Path, **fields) -> Manifest:

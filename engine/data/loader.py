@@ -8,11 +8,19 @@ resuming at a step reproduces exactly the batches an uninterrupted run would hav
 The number of micro-batches per step may grow on a step schedule (a batch-size ramp, see
 `AccumSchedule`); micro-batch g of the run is then the micro-step of its step plus the
 micro-batches of all earlier steps, counted in closed form from the ramp.
+
+After a non-finite loss the supervisor rolls back and the batches of the bad step are
+skipped (`skips`): the stream of micro-batches jumps over them, so every later step reads
+the micro-batches that follow, still a pure function of (seed, skips, step, micro-step, rank).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,9 +64,45 @@ class AccumSchedule:
         return total + (step - begin) * self.final
 
 
+Skips = tuple[tuple[int, int], ...]
+
+
+def merge_skips(*lists: Iterable[Iterable[int]]) -> Skips:
+    """The union of skip lists as the loader wants it: sorted (first, count) pairs, no duplicates."""
+    merged = {(int(first), int(count)) for skips in lists for first, count in skips}
+    if any(first < 0 or count < 1 for first, count in merged):
+        raise ValueError(f"skip ranges must be (first >= 0, count >= 1): {sorted(merged)}")
+    return tuple(sorted(merged))
+
+
+def read_skips(path: Path) -> Skips:
+    """The skip list persisted in a job's state directory (data_skips.json); none if absent."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return ()
+    return merge_skips(data["skips"])
+
+
+def write_skips(path: Path, skips: Skips) -> None:
+    """Durably replace the skip list: {"format": 1, "skips": [[first, count], ...]}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks sharing the directory never collide
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "skips": [list(s) for s in skips]}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class PackedLoader:
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, accum: AccumSchedule | int,
-                 seed: int, position: DataPosition = DataPosition()):
+                 seed: int, position: DataPosition = DataPosition(), skips: Iterable[Iterable[int]] = ()):
         self.window = seq_len + 1  # inputs and targets overlap by one shifted token
         self.n_windows = len(tokens) // self.window
         if self.n_windows < micro_batch_size:
@@ -67,7 +111,35 @@ class PackedLoader:
         self.micro_batch_size = micro_batch_size
         self.accum = accum if isinstance(accum, AccumSchedule) else AccumSchedule(accum)
         self.seed, self.position = seed, position
+        self.skips = skips
         self._perm_epoch, self._perm = -1, None
+
+    @property
+    def skips(self) -> Skips:
+        """Ranges (first, count) of global micro-batches the stream jumps over, sorted by first.
+
+        Applied in that order, a range moves every index at or past `first` on by `count`
+        (`index`). A range from `skip_range` removes exactly one step's micro-batches from the
+        stream the earlier ranges left, even when recorded after ranges at higher indices (a
+        second rollback to an older checkpoint) or when the step straddles an earlier skip.
+        """
+        return self._skips
+
+    @skips.setter
+    def skips(self, skips: Iterable[Iterable[int]]) -> None:
+        self._skips = merge_skips(skips)
+
+    def index(self, step: int, micro_step: int) -> int:
+        """The global micro-batch index, in the unskipped stream, of (step, micro_step)."""
+        i = self.accum.before(step) + micro_step
+        for first, count in self._skips:
+            if i >= first:
+                i += count
+        return i
+
+    def skip_range(self, step: int) -> tuple[int, int]:
+        """The skip range that drops the micro-batches of `step` (0-based) as this loader assigns them."""
+        return self.index(step, 0), self.accum.at(step)
 
     def tokens_in_steps(self, start: int, stop: int) -> int:
         """Tokens this process feeds the model in steps start .. stop - 1."""
@@ -84,7 +156,8 @@ class PackedLoader:
         pos = self.position
         if not 0 <= micro_step < self.accum.at(step):
             raise IndexError(f"step {step} has {self.accum.at(step)} micro-batches, not a micro-step {micro_step}")
-        first = ((self.accum.before(step) + micro_step) * pos.world + pos.rank) * self.micro_batch_size
+        # A skipped micro-batch index is skipped on every rank: ranks share the global index.
+        first = (self.index(step, micro_step) * pos.world + pos.rank) * self.micro_batch_size
         rows = []
         for g in range(first, first + self.micro_batch_size):
             epoch, i = divmod(g, self.n_windows)
@@ -93,7 +166,8 @@ class PackedLoader:
 
     def state_dict(self) -> dict:
         # Position is a function of the step; the seed and geometry guard against resuming
-        # with a different data order.
+        # with a different data order. Skips are not here: they only grow during a job, and
+        # checkpoints carry them in the manifest (data_skips), read before the state is loaded.
         return {"seed": self.seed, "window": self.window, "n_windows": self.n_windows,
                 "micro_batch_size": self.micro_batch_size, "rank": self.position.rank, "world": self.position.world,
                 "accum": {"final": self.accum.final, "stages": [list(s) for s in self.accum.stages]}}

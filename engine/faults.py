@@ -1,0 +1,84 @@
+"""Injected faults (job spec `debug.inject`) for tests and drills of the supervisor.
+
+Each looks like the real thing from outside the worker:
+
+- hang_at_step N: right after step N completes the training thread stops for good: no more
+  heartbeats, polls or checkpoints, and SIGTERM does not help (SignalHooks only records it;
+  the loop never reaches another boundary to act on it). Only SIGKILL ends it.
+- crash_at_step N: right after step N, an exception leaves the loop (exit 1, traceback).
+- nan_at_step N: the micro-batches the data stream assigns to step N (counted without any
+  skips) give a NaN loss, and so NaN gradients and weights. Keyed on the data, not the step:
+  after a rollback that skips those batches, step N trains on the next ones and is finite.
+
+Transient faults fire once per job: a marker file `<state>/jobs/<job>/faults/<kind>-<step>`
+is made durable before the fault fires, and a worker started after it exists does not fire
+that fault again. With `repeat` every run fires it (a deterministic fault). The markers are
+read once, at start-up, so that all ranks sharing a state directory decide alike however
+their timing differs. Step 0 of hang and crash means before the first step of a fresh run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+from engine.config import InjectConfig
+from engine.data.loader import AccumSchedule
+
+log = structlog.get_logger()
+
+HANG, CRASH, NAN = "hang", "crash", "nan"
+
+
+class Faults:
+    def __init__(self, cfg: InjectConfig, job_dir: Path, accum: AccumSchedule):
+        self.cfg = cfg
+        self.dir = Path(job_dir) / "faults"
+        self._fired_before = {p.name for p in self.dir.iterdir()} if self.dir.is_dir() else set()
+        self._fired_now: set[str] = set()
+        # Global micro-batch index (unskipped stream) -> the logged step it poisons.
+        self._poisoned = {i: n for n in cfg.nan_at_step if n >= 1
+                          for i in range(accum.before(n - 1), accum.before(n - 1) + accum.at(n - 1))}
+
+    def _fire(self, kind: str, step: int) -> bool:
+        """Whether the fault fires in this process; records it durably before it does."""
+        name = f"{kind}-{step}"
+        if name in self._fired_now:
+            return True  # the same firing: the other micro-batches of a poisoned step
+        if name in self._fired_before and not self.cfg.repeat:
+            return False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / name
+        with open(path, "w") as f:
+            json.dump({"kind": kind, "step": step, "pid": os.getpid(), "unix": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the marker's directory entry too: a crash right after must not forget it
+        finally:
+            os.close(fd)
+        self._fired_now.add(name)
+        return True
+
+    def poisons(self, index: int) -> bool:
+        """Whether the micro-batch with this global index (unskipped stream) gives a NaN loss."""
+        step = self._poisoned.get(index)
+        if step is None or not self._fire(NAN, step):
+            return False
+        log.warning("injected nan", step=step, micro_batch=index)
+        return True
+
+    def at_step_boundary(self, step: int) -> None:
+        """Called once after each step completes (`step` = steps done), and at a fresh start with 0."""
+        if step in self.cfg.crash_at_step and self._fire(CRASH, step):
+            log.error("injected crash", step=step)
+            raise RuntimeError(f"injected crash after step {step}")
+        if step in self.cfg.hang_at_step and self._fire(HANG, step):
+            log.error("injected hang", step=step)
+            while True:  # a sleeping loop, not a blocked signal: SIGTERM's handler runs, and changes nothing
+                time.sleep(1)

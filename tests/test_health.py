@@ -1,0 +1,130 @@
+"""Health signals end to end: injected hangs, crashes and NaNs under a real daemon, and the
+wandb run that spans the restarts. Fault injection must be allowed in the daemon settings."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_daemon import Daemon
+from tests.test_preemption import exits, metric
+from tests.test_tracking import history_rows, offline_runs
+
+pytestmark = pytest.mark.slow
+JOB = f"""\
+name: sick
+include: {REPO}/configs/jobs/tiny-cpu.yaml
+data: {{corpus_bytes: 400000, seq_len: 64, micro_batch_size: 2}}
+train: {{max_steps: 24, log_interval: 1}}
+scheduler: {{warmup_steps: 1}}
+checkpoint: {{interval_steps: 4}}
+restart: {{max_restarts: 2, backoff_initial_seconds: 0.5}}
+health: {{heartbeat_timeout_seconds: 3, startup_steps: 1, kill_grace_seconds: 1}}
+"""
+
+
+def start(home, extra: str = "", allow: bool = True, env: dict | None = None, job: str = JOB) -> Daemon:
+    (home / "jobs.d").mkdir(parents=True)
+    (home / "tpud.yaml").write_text(f"allow_fault_injection: {str(allow).lower()}\n")
+    (home / "jobs.d" / "sick.yaml").write_text(job + extra)
+    return Daemon(home, env=env)
+
+
+def stopped(daemon: Daemon) -> None:
+    daemon.proc.terminate()
+    daemon.proc.wait(timeout=60)
+
+
+def test_an_injected_hang_is_detected_within_its_bound_killed_and_resumed(tmp_path):
+    daemon = start(tmp_path, "debug: {inject: {hang_at_step: 9}}\n")
+    try:
+        jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] in ("SUCCEEDED", "FAILED"), "the end", timeout=180)
+        assert jobs["sick"]["state"] == "SUCCEEDED"
+        [hung] = daemon.events("worker hung; terminating it")
+        # Steps take ~30 ms, so the bound is the 3 s floor (10 x the median step on a loaded box);
+        # the daemon checks twice a second.
+        assert 3.0 <= hung["bound_s"] < 10 and hung["bound_s"] < hung["silent_s"] <= hung["bound_s"] + 1.0
+        assert hung["step"] == 9
+        assert exits(daemon) == [137, 0]  # SIGTERM ignored by the hung loop: SIGKILL after the grace
+        restored = daemon.events("checkpoint restored")
+        assert [r["step"] for r in restored] == [8]
+        assert metric(tmp_path, "tpud_job_restarts_total", job="sick", reason="hang") == 1
+    finally:
+        stopped(daemon)
+
+
+def test_a_repeating_crash_backs_off_spends_the_budget_and_fails_with_the_reason(tmp_path):
+    daemon = start(tmp_path, "debug: {inject: {crash_at_step: 3, repeat: true}}\n")
+    try:
+        jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] == "FAILED", "FAILED", timeout=180)
+        assert "RuntimeError: injected crash after step 3" in jobs["sick"]["error"]
+        assert exits(daemon) == [1, 1, 1] and jobs["sick"]["restarts"] == 2
+        assert metric(tmp_path, "tpud_job_restarts_total", job="sick", reason="exception") == 2
+        states = [(r["state"], r["reason"]) for r in daemon.events("job state")]
+        backoffs = [reason for state, reason in states if state == "BACKOFF"]
+        assert backoffs == ["exception; restart in 0.5s", "exception; restart in 1.0s"]
+        assert "restart budget spent" in states[-1][1]
+    finally:
+        stopped(daemon)
+
+
+def test_a_nan_rolls_back_skips_the_bad_batch_and_finishes(tmp_path):
+    daemon = start(tmp_path, "debug: {inject: {nan_at_step: 6}}\n")
+    try:
+        jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] in ("SUCCEEDED", "FAILED"), "the end", timeout=180)
+        assert jobs["sick"]["state"] == "SUCCEEDED", jobs["sick"]
+        assert exits(daemon) == [76, 0]
+        [nonfinite] = daemon.events("nonfinite")
+        assert nonfinite["step"] == 6 and nonfinite["policy"] == "rollback"
+        assert [r["step"] for r in daemon.events("checkpoint restored")] == [4]  # the newest clean checkpoint
+        after = [r for r in daemon.events("step") if r.get("step", 0) >= 5][-20:]
+        assert after and all(math.isfinite(r["loss"]) for r in after if "loss" in r)
+        assert metric(tmp_path, "tpud_job_restarts_total", job="sick", reason="nonfinite") == 1
+    finally:
+        stopped(daemon)
+
+
+def test_a_nan_with_policy_stop_fails_the_job_with_exit_76(tmp_path):
+    stop_policy = JOB.replace("health: {", "health: {nonfinite: stop, ")
+    daemon = start(tmp_path, "debug: {inject: {nan_at_step: 6}}\n", job=stop_policy)
+    try:
+        jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] == "FAILED", "FAILED", timeout=180)
+        assert exits(daemon) == [76] and "non-finite loss" in jobs["sick"]["error"]
+        assert jobs["sick"]["restarts"] == 0
+    finally:
+        stopped(daemon)
+
+
+def test_fault_injection_is_refused_unless_the_settings_allow_it(tmp_path):
+    daemon = start(tmp_path, "debug:\n  inject: {crash_at_step: 3}\n", allow=False)
+    try:
+        jobs = daemon.wait_for(lambda jobs: "sick" in jobs, "the job in status")
+        assert jobs["sick"]["state"] == "INVALID"
+        where = f"{tmp_path / 'jobs.d' / 'sick.yaml'}:10: debug.inject"
+        assert f"{where}: fault injection is refused" in jobs["sick"]["error"]
+        time.sleep(1)
+        assert exits(daemon) == []
+    finally:
+        stopped(daemon)
+
+
+def test_one_wandb_run_spans_the_workers_restarts(tmp_path):
+    wandb_dirs = {f"WANDB_{k}": str(tmp_path / "wandb" / k.lower()) for k in ("CONFIG_DIR", "CACHE_DIR", "DATA_DIR")}
+    daemon = start(tmp_path, "debug: {inject: {crash_at_step: 10}}\n"
+                             "logging: {wandb: {project: tpud-test, mode: offline}}\n", env=wandb_dirs)
+    try:
+        jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] in ("SUCCEEDED", "FAILED"), "the end", timeout=180)
+        assert jobs["sick"]["state"] == "SUCCEEDED" and exits(daemon) == [1, 0]
+    finally:
+        stopped(daemon)
+    [(run_id, records)] = offline_runs(tmp_path / "state" / "jobs" / "sick")
+    rows = history_rows(records)
+    steps = [row["train/step"] for row in rows]
+    # The crash after step 10 resumed from step 8: steps 9 and 10 come twice, wandb's own step never goes back.
+    assert steps == list(range(1, 11)) + list(range(9, 25))
+    assert [row["_step"] for row in rows] == sorted({row["_step"] for row in rows})
+    saved = sorted((tmp_path / "state" / "checkpoints" / "sick").glob("step_*/manifest.json"))
+    assert saved and all(f'"wandb_run_id": "{run_id}"' in p.read_text() for p in saved)
