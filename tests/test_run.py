@@ -106,6 +106,15 @@ def test_invalid_job_exits_78_naming_file_line_and_key(tmp_path):
     assert f"{job}:3: train.max_steps:" in err
 
 
+def test_fault_injection_is_refused_unless_the_settings_allow_it(tmp_path):
+    job = tmp_path / "drill.yaml"
+    job.write_text(f"name: drill\ninclude: {TINY_JOB}\ndebug:\n  inject: {{crash_at_step: 3}}\n")
+    proc = tpud_run(tmp_path, job=job)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == exit_codes.BAD_INPUT
+    assert f"{job}:4: debug.inject: fault injection is refused" in err
+
+
 def test_kernel_the_backend_lacks_exits_78(tmp_path):
     proc = tpud_run(tmp_path, "attention.kernel=splash")
     out, _ = proc.communicate(timeout=120)
