@@ -140,6 +140,7 @@ def test_a_deadline_shorter_than_a_step_takes_a_partial_step_checkpoint_that_res
 def test_migrate_checkpoints_and_continues_terminate_preempts_and_none_resumes(tmp_path, metadata_server):
     home = tmp_path / "home"
     job_file(home)
+    (home / "tpud.yaml").write_text("upcoming_maintenance_poll_seconds: 0.5\n")
     daemon = Daemon(home, env={"GCE_METADATA_HOST": metadata_server.host})
     try:
         daemon.wait_for(lambda jobs: (jobs["pre"]["step"] or 0) >= 3, "step 3")
@@ -151,6 +152,16 @@ def test_migrate_checkpoints_and_continues_terminate_preempts_and_none_resumes(t
         assert committed(home), "MIGRATE took no checkpoint"
         daemon.wait_for(lambda jobs: jobs["pre"]["state"] == "RUNNING", "RUNNING")
         assert exits(daemon) == []  # the worker carried on
+        # A TPU VM's scheduled maintenance, read by polling: a checkpoint, and carry on.
+        before = len(committed(home))
+        metadata_server.set("instance/upcoming-maintenance",
+                            '{"type": "SCHEDULED", "maintenanceStatus": "PENDING", "canReschedule": true}')
+        deadline = time.monotonic() + 60
+        while len(committed(home)) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(committed(home)) > before, "upcoming maintenance took no checkpoint"
+        assert metric(home, "tpud_preemption_notices_total", source="upcoming_maintenance") == 1
+        assert exits(daemon) == []
         metadata_server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
         daemon.wait_for(lambda jobs: jobs["pre"]["state"] == "PREEMPTED", "PREEMPTED")
         assert exits(daemon) == [75]
