@@ -247,6 +247,9 @@ class Trainer:
         cfg = self.spec.checkpoint
         by_steps = cfg.interval_steps and self.step % cfg.interval_steps == 0
         by_time = cfg.interval_seconds and time.monotonic() - self.checkpointer.last_save_time >= cfg.interval_seconds
+        if cfg.interval_seconds and not by_steps:
+            # Each rank reads its own clock: they agree, or one rank alone would enter the save's collectives.
+            by_time = self.backend.agree(Request(Action.CHECKPOINT) if by_time else None) is not None
         return bool(by_steps or by_time)
 
     def _save(self, reason: str, *, wait: bool = False) -> int | None:

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from engine.checkpoint import manifest as mf
 from engine.checkpoint.manifest import read_manifest
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
@@ -48,3 +49,17 @@ def test_a_request_reaching_one_rank_is_carried_out_by_all(tmp_path):
     manifest = read_manifest(step)
     assert manifest is not None and manifest.reason == "request" and manifest.world_size == 2
     assert {"__0_0.distcp", "__1_0.distcp"} <= {f.path for f in manifest.files}  # both ranks wrote
+
+
+def test_time_based_checkpoints_are_agreed_by_all_ranks(tmp_path):
+    """Each rank reads its own clock for checkpoint.interval_seconds; without agreement one
+    rank enters a save's collectives alone and the job hangs."""
+    out = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "ddp_probe.py"), str(TINY_JOB), str(tmp_path), *COMMON, "data.micro_batch_size=2",
+         "train.max_steps=30", "checkpoint.interval_seconds=0.1", "checkpoint.interval_steps=0"],
+        env=python_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = mf.committed_steps(tmp_path / "checkpoints" / "tiny-cpu")
+    assert len(steps) >= 2 and all(m.world_size == 2 for _, _, m in steps)
