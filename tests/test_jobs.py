@@ -77,6 +77,7 @@ def test_backoff_does_not_start_early(make_job):
     make, now = make_job
     job = make()
     job._exited(-9 + 256)
+    assert job.next_timer() == job.backoff_until
     now[0] = job.backoff_until - 0.01
     job.tick()
     assert job.state is State.BACKOFF and job.starts == 0
@@ -165,12 +166,14 @@ def test_a_silent_worker_is_hung_after_the_bound_then_terminated_and_killed(make
     job = make()
     running(job, now, step_time=10.0)  # slow steps: the bound is 10 x the median, not the 60 s floor
     assert job.hang_bound() == 100.0
+    assert job.next_timer() == now[0] + 100.0  # the daemon's loop wakes then, not at its next tick
     now[0] += 99
     job.tick()
     assert job.hang is None and job.worker.signals == []
     now[0] += 2
     job.tick()
     assert "no heartbeat for 101s" in job.hang and job.worker.signals == [signal.SIGTERM]
+    assert job.next_timer() == job.kill_at == now[0] + job.spec.health.kill_grace_seconds
     now[0] += job.spec.health.kill_grace_seconds
     job.tick()
     assert job.worker.signals == [signal.SIGTERM, signal.SIGKILL]

@@ -283,6 +283,12 @@ class Daemon:
         self._calls.put((lambda: self._guard(fn), Future()))
         self.wake()
 
+    def _select_timeout(self) -> float:
+        """At most TICK_S, less when a job's timer (backoff, kill, hang) is due sooner."""
+        now = time.monotonic()
+        due = [t for job in self.jobs.values() if (t := job.next_timer()) is not None]
+        return min([TICK_S, *(max(0.0, t - now) + 0.001 for t in due)])
+
     def _on_signal(self, signum: int, frame) -> None:
         self._signals.append(signum)
 
@@ -339,7 +345,7 @@ class Daemon:
             self.notifier.ready(self._summary())
             last_status = ""
             while True:
-                for key, _ in self.selector.select(TICK_S):
+                for key, _ in self.selector.select(self._select_timeout()):
                     # An earlier callback of this same batch may have released this object.
                     if self.selector.get_map().get(key.fd) is key:
                         self._guard(key.data)

@@ -562,6 +562,15 @@ class Job:
                 self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
                 self.kill_at = now + self.spec.health.kill_grace_seconds
 
+    def next_timer(self) -> float | None:
+        """When tick() next has something to do (the clock's time), so the loop wakes on time."""
+        timers = [self.kill_at]
+        if self.state is State.BACKOFF:
+            timers.append(self.backoff_until)
+        if self.worker is not None and self.hang is None and self.kill_at is None:
+            timers.append(self.last_heard + self.hang_bound())
+        return min((t for t in timers if t is not None), default=None)
+
     def hang_bound(self) -> float:
         """Seconds of silence after which the worker counts as hung."""
         health = self.spec.health
