@@ -45,8 +45,8 @@ def test_an_injected_hang_is_detected_within_its_bound_killed_and_resumed(tmp_pa
         assert jobs["sick"]["state"] == "SUCCEEDED"
         [hung] = daemon.events("worker hung; terminating it")
         # Steps take ~30 ms, so the bound is the 3 s floor (10 x the median step on a loaded box);
-        # the daemon checks twice a second.
-        assert 3.0 <= hung["bound_s"] < 10 and hung["bound_s"] < hung["silent_s"] <= hung["bound_s"] + 1.0
+        # the daemon wakes when the bound runs out.
+        assert 3.0 <= hung["bound_s"] < 10 and hung["bound_s"] < hung["silent_s"] <= hung["bound_s"] + 0.5
         assert hung["step"] == 9
         assert exits(daemon) == [137, 0]  # SIGTERM ignored by the hung loop: SIGKILL after the grace
         restored = daemon.events("checkpoint restored")

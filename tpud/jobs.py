@@ -557,7 +557,7 @@ class Job:
             if silent > bound:
                 self.hang = (f"hung: no heartbeat for {silent:.0f}s (bound {bound:.0f}s) "
                              f"after step {self.heartbeat_step}")
-                log.error("worker hung; terminating it", job=self.name, silent_s=round(silent, 1),
+                log.error("worker hung; terminating it", job=self.name, silent_s=round(silent, 3),
                           bound_s=round(bound, 1), step=self.heartbeat_step)
                 self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
                 self.kill_at = now + self.spec.health.kill_grace_seconds
