@@ -42,6 +42,8 @@ def read_wandb_file(path: Path) -> list:
         if (crc, length, kind) == (0, 0, 0):  # zero padding up to the block's end
             pos += BLOCK - pos % BLOCK
             continue
+        if pos + 7 + length > len(data):
+            break  # a record still being written
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         # wandb's checksum: plain CRC-32 of the type byte, then the data.
@@ -62,14 +64,22 @@ def history_rows(records: list) -> list[dict]:
             for r in records if r.WhichOneof("record_type") == "history"]
 
 
-def offline_runs(directory: Path) -> list[tuple[str, list]]:
+def offline_runs(directory: Path, timeout: float = 20.0) -> list[tuple[str, list]]:
     """(run id, records) of each offline run directory under `directory`, oldest first. The 'latest-run'
-    symlink is skipped: only the offline-run-* directories themselves count."""
+    symlink is skipped: only the offline-run-* directories themselves count. wandb's service process
+    may still be writing a file after finish() returned, so a file is read until its run's exit record
+    is there."""
     runs = []
     for run_dir in sorted((directory / "wandb").glob("offline-run-*")):
         files = list(run_dir.glob("run-*.wandb"))
         assert len(files) == 1, files
-        records = read_wandb_file(files[0])
+        deadline = time.monotonic() + timeout
+        while True:
+            records = read_wandb_file(files[0])
+            kinds = [r.WhichOneof("record_type") for r in records]
+            if "exit" in kinds or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
         runs.append((run.start_time.ToNanoseconds(), run.run_id, records))
     return [(run_id, records) for _, run_id, records in sorted(runs, key=lambda t: t[0])]
