@@ -217,25 +217,17 @@ class MetadataWatcher:
         have_baseline = False
         unknown_logged: set[str] = set()
         while not self._stop.is_set():
-            try:
-                if not have_baseline:
-                    # A plain read first: a hanging GET without last_etag would wait for the next
-                    # change and miss a notice given before the daemon started.
-                    response = self._get(key, {}, READ_TIMEOUT)
-                else:
-                    query = {"wait_for_change": "true", "timeout_sec": str(self.timeout_sec)}
-                    if etag:
-                        query["last_etag"] = etag
-                    response = self._get(key, query, self.timeout_sec + HANGING_READ_MARGIN)
-            except _OffCloud as e:
-                self._off_cloud(source, e)
+            if not have_baseline:
+                # A plain read first: a hanging GET without last_etag would wait for the next
+                # change and miss a notice given before the daemon started.
+                response = self._fetch(source, key, {}, READ_TIMEOUT, backoff)
+            else:
+                query = {"wait_for_change": "true", "timeout_sec": str(self.timeout_sec)}
+                if etag:
+                    query["last_etag"] = etag
+                response = self._fetch(source, key, query, self.timeout_sec + HANGING_READ_MARGIN, backoff)
+            if response is None:
                 continue
-            except _Transient as e:
-                self._retry(source, key, backoff, e)
-                continue
-            if self._stop.is_set():
-                return
-            self._recovered(source, key, backoff)
             if response.status == 404:
                 # The key does not exist on this VM (not a notice, and no etag to wait on):
                 # check again now and then.
@@ -260,17 +252,9 @@ class MetadataWatcher:
         backoff = _Backoff(self.backoff_initial_seconds, self.backoff_max_seconds)
         current: str | None = None  # canonical form of the maintenance announced, None when none
         while not self._stop.is_set():
-            try:
-                response = self._get(key, {}, READ_TIMEOUT)
-            except _OffCloud as e:
-                self._off_cloud(source, e)
+            response = self._fetch(source, key, {}, READ_TIMEOUT, backoff)
+            if response is None:
                 continue
-            except _Transient as e:
-                self._retry(source, key, backoff, e)
-                continue
-            if self._stop.is_set():
-                return
-            self._recovered(source, key, backoff)
             body = response.body.strip() if response.status == 200 else ""
             new = _canonical_json(body) if body else None
             if new != current:
@@ -282,6 +266,22 @@ class MetadataWatcher:
             self._stop.wait(self.upcoming_poll_seconds)
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _fetch(self, source: str, key: str, query: dict[str, str], read_timeout: float,
+               backoff: _Backoff) -> _Response | None:
+        """One GET; None after an error (already waited out) or once stopped: the loop goes round."""
+        try:
+            response = self._get(key, query, read_timeout)
+        except _OffCloud as e:
+            self._off_cloud(source, e)
+            return None
+        except _Transient as e:
+            self._retry(source, key, backoff, e)
+            return None
+        if self._stop.is_set():
+            return None
+        self._recovered(source, key, backoff)
+        return response
 
     def _get(self, key: str, query: dict[str, str], read_timeout: float) -> _Response:
         path = f"/computeMetadata/v1/{key}"
