@@ -10,11 +10,8 @@ torch.optim.Muon's own, whose bf16 Frobenius norm torch_xla reduces in bf16.
 
 import json
 import sys
-from pathlib import Path
 
-from engine.specfile import load_spec
-from engine.train import Trainer
-from tests.xla_probe import Probe
+from tests.xla_probe import train
 
 
 def newton_schulz_checks(backend) -> dict:
@@ -39,10 +36,7 @@ def newton_schulz_checks(backend) -> dict:
 def main(job: str, state_dir: str, *overrides: str) -> None:
     import torch_xla
 
-    spec = load_spec(job, list(overrides))
-    probe = Probe()
-    trainer = Trainer(spec, Path(state_dir), probe)
-    code = trainer.run()
+    trainer, probe, report = train(job, state_dir, overrides)
     layer = trainer.model.layers[0]
     state = trainer.optimizer.state
 
@@ -52,10 +46,8 @@ def main(job: str, state_dir: str, *overrides: str) -> None:
     weights = {"wq": layer.attention.wq.weight, "w2": layer.feed_forward.w2.weight,
                "embedding": trainer.model.tok_embeddings.weight, "norm": layer.attention_norm.weight}
     print(json.dumps({
-        "exit": code,
+        **report,
         "optimizer": type(trainer.optimizer).__name__,
-        "losses": [probe.losses[s] for s in sorted(probe.losses)],
-        "compiles_at_step": [probe.compiles_at_step[s] for s in sorted(probe.compiles_at_step)],
         "sharding": {name: sharding(p) for name, p in weights.items()},
         "state_sharding": {name: {k: sharding(v) for k, v in state[p].items() if k != "step"}
                            for name, p in weights.items()},

@@ -52,22 +52,28 @@ def attention_checks(backend) -> dict:
             "auto": build_attention(AttentionConfig(), backend)[0], "refused": refused}
 
 
+def train(job: str, state_dir: str, overrides) -> tuple[Trainer, Probe, dict]:
+    """Train the job with a Probe attached: the trainer, the probe, and the common report fields."""
+    probe = Probe()
+    trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), probe)
+    code = trainer.run()
+    return trainer, probe, {"exit": code, "losses": [probe.losses[s] for s in sorted(probe.losses)],
+                            "compiles_at_step": [probe.compiles_at_step[s] for s in sorted(probe.compiles_at_step)]}
+
+
 def main(job: str, state_dir: str, *overrides: str) -> None:
     import torch_xla
 
-    spec = load_spec(job, list(overrides))
-    probe = Probe()
-    trainer = Trainer(spec, Path(state_dir), probe)
-    code = trainer.run()
+    trainer, probe, report = train(job, state_dir, overrides)
     layer = trainer.model.layers[0]
-    attention = attention_checks(trainer.backend)
     sharding = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in
                 [("wq", layer.attention.wq.weight), ("wo", layer.attention.wo.weight),
                  ("embedding", trainer.model.tok_embeddings.weight), ("norm", layer.attention_norm.weight)]}
-    print(json.dumps({"exit": code, "losses": [probe.losses[s] for s in sorted(probe.losses)],
-                      "compiles_at_step": [probe.compiles_at_step[s] for s in sorted(probe.compiles_at_step)],
-                      "sharding": sharding, "attention": attention, "cache": {name: probe.met.counter_value(f"PersistentCache{name}") or 0
-                                                      for name in ("Hit", "Miss", "DeserializeFailure")}, "describe": trainer.backend.describe()}))
+    attention = attention_checks(trainer.backend)  # its graphs count in the cache figures too
+    cache = {name: probe.met.counter_value(f"PersistentCache{name}") or 0
+             for name in ("Hit", "Miss", "DeserializeFailure")}
+    print(json.dumps({**report, "sharding": sharding, "attention": attention, "cache": cache,
+                      "describe": trainer.backend.describe()}))
 
 
 if __name__ == "__main__":
