@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = {  # name: (tokens N, hidden D, vocab V, dtype)
@@ -118,7 +118,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "cce", "targets": {"memory_ratio": MEMORY_TARGET, "time_ratio": TIME_TARGET},
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine()},
+        "machine": describe(),
         "cases": rows}, indent=2))
 
 

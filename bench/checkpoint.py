@@ -46,7 +46,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -73,6 +72,7 @@ from engine.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
 from engine.config import CheckpointConfig  # noqa: E402
 from tests.gcs_server import GcsServer  # noqa: E402
 from tpud.gcs import GcsTier  # noqa: E402
+from machine import describe  # noqa: E402
 
 TARGETS = {"save_ratio": 0.80, "async_blocking_ratio": 0.15, "restore_gb_s": 1.0, "upload_ratio": 0.90}
 VOCAB, DIM, LAYERS = 32768, 768, 6
@@ -449,11 +449,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "checkpoint", "targets": TARGETS, "gb": 1e9, "repeats": args.repeats,
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "processor": platform.processor() or platform.machine(),
-                    "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-                    "scratch_dir": str(work), "crc32c_implementation": google_crc32c.implementation},
+        "machine": describe(mem_total_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+                            scratch_dir=str(work), crc32c_implementation=google_crc32c.implementation),
         "load": load, "phases": phases, "page_cache_dropped": dropped, "state": state_info,
         "sync_save": {"bytes": total, "ours_s": ours_save, "raw_write_s": raw_save, "ours_parts_s": save_times,
                       "ours_gb_s": save_ours, "raw_gb_s": save_raw, "ratio": save_ours / save_raw},

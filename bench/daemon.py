@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tpud.control import ControlClient  # noqa: E402
+from machine import describe  # noqa: E402
 
 JOB = f"""\
 name: bench
@@ -114,7 +114,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "benchmark": "daemon", "targets": TARGETS, "results": results, "passed": met,
         "raw": {"status_ms": status_ms, "scrape_ms": scrape_ms, "cli_status_ms": cli_ms},
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
+        "machine": describe(),
     }, indent=2))
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -52,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.metadata_server import MetadataServer  # noqa: E402
 from tpud.control import ControlClient  # noqa: E402
+from machine import describe  # noqa: E402
 
 KINDS = ("sigkill", "preemption", "hang")
 # Other load slows this 2-thread job in bursts that a median hides: warn when an arm's mean step
@@ -392,8 +392,7 @@ def main() -> None:
         "benchmark": "goodput", "targets": TARGETS, "passed": all(met.values()), "met": met,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "job": job, "schedule": schedule, "clean": clean, "arms": arms,
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "load_before": load_before,
-                    "load_after": os.getloadavg()},
+        "machine": describe(load_before=load_before),
     }, indent=2))
 
 

@@ -40,6 +40,7 @@ from engine import logs
 from engine.hooks import Hooks
 from engine.specfile import load_spec
 from engine.train import Trainer
+from machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
@@ -141,9 +142,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "optimizers",
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": describe(),
         "job": str(JOB.relative_to(REPO)), "steps": args.steps, "final_loss_over_last": LAST,
         "wall_s": wall_s, "runs": results,
     }

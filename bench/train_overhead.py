@@ -49,6 +49,7 @@ from engine.attention.sdpa import sdpa_attention
 from engine.models.llama import Transformer
 from engine.specfile import load_spec
 from engine.train import StepResult, Trainer
+from machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
@@ -256,9 +257,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "train_overhead",
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": describe(),
         "wall_s": wall_s,
         "cases": results,
     }

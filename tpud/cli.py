@@ -305,7 +305,8 @@ def _add_status(subparsers: Subparsers) -> None:
         "status",
         help="show the daemon's jobs",
         description="Show jobs (all, or the named ones): state, step, loss, tokens/s, MFU, last checkpoint "
-        "(step@tier age), restarts, age; errors of invalid job files below the table. Exit 3 when a named "
+        "(step@tier age), restarts, goodput (productive share of the job's time), age; errors below the table "
+        "(-o json adds the badput seconds by kind and a crash's traceback lines). Exit 3 when a named "
         "job is unknown, 4 when the daemon cannot be reached.",
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all)")
