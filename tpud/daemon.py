@@ -37,7 +37,7 @@ from tpud.metrics import Metrics, write_address_file
 from tpud.notify import Notifier
 from tpud.paths import Paths
 from tpud.settings import load_settings
-from tpud.watcher import Watcher, scan
+from tpud.watcher import Watcher, key_line, scan
 
 log = structlog.get_logger()
 TICK_S = 0.5
@@ -176,7 +176,7 @@ class Daemon:
         """Why a valid spec may not run under this daemon's settings, as FILE:LINE: KEY: MESSAGE."""
         if spec.debug.inject is None or self.settings.allow_fault_injection:
             return None
-        line = _key_line(path, "inject")
+        line = key_line(path, "inject")
         return (f"{path}{'' if line is None else f':{line}'}: debug.inject: fault injection is refused: "
                 f"set allow_fault_injection: true in {self.paths.config / 'tpud.yaml'} to allow it")
 
@@ -416,11 +416,3 @@ class Daemon:
         (job,) = self.jobs.values()
         return job.last_status if job.last_status is not None else 1
 
-
-def _key_line(path: Path, key: str) -> int | None:
-    """The first line of `path` that spells out `key:`, for messages that name a line."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    return next((n for n, line in enumerate(lines, 1) if line.strip().startswith(f"{key}:")), None)

@@ -123,7 +123,8 @@ def scan(directory: Path) -> dict[Path, JobFile]:
             continue
         owner = owners.setdefault(job.spec.name, path)
         if owner != path:
-            problem = Problem(str(path), _name_line(path), "name", f"job {job.spec.name} is already defined in {owner}")
+            problem = Problem(str(path), key_line(path, "name", top_level=True), "name",
+                              f"job {job.spec.name} is already defined in {owner}")
             found[path] = JobFile(path, job.digest, None, str(problem))
     return found
 
@@ -198,14 +199,14 @@ def _cacheable(raw: bytes) -> bool:
     return "\x00" not in text and "include" not in text
 
 
-_NAME_KEY = re.compile(r"""^["']?name["']?\s*:""", re.MULTILINE)
-
-
-def _name_line(path: Path) -> int | None:
-    """The line of the top-level `name:` key, if the file spells one out plainly."""
+def key_line(path: Path, key: str, *, top_level: bool = False) -> int | None:
+    """The first line of `path` that spells out `key:` plainly (at column 0 with top_level), for
+    messages about a key that validated but may not run here."""
+    indent = "" if top_level else r"[ \t]*"
+    pattern = re.compile(rf"""^{indent}["']?{re.escape(key)}["']?\s*:""", re.MULTILINE)
     with contextlib.suppress(OSError, UnicodeDecodeError):
         text = path.read_bytes().decode("utf-8")
-        match = _NAME_KEY.search(text)
+        match = pattern.search(text)
         if match:
             return text.count("\n", 0, match.start()) + 1
     return None
