@@ -140,8 +140,15 @@ class TpudArm:
         self.daemon = spawn([sys.executable, "-m", "tpud", "daemon", "--home", str(self.home), "--metrics-addr",
                              "127.0.0.1:0"], self.log, GCE_METADATA_HOST=self.server.host)
 
+    def _job(self) -> dict:
+        return ControlClient(self.home / "run" / "control.sock").call("status")["jobs"][0]
+
     def training_pid(self) -> int | None:
-        return child_running(self.daemon.pid, b"tpud.worker")
+        """The worker in charge (not its warm spare, also a child running tpud.worker)."""
+        try:
+            return self._job()["pid"]
+        except Exception:  # the daemon is starting, or between incarnations
+            return None
 
     def notice(self) -> None:
         self.server.set("instance/preempted", "TRUE")
@@ -155,7 +162,7 @@ class TpudArm:
     def status(self) -> dict:
         """tpud's own view: its goodput ledger persists in job.json, so it spans every daemon of the arm."""
         try:
-            job = ControlClient(self.home / "run" / "control.sock").call("status")["jobs"][0]
+            job = self._job()
             return {k: job[k] for k in ("goodput", "restarts", "state", "step")}
         except Exception as e:  # the daemon may be between incarnations at the very end
             return {"error": repr(e)}

@@ -86,14 +86,10 @@ def children_of(pid: int) -> list[int]:
 
 
 def worker_pid(daemon: Daemon, job: str) -> int:
-    for pid in children_of(daemon.proc.pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"tpud.worker" in cmdline and any(job.encode() in part for part in cmdline):
-            return pid
-    raise AssertionError(f"no worker for {job}")
+    """The worker in charge of a job (its warm spare is another child running tpud.worker)."""
+    pid = daemon.status()[job]["pid"]
+    assert pid is not None, f"no worker for {job}"
+    return pid
 
 
 def write_atomically(path: Path, text: str) -> None:

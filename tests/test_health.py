@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.test_daemon import Daemon
+from tests.test_daemon import Daemon, children_of
 from tests.test_preemption import exits, metric
 from tests.test_tracking import history_rows, offline_runs
 
@@ -52,6 +53,14 @@ def test_an_injected_hang_is_detected_within_its_bound_killed_and_resumed(tmp_pa
         restored = daemon.events("checkpoint restored")
         assert [r["step"] for r in restored] == [8]
         assert metric(tmp_path, "tpud_job_restarts_total", job="sick", reason="hang") == 1
+        # The restart was the warm spare started once the first worker was past its start ...
+        cold, warm = daemon.events("worker started")
+        assert not cold["standby"] and warm["standby"]
+        assert warm["pid"] == daemon.events("standby worker started")[0]["pid"]
+        # ... and the job's end took the next spare with it.
+        workers = [pid for pid in children_of(daemon.proc.pid)
+                   if b"tpud.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert workers == []
     finally:
         stopped(daemon)
 

@@ -31,7 +31,8 @@ def make_job(tmp_path):
     def make(**restart):
         spec = JobSpec.model_validate({"name": "j", "restart": {"max_restarts": 3, "window_seconds": 100,
                                                                 "backoff_initial_seconds": 2,
-                                                                "backoff_max_seconds": 5, **restart}})
+                                                                "backoff_max_seconds": 5, "standby": False,
+                                                                **restart}})
         job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10,
                   clock=lambda: now[0])
         job.starts = 0
@@ -142,12 +143,14 @@ def test_the_restart_budget_fails_the_job_with_the_last_reason(make_job):
 class Worker:
     """Stands in for a live worker: records signals."""
 
-    def __init__(self):
-        self.signals = []
-        self.stdout = None
+    def __init__(self, stopped=False):
+        self.signals, self.stdout, self.pid, self.is_stopped = [], None, 4242, stopped
 
     def signal(self, signum):
         self.signals.append(signum)
+
+    def stopped(self):
+        return self.is_stopped
 
 
 def running(job, now, step_time=0.5):
@@ -180,6 +183,19 @@ def test_a_silent_worker_is_hung_after_the_bound_then_terminated_and_killed(make
     job.worker = None
     job._exited(137)
     assert job.state is State.BACKOFF and job.metrics.restarts == ["hang"] and job.error.startswith("hung")
+
+
+def test_a_stopped_worker_is_killed_at_once_since_it_cannot_act_on_sigterm(make_job):
+    import signal
+
+    make, now = make_job
+    job = make()
+    running(job, now, step_time=10.0)
+    job.worker.is_stopped = True  # SIGSTOP: SIGTERM would stay pending until a SIGCONT
+    now[0] += 101
+    job.tick()
+    assert "no heartbeat for 101s" in job.hang and job.worker.signals == [signal.SIGKILL]
+    assert job.kill_at is None
 
 
 def test_startup_and_checkpoints_get_longer_allowances(make_job):

@@ -114,6 +114,7 @@ class Job:
         self.progress: dict = {}
         self.last_checkpoint: Checkpoint | None = None
         self.worker: WorkerProcess | None = None
+        self.standby: WorkerProcess | None = None  # a warm spare for the next start (restart.standby)
         self.listener: channel.Listener | None = None
         self.connection: channel.Connection | None = None
         self.tiers = CheckpointTiers(spec, paths, self._uploaded)
@@ -185,6 +186,8 @@ class Job:
         self.history.append({"at": time.time(), "from": self.state.value, "to": state.value, "reason": reason})
         self.state = state
         self.metrics.job_state(self.name, state.value)
+        if state in ENDED:
+            self._discard_standby()
         if state in ENDED and self.wandb is not None:  # finish the run; a restart resumes it
             threading.Thread(target=self.wandb.close, name=f"wandb-{self.name}", daemon=True).start()
             self.wandb = None
@@ -231,23 +234,51 @@ class Job:
         else:
             self._spawn()
 
-    def _spawn(self) -> None:
-        job_runtime = self.paths.runtime / "jobs"
-        self.listener = channel.Listener(job_runtime / f"{self.name}.sock")
-        self.loop.watch(self.listener, self._on_accept)
-        env = {"TPUD_CHANNEL": str(self.listener.path)}
+    def _worker_env(self) -> dict[str, str]:
+        env = {"TPUD_CHANNEL": str(self.paths.runtime / "jobs" / f"{self.name}.sock")}
         if self.spec.logging.wandb is not None:
             env["TPUD_WANDB_RUN_ID"] = self._wandb_run_id()
+        return env
+
+    def _spawn(self) -> None:
+        env = self._worker_env()
+        self.listener = channel.Listener(Path(env["TPUD_CHANNEL"]))
+        self.loop.watch(self.listener, self._on_accept)
         self._oom_kills = crashes.oom_kill_count()
         self.tail.clear()
         self.hang, self.nonfinite, self.started_step, self.saving_since = None, None, None, None
         self.last_heard = self.clock()
-        self.worker = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env)
+        self.worker, warm = self._take_standby(env), True
+        if self.worker is None:
+            self.worker, warm = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env), False
         self.loop.watch(self.worker.stdout, self._on_output)
-        log.info("worker started", job=self.name, pid=self.worker.pid)
+        log.info("worker started", job=self.name, pid=self.worker.pid, standby=warm)
         if self.first_started is None:
             self.first_started = time.time()
         self._set(State.STARTING, f"pid {self.worker.pid}")
+
+    # --- the warm spare ---
+
+    def _take_standby(self, env: dict[str, str]) -> WorkerProcess | None:
+        standby, self.standby = self.standby, None
+        if standby is None:
+            return None
+        if standby.extra_env == env and standby.release(self.spec):
+            return standby
+        standby.discard()
+        return None
+
+    def _ensure_standby(self) -> None:
+        """Once a worker is past its start, prepare its replacement, so a restart skips the imports."""
+        if self.standby is None and self.spec.restart.standby and self.state is State.RUNNING:
+            self.standby = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=self._worker_env(),
+                                         standby=True)
+            log.info("standby worker started", job=self.name, pid=self.standby.pid)
+
+    def _discard_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.discard()
+            self.standby = None
 
     def stop(self, reason: str, deadline_s: float | None = None) -> None:
         """Checkpoint and stop; a worker that does not stop in time is killed.
@@ -298,6 +329,7 @@ class Job:
     def _adopt(self, spec: JobSpec) -> None:
         old_remote = self.spec.checkpoint.remote
         self.spec, self.next_spec = spec, None
+        self._discard_standby()  # it warmed up for the old spec (another backend, perhaps)
         if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
             # The old uploader finishes its upload in flight in the background, then stops.
             threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
@@ -410,6 +442,8 @@ class Job:
         if isinstance(message.get("step_time_s"), (int, float)):
             self.step_times.append(float(message["step_time_s"]))
         self.ledger.worker_report(step, _counters(message))
+        if self.started_step is not None and step >= self.started_step + self.spec.health.startup_steps:
+            self._ensure_standby()
         if self.ledger.ratio is not None:
             self.metrics.goodput(self.name, self.ledger.ratio)
         self._track(step, message)
@@ -559,8 +593,11 @@ class Job:
                              f"after step {self.heartbeat_step}")
                 log.error("worker hung; terminating it", job=self.name, silent_s=round(silent, 3),
                           bound_s=round(bound, 1), step=self.heartbeat_step)
-                self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
-                self.kill_at = now + self.spec.health.kill_grace_seconds
+                if self.worker.stopped():  # SIGTERM would wait for a SIGCONT: no grace to give
+                    self.worker.signal(signal.SIGKILL)
+                else:
+                    self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
+                    self.kill_at = now + self.spec.health.kill_grace_seconds
 
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
@@ -607,6 +644,7 @@ class Job:
 
     def close(self, timeout: float = 30.0) -> None:
         """The daemon is exiting: flush what is buffered for this job."""
+        self._discard_standby()
         if self.wandb is not None:
             self.wandb.close(timeout)
             self.wandb = None
@@ -620,6 +658,7 @@ class Job:
         last = self.last_checkpoint
         return {
             "name": self.name, "state": self.state.value, "file": str(self.file),
+            "pid": None if self.worker is None else self.worker.pid,
             "step": self.progress.get("step"), "max_steps": self.spec.train.max_steps,
             "loss": self.progress.get("loss"), "tokens_per_second": self.progress.get("tokens_per_s"),
             "mfu": self.progress.get("mfu"), "restarts": self.restarts_total,

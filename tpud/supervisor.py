@@ -34,34 +34,81 @@ def worker_env(log_format: str) -> dict[str, str]:
     return env
 
 
+def process_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP): it cannot act on SIGTERM until continued."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
 def exit_status(returncode: int) -> int:
     """A shell-style status: a worker killed by signal N reports 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
 class WorkerProcess:
-    """One running worker: `python -m tpud.worker SPEC.json`, output on a pipe."""
+    """One running worker: `python -m tpud.worker SPEC.json`, output on a pipe.
 
-    def __init__(self, spec: JobSpec, paths: Paths, log_format: str, extra_env: dict[str, str] | None = None):
-        job_dir = paths.job_dir(spec.name)
-        job_dir.mkdir(parents=True, exist_ok=True)
-        spec_file = job_dir / "spec.json"
-        # Only what the job file set: a full dump would also set keys that some sections reject
-        # as meaningless for the chosen option (e.g. wsd-only keys under a cosine schedule).
-        spec_file.write_text(spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
+    A standby worker (`--standby`) imports torch and the engine at the lowest CPU priority,
+    then waits for release() before it reads its spec and trains: a warm spare, so that a
+    restart skips the seconds of imports.
+    """
+
+    def __init__(self, spec: JobSpec, paths: Paths, log_format: str, extra_env: dict[str, str] | None = None,
+                 *, standby: bool = False):
+        self.spec_file = paths.job_dir(spec.name) / "spec.json"
+        self.write_spec(spec)
+        self.extra_env = extra_env or {}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpud.worker", str(spec_file), "--state-dir", str(paths.state)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**worker_env(log_format), **(extra_env or {})}, start_new_session=True,
+            [sys.executable, "-m", "tpud.worker", str(self.spec_file), "--state-dir", str(paths.state),
+             *(["--standby"] if standby else [])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if standby else subprocess.DEVNULL, env={**worker_env(log_format), **self.extra_env}, start_new_session=True,
         )
         self.pid = self.proc.pid
         os.set_blocking(self.proc.stdout.fileno(), False)
+
+    def write_spec(self, spec: JobSpec) -> None:
+        self.spec_file.parent.mkdir(parents=True, exist_ok=True)
+        # Only what the job file set: a full dump would also set keys that some sections reject
+        # as meaningless for the chosen option (e.g. wsd-only keys under a cosine schedule).
+        self.spec_file.write_text(spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
+
+    def release(self, spec: JobSpec) -> bool:
+        """Let a standby worker train `spec`; False if it has already exited (then it is reaped)."""
+        if self.proc.poll() is not None:
+            self.proc.stdout.close()
+            return False
+        self.write_spec(spec)
+        try:
+            self.proc.stdin.write(b"go\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            self.discard()
+            return False
+        return True
+
+    def discard(self) -> None:
+        """End a standby worker that is no longer wanted."""
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None and not pipe.closed:
+                try:
+                    pipe.close()
+                except BrokenPipeError:
+                    pass
 
     def signal(self, signum: int) -> None:
         try:
             os.killpg(self.pid, signum)  # the whole group: helpers the worker spawned too
         except ProcessLookupError:
             pass
+
+    def stopped(self) -> bool:
+        return process_stopped(self.pid)
 
     @property
     def stdout(self) -> BinaryIO:

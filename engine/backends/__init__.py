@@ -27,6 +27,15 @@ def resolve_backend_name(cfg: DeviceConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def preload(cfg: DeviceConfig) -> None:
+    """Import what build_backend(cfg) and the training loop will, touching no device."""
+    import engine.train  # noqa: F401
+
+    if resolve_backend_name(cfg) == "xla":
+        import torch_xla.distributed.spmd  # noqa: F401
+        import torch_xla.runtime  # noqa: F401
+
+
 def build_backend(cfg: DeviceConfig, cache_dir: str | None = None) -> Backend:
     name = resolve_backend_name(cfg)
     if name == "xla":

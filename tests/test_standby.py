@@ -1,0 +1,103 @@
+"""The warm spare worker (restart.standby): imports first at the lowest priority, trains only
+when released, and leaves nothing behind when discarded. Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint import manifest as mf
+from tests.conftest import REPO
+from tpud.paths import Paths
+from tpud.supervisor import WorkerProcess, process_stopped
+
+
+def nice_values(pid: int) -> list[int]:
+    values = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            values.append(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return values
+
+
+def wait_until(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def standby(tiny_spec, tmp_path):
+    spec = tiny_spec("train.max_steps=3", "scheduler.warmup_steps=1", "checkpoint.interval_steps=3")
+    paths = Paths.resolve(tmp_path)
+    worker = WorkerProcess(spec, paths, "json", extra_env={"PYTHONPATH": str(REPO)}, standby=True)
+    yield spec, paths, worker
+    worker.discard()
+
+
+def committed(paths: Paths, spec) -> list[int]:
+    return [step for step, _, _ in mf.committed_steps(paths.state / "checkpoints" / spec.name)]
+
+
+def test_a_standby_warms_up_at_the_lowest_priority_and_trains_only_once_released(standby):
+    spec, paths, worker = standby
+    # The imports run on a thread at nice 19, so a spare never slows the worker it stands in for.
+    wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=10)
+    time.sleep(1.0)
+    assert worker.proc.poll() is None and committed(paths, spec) == []  # waiting, not training
+    assert worker.release(spec)
+    assert worker.proc.wait(timeout=120) == 0, worker.stdout.read().decode(errors="replace")[-3000:]
+    assert committed(paths, spec) == [3]
+
+
+def test_a_released_standby_trains_at_normal_priority(standby, tiny_spec):
+    spec, paths, worker = standby
+    spec = tiny_spec("train.max_steps=200", "scheduler.warmup_steps=1", "checkpoint.interval_steps=0")
+    wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=10)
+    assert worker.release(spec)  # mid-import: what is left of the imports speeds up too
+    # Every thread is back at the worker's own priority (tpud runs as root; unprivileged, the
+    # import-spawned threads would stay low, which the worker docs say).
+    wait_until(lambda: worker.proc.poll() is None and (os.geteuid() != 0 or max(nice_values(worker.pid)) == 0)
+               and len(nice_values(worker.pid)) > 1, "all threads at nice 0")
+    worker.discard()
+
+
+def test_a_discarded_standby_leaves_no_process_and_trains_nothing(standby):
+    spec, paths, worker = standby
+    pid = worker.pid
+    worker.discard()
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert not Path(f"/proc/{pid}").exists()
+    assert committed(paths, spec) == []
+
+
+def test_a_standby_whose_stdin_closes_exits_quietly(standby):
+    spec, paths, worker = standby
+    worker.proc.stdin.close()
+    assert worker.proc.wait(timeout=60) == 0
+    assert committed(paths, spec) == []
+    assert not worker.release(spec)  # a spare that is gone cannot be released: the daemon spawns afresh
+
+
+def test_a_stopped_process_is_recognised():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not process_stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: process_stopped(proc.pid), "the stop")
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: not process_stopped(proc.pid), "the continue")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not process_stopped(proc.pid)  # gone: not stopped
