@@ -374,8 +374,8 @@ class RestartConfig(Section):
     backoff_initial_seconds: float = Field(1.0, ge=0, description="First delay; doubles with each crash in the window.")
     backoff_max_seconds: float = Field(300.0, ge=0)
     standby: bool = Field(
-        True, description="Keep a warm spare worker (torch imported at the lowest CPU priority, waiting) once the "
-        "worker is past its start, so a restart skips the imports; costs an idle process's memory.")
+        True, description="Start a warm spare with each worker (torch imported at the lowest CPU priority, then "
+        "waiting), so a restart skips the imports; costs an idle process's memory.")
 
 
 class HealthConfig(Section):

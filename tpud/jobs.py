@@ -234,14 +234,10 @@ class Job:
         else:
             self._spawn()
 
-    def _worker_env(self) -> dict[str, str]:
+    def _spawn(self) -> None:
         env = {"TPUD_CHANNEL": str(self.paths.runtime / "jobs" / f"{self.name}.sock")}
         if self.spec.logging.wandb is not None:
             env["TPUD_WANDB_RUN_ID"] = self._wandb_run_id()
-        return env
-
-    def _spawn(self) -> None:
-        env = self._worker_env()
         self.listener = channel.Listener(Path(env["TPUD_CHANNEL"]))
         self.loop.watch(self.listener, self._on_accept)
         self._oom_kills = crashes.oom_kill_count()
@@ -253,6 +249,7 @@ class Job:
             self.worker, warm = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env), False
         self.loop.watch(self.worker.stdout, self._on_output)
         log.info("worker started", job=self.name, pid=self.worker.pid, standby=warm)
+        self._ensure_standby(env)
         if self.first_started is None:
             self.first_started = time.time()
         self._set(State.STARTING, f"pid {self.worker.pid}")
@@ -268,11 +265,14 @@ class Job:
         standby.discard()
         return None
 
-    def _ensure_standby(self) -> None:
-        """Once a worker is past its start, prepare its replacement, so a restart skips the imports."""
-        if self.standby is None and self.spec.restart.standby and self.state is State.RUNNING:
-            self.standby = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=self._worker_env(),
-                                         standby=True)
+    def _ensure_standby(self, env: dict[str, str]) -> None:
+        """With each worker, start its replacement: a restart then skips the imports.
+
+        Beside a cold worker, the two import side by side (imports use one core); beside a
+        released spare, this one's imports run at the lowest CPU priority while it trains.
+        """
+        if self.standby is None and self.spec.restart.standby:
+            self.standby = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env, standby=True)
             log.info("standby worker started", job=self.name, pid=self.standby.pid)
 
     def _discard_standby(self) -> None:
@@ -442,8 +442,6 @@ class Job:
         if isinstance(message.get("step_time_s"), (int, float)):
             self.step_times.append(float(message["step_time_s"]))
         self.ledger.worker_report(step, _counters(message))
-        if self.started_step is not None and step >= self.started_step + self.spec.health.startup_steps:
-            self._ensure_standby()
         if self.ledger.ratio is not None:
             self.metrics.goodput(self.name, self.ledger.ratio)
         self._track(step, message)

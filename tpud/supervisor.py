@@ -1,6 +1,6 @@
 """A worker process and the checkpoint tiers around it, as the supervisor sees them.
 
-The worker runs in its own process group (a terminal's Ctrl-C reaches only the
+The worker runs in its own session and process group (a terminal's Ctrl-C reaches only the
 supervisor, which then asks the worker to checkpoint and stop) and dies with its
 supervisor (parent-death signal), so no worker is ever orphaned. The GCS tier lives on
 the supervisor's side, so an upload outlives a worker crash.
@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,6 +44,23 @@ def process_stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
+def set_session_nice(pid: int, nice: int) -> None:
+    """Weigh pid's session (a worker is a session leader) for the CPU scheduler.
+
+    With sched_autogroup (the default outside a cpu cgroup), the scheduler shares CPU fairly
+    between sessions first: a thread's own nice value only counts within its session.
+    """
+    path = Path(f"/proc/{pid}/autogroup")
+    for _ in range(10):
+        try:
+            path.write_text(str(nice))
+            return
+        except BlockingIOError:  # unprivileged writes are rate-limited to one per 100 ms
+            time.sleep(0.02)
+        except OSError:  # no autogroup support, or the process is gone
+            return
+
+
 def exit_status(returncode: int) -> int:
     """A shell-style status: a worker killed by signal N reports 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -69,6 +87,8 @@ class WorkerProcess:
         )
         self.pid = self.proc.pid
         os.set_blocking(self.proc.stdout.fileno(), False)
+        if standby:
+            set_session_nice(self.pid, 19)
 
     def write_spec(self, spec: JobSpec) -> None:
         self.spec_file.parent.mkdir(parents=True, exist_ok=True)
@@ -79,9 +99,9 @@ class WorkerProcess:
     def release(self, spec: JobSpec) -> bool:
         """Let a standby worker train `spec`; False if it has already exited (then it is reaped)."""
         if self.proc.poll() is not None:
-            self.proc.stdout.close()
             return False
         self.write_spec(spec)
+        set_session_nice(self.pid, 0)
         try:
             self.proc.stdin.write(b"go\n")
             self.proc.stdin.close()
@@ -92,8 +112,9 @@ class WorkerProcess:
 
     def discard(self) -> None:
         """End a standby worker that is no longer wanted."""
-        self.signal(signal.SIGKILL)
-        self.proc.wait()
+        if self.proc.poll() is None:  # (once reaped, its pid may belong to another process)
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None and not pipe.closed:
                 try:
@@ -142,15 +163,3 @@ class CheckpointTiers:
     def close(self) -> bool:
         """Wait for pending uploads; True when everything committed locally is also remote."""
         return self.uploader.close(timeout=None) if self.uploader else True
-
-
-def die_with_parent(expected_parent: int | None) -> None:
-    """Linux: SIGKILL this process when its supervisor dies, so no worker is orphaned."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)  # the supervisor died before prctl took effect
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -20,7 +21,6 @@ from engine import logs
 from engine.config import JobSpec
 from engine.hooks import Action, Boundary, Request, SignalHooks, merge
 from tpud import channel
-from tpud.supervisor import die_with_parent
 
 log = structlog.get_logger()
 
@@ -62,6 +62,17 @@ class ChannelHooks(SignalHooks):
 
     def emit(self, event: str, **fields) -> None:
         self._send({"type": "event", "event": event, **fields})
+
+
+def die_with_parent(expected_parent: int | None) -> None:
+    """Linux: SIGKILL this process when its supervisor dies, so no worker is orphaned."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)  # the supervisor died before prctl took effect
 
 
 def _warm_up(spec: JobSpec) -> None:
