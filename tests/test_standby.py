@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -101,3 +102,21 @@ def test_a_stopped_process_is_recognised():
         proc.kill()
         proc.wait()
     assert not process_stopped(proc.pid)  # gone: not stopped
+
+
+def test_a_reader_never_sees_a_half_written_spec(standby):
+    """A released standby reads the spec while its successor's spawn writes the same file."""
+    spec, paths, worker = standby
+    texts, done = [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            texts.append(worker.spec_file.read_text())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(300):
+        worker.write_spec(spec)
+    done.set()
+    reader.join()
+    assert texts and set(texts) == {worker.spec_file.read_text()}

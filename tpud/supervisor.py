@@ -94,7 +94,10 @@ class WorkerProcess:
         self.spec_file.parent.mkdir(parents=True, exist_ok=True)
         # Only what the job file set: a full dump would also set keys that some sections reject
         # as meaningless for the chosen option (e.g. wsd-only keys under a cosine schedule).
-        self.spec_file.write_text(spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
+        # Atomically: a released standby may be reading it as its successor's spawn writes it.
+        tmp = self.spec_file.with_suffix(".tmp")
+        tmp.write_text(spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
+        tmp.replace(self.spec_file)
 
     def release(self, spec: JobSpec) -> bool:
         """Let a standby worker train `spec`; False if it has already exited (then it is reaped)."""
