@@ -371,7 +371,8 @@ class RestartConfig(Section):
 
     max_restarts: int = Field(5, ge=0, description="Crash restarts allowed within window_seconds; then FAILED.")
     window_seconds: float = Field(3600.0, gt=0)
-    backoff_initial_seconds: float = Field(1.0, ge=0, description="First delay; doubles with each crash in the window.")
+    backoff_initial_seconds: float = Field(
+        1.0, ge=0, description="First delay; doubles with each further crash until a worker commits a checkpoint.")
     backoff_max_seconds: float = Field(300.0, ge=0)
     standby: bool = Field(
         True, description="Start a warm spare with each worker (torch imported at the lowest CPU priority, then "

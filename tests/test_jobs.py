@@ -310,3 +310,19 @@ def test_the_daemon_side_never_imports_torch():
             "if m.startswith('torch'))")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=python_env())
     assert out.returncode == 0, out.stderr
+
+
+def test_the_backoff_starts_over_once_a_worker_commits_a_checkpoint(make_job):
+    make, now = make_job
+    job = make()
+    delays = []
+    for committed in (False, True, False):
+        job._exited(1)
+        delays.append(job.backoff_until - now[0])
+        now[0] = job.backoff_until
+        job.tick()
+        if committed:  # this worker made progress: its crash is not part of a loop
+            job._on_message({"type": "event", "event": "checkpoint_committed", "step": 5, "path": "/c/step_5"})
+    assert delays == [2, 4, 2]
+    job._exited(1)
+    assert job.state is State.FAILED  # the restart budget still counts every crash in the window

@@ -114,7 +114,7 @@ class Job:
         self.progress: dict = {}
         self.last_checkpoint: Checkpoint | None = None
         self.worker: WorkerProcess | None = None
-        self.standby: WorkerProcess | None = None  # a warm spare for the next start (restart.standby)
+        self.standbys: list[WorkerProcess] = []  # warm spares for the next starts (restart.standby)
         self.listener: channel.Listener | None = None
         self.connection: channel.Connection | None = None
         self.tiers = CheckpointTiers(spec, paths, self._uploaded)
@@ -131,6 +131,7 @@ class Job:
         self.restarts_total: int = persisted.get("restarts_total", 0)
         self.rollbacks: int = persisted.get("rollbacks", 0)
         self.crash_times: deque[float] = deque()  # monotonic, within the restart window
+        self.crash_streak = 0  # crashes since a worker last committed a checkpoint: the backoff's exponent
         self.first_started: float | None = persisted.get("first_started")
         self.history: list[dict] = persisted.get("history", [])
         # An operator's `tpud stop` holds the job stopped until `tpud start`, across daemon restarts.
@@ -187,7 +188,9 @@ class Job:
         self.state = state
         self.metrics.job_state(self.name, state.value)
         if state in ENDED:
-            self._discard_standby()
+            self._discard_standbys()
+        elif state is State.BACKOFF and self.standbys:  # a restart will take a spare: start its successor
+            self._ensure_standbys(self.standbys[0].extra_env, 2)
         if state in ENDED and self.wandb is not None:  # finish the run; a restart resumes it
             threading.Thread(target=self.wandb.close, name=f"wandb-{self.name}", daemon=True).start()
             self.wandb = None
@@ -249,7 +252,7 @@ class Job:
             self.worker, warm = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env), False
         self.loop.watch(self.worker.stdout, self._on_output)
         log.info("worker started", job=self.name, pid=self.worker.pid, standby=warm)
-        self._ensure_standby(env)
+        self._ensure_standbys(env, 1)
         if self.first_started is None:
             self.first_started = time.time()
         self._set(State.STARTING, f"pid {self.worker.pid}")
@@ -257,28 +260,29 @@ class Job:
     # --- the warm spare ---
 
     def _take_standby(self, env: dict[str, str]) -> WorkerProcess | None:
-        standby, self.standby = self.standby, None
-        if standby is None:
-            return None
-        if standby.extra_env == env and standby.release(self.spec):
-            return standby
-        standby.discard()
+        while self.standbys:
+            standby = self.standbys.pop(0)
+            if standby.extra_env == env and standby.release(self.spec):
+                return standby
+            standby.discard()
         return None
 
-    def _ensure_standby(self, env: dict[str, str]) -> None:
-        """With each worker, start its replacement: a restart then skips the imports.
+    def _ensure_standbys(self, env: dict[str, str], count: int) -> None:
+        """Keep `count` warm spares, so restarts skip the imports.
 
-        Beside a cold worker, the two import side by side (imports use one core); beside a
-        released spare, this one's imports run at the lowest CPU priority while it trains.
+        One starts beside a cold worker: the two import side by side (an import uses one core).
+        When a restart is due, the spare it will take gets a successor at once, whose imports
+        (at the lowest CPU priority) then overlap the backoff and the restore, not only training.
         """
-        if self.standby is None and self.spec.restart.standby:
-            self.standby = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env, standby=True)
-            log.info("standby worker started", job=self.name, pid=self.standby.pid)
+        while self.spec.restart.standby and len(self.standbys) < count:
+            standby = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env, standby=True)
+            self.standbys.append(standby)
+            log.info("standby worker started", job=self.name, pid=standby.pid)
 
-    def _discard_standby(self) -> None:
-        if self.standby is not None:
-            self.standby.discard()
-            self.standby = None
+    def _discard_standbys(self) -> None:
+        for standby in self.standbys:
+            standby.discard()
+        self.standbys.clear()
 
     def stop(self, reason: str, deadline_s: float | None = None) -> None:
         """Checkpoint and stop; a worker that does not stop in time is killed.
@@ -329,7 +333,7 @@ class Job:
     def _adopt(self, spec: JobSpec) -> None:
         old_remote = self.spec.checkpoint.remote
         self.spec, self.next_spec = spec, None
-        self._discard_standby()  # it warmed up for the old spec (another backend, perhaps)
+        self._discard_standbys()  # it warmed up for the old spec (another backend, perhaps)
         if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
             # The old uploader finishes its upload in flight in the background, then stops.
             threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
@@ -455,6 +459,7 @@ class Job:
             self.save_seconds = float(message["seconds"])
         checkpoint = Checkpoint(message["step"], message.get("micro_step", 0), "local", message["path"], time.time())
         self.last_checkpoint = checkpoint
+        self.crash_streak = 0  # it made progress: not a crash loop
         self.metrics.checkpoint(self.name, tier="local", reason=message.get("reason", ""),
                                 seconds=message.get("seconds", 0.0), bytes=message.get("bytes", 0),
                                 step=checkpoint.step)
@@ -571,7 +576,8 @@ class Job:
         self.crash_times.append(now)
         self.restarts_total += 1
         self.metrics.restart(self.name, reason)
-        delay = min(policy.backoff_max_seconds, policy.backoff_initial_seconds * 2 ** (len(self.crash_times) - 1))
+        delay = min(policy.backoff_max_seconds, policy.backoff_initial_seconds * 2 ** self.crash_streak)
+        self.crash_streak += 1
         self.backoff_until = now + delay
         self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")
 
@@ -642,7 +648,7 @@ class Job:
 
     def close(self, timeout: float = 30.0) -> None:
         """The daemon is exiting: flush what is buffered for this job."""
-        self._discard_standby()
+        self._discard_standbys()
         if self.wandb is not None:
             self.wandb.close(timeout)
             self.wandb = None

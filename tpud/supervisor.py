@@ -82,8 +82,8 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tpud.worker", str(self.spec_file), "--state-dir", str(paths.state),
              *(["--standby"] if standby else [])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if standby else subprocess.DEVNULL, env={**worker_env(log_format), **self.extra_env}, start_new_session=True,
+            stdin=subprocess.PIPE if standby else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env={**worker_env(log_format), **self.extra_env}, start_new_session=True,
         )
         self.pid = self.proc.pid
         os.set_blocking(self.proc.stdout.fileno(), False)
