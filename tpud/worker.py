@@ -4,6 +4,9 @@ The supervisor validates the job file and hands the worker the resolved spec as 
 so the worker trains exactly what was validated even if the file changes meanwhile.
 This is the one tpud module that imports torch (through engine); the supervisor runs it
 as a separate process so a crash or hang here never touches the supervisor.
+
+With --standby it is a warm spare: it imports first, at the lowest CPU priority, and
+trains only when the supervisor releases it for a restart (a line on stdin).
 """
 
 from __future__ import annotations
