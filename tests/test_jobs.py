@@ -326,3 +326,49 @@ def test_the_backoff_starts_over_once_a_worker_commits_a_checkpoint(make_job):
     assert delays == [2, 4, 2]
     job._exited(1)
     assert job.state is State.FAILED  # the restart budget still counts every crash in the window
+
+
+class Spare(Worker):
+    """Stands in for a WorkerProcess, standby or not: records releases and discards."""
+
+    made = []
+
+    def __init__(self, spec, paths, log_format, extra_env=None, *, standby=False):
+        super().__init__()
+        self.standby, self.extra_env, self.released, self.discarded = standby, extra_env, False, False
+        self.pid = 5000 + len(Spare.made)
+        Spare.made.append(self)
+
+    def release(self, spec):
+        self.released = True
+        return True
+
+    def discard(self):
+        self.discarded = True
+
+
+def test_spares_start_beside_a_cold_worker_and_before_a_restart_and_go_with_the_spec(tmp_path, monkeypatch):
+    import tpud.jobs
+
+    monkeypatch.setattr(tpud.jobs, "WorkerProcess", Spare)
+    Spare.made = []
+    spec = JobSpec.model_validate({"name": "j", "restart": {"backoff_initial_seconds": 0}})
+    job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10)
+    job.start()
+    cold, spare = Spare.made
+    assert job.worker is cold and not cold.standby and job.standbys == [spare] and spare.standby
+    job._release()
+    job._exited(137)  # a crash: the restart will take `spare`, whose successor starts now
+    assert job.state is State.BACKOFF and len(job.standbys) == 2
+    successor = job.standbys[1]
+    job.tick()
+    assert job.worker is spare and spare.released and job.standbys == [successor]
+    job.replace_spec(spec.model_copy(update={"restart": spec.restart.model_copy(update={"max_restarts": 9})}),
+                     tmp_path / "j.yaml")
+    job._release()
+    job._exited(75)  # checkpointed for the reload: the spare warmed up for the old spec goes
+    assert successor.discarded and not job.worker.standby and job.standbys == [Spare.made[-1]]
+    job.stop("stop")
+    job._release()
+    job._exited(75)
+    assert job.state is State.STOPPED and Spare.made[-1].discarded and job.standbys == []

@@ -84,6 +84,7 @@ def _warm_up(spec: JobSpec) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # the worker in charge comes first
     import torch._dynamo  # noqa: F401
 
+    import engine.train  # noqa: F401
     from engine.backends import preload
 
     preload(spec.device)

@@ -28,9 +28,7 @@ def resolve_backend_name(cfg: DeviceConfig) -> str:
 
 
 def preload(cfg: DeviceConfig) -> None:
-    """Import what build_backend(cfg) and the training loop will, touching no device."""
-    import engine.train  # noqa: F401
-
+    """Import what build_backend(cfg) will, touching no device (a warm spare's work)."""
     if resolve_backend_name(cfg) == "xla":
         import torch_xla.distributed.spmd  # noqa: F401
         import torch_xla.runtime  # noqa: F401
