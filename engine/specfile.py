@@ -12,6 +12,10 @@ The rules a job file follows:
 - Numbers like `3e-4` are floats (YAML 1.2), not the strings PyYAML's YAML 1.1 rules make them.
 - Overrides (`train.max_steps=50`) are applied last; each sets one dotted key to a value
   parsed as YAML, replacing what was there (a mapping value is not merged).
+- Reading is bounded (`LIMITS`), because a job file is input the daemon cannot trust: only
+  regular files (never a FIFO or a device, which could block a read forever), each at most
+  1 MiB and 4 MiB with its includes, at most 64 levels deep and 20,000 values once aliases
+  and merge keys are expanded. A file beyond a limit is invalid, with a message that says so.
 
 Loading is torch-free: the daemon validates job files with it.
 """
@@ -22,6 +26,8 @@ import difflib
 import json
 import os
 import re
+import reprlib
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +41,26 @@ from engine.config import JobSpec
 INCLUDE_KEY = "include"
 OVERRIDE_FILE = "<override>"
 
-__all__ = ["INCLUDE_KEY", "OVERRIDE_FILE", "Problem", "SpecError", "dump_schema", "load_spec"]
+__all__ = ["INCLUDE_KEY", "LIMITS", "OVERRIDE_FILE", "Limits", "Problem", "Refused", "SpecError", "dump_schema",
+           "load_spec", "read_regular_file"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one job may take to read: its file, its includes and its overrides together.
+
+    A few hundred bytes of YAML aliases can stand for billions of values, and a job file
+    may be a FIFO or a symlink to /dev/zero; without bounds one file could stall or starve
+    the daemon that runs every job on the host. Real job files are far inside them.
+    """
+
+    file_bytes: int = 1 << 20   # each file
+    total_bytes: int = 4 << 20  # the job file and everything it includes
+    depth: int = 64             # mappings and sequences inside one another
+    nodes: int = 20_000         # values, counting each alias as the values it stands for
+
+
+LIMITS = Limits()
 
 
 @dataclass(frozen=True)
@@ -58,12 +83,47 @@ class SpecError(Exception):
         super().__init__("\n".join(map(str, self.problems)))
 
 
-def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
+class Refused(Exception):
+    """A path that is not a job file to read: not a regular file, or too large. str() says why."""
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int = LIMITS.file_bytes) -> bytes:
+    """The bytes of the regular file at `path` (symlinks followed), never blocking on it.
+
+    Raises Refused when it is not a regular file or is larger than `limit` bytes, OSError
+    when it cannot be read. Anything else is refused before it is opened (opening a device
+    can have effects of its own); the check is repeated on the open descriptor, opened
+    non-blocking, in case the path was replaced in between.
+    """
+    def check(st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "a special file")
+            link = f"a symlink to {os.path.realpath(path)}, " if os.path.islink(path) else ""
+            raise Refused(f"{link}{kind}, not a regular file")
+        if st.st_size > limit:
+            raise Refused(f"too large: {st.st_size:,} bytes (the limit is {limit:,})")
+
+    check(os.stat(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    with open(fd, "rb") as f:
+        check(os.fstat(fd))
+        data = f.read(limit + 1)  # the file may have grown since fstat
+    if len(data) > limit:
+        raise Refused(f"too large: more than {limit:,} bytes")
+    return data
+
+
+def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits: Limits = LIMITS) -> JobSpec:
     """Load, merge, override and validate a job file. Raises SpecError."""
     file = str(path)
-    tree = _read_file(file, stack=(), prefix="", via=None)
+    budget = _Budget(limits)
+    tree = _read_file(file, stack=(), prefix="", via=None, budget=budget)
     for text in overrides:
-        _apply_override(tree, text)
+        _apply_override(tree, text, budget)
 
     origins: dict[str, _Origin] = {"": _Origin(file, None)}
     data = _unwrap(tree, "", origins)
@@ -99,8 +159,61 @@ class _Entry:
     origin: _Origin
 
 
+class _LimitError(yaml.YAMLError):
+    def __init__(self, message: str, mark: yaml.Mark | None):
+        super().__init__(message)
+        self.message, self.problem_mark = message, mark
+
+
+class _Budget:
+    """The limits left for one load_spec(), shared by its files and overrides."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.bytes = limits.total_bytes
+        self.composed = limits.nodes  # nodes YAML builds, aliases counted once
+        self.expanded = limits.nodes  # values they make, each alias counted in full
+
+    def read(self, file: str) -> bytes:
+        raw = read_regular_file(file, self.limits.file_bytes)
+        self.bytes -= len(raw)
+        if self.bytes < 0:
+            raise Refused(f"the job file and its includes are larger than {self.limits.total_bytes:,} bytes together")
+        return raw
+
+    def depth(self, depth: int, mark: yaml.Mark | None) -> None:
+        if depth > self.limits.depth:
+            raise _LimitError(f"nested more than {self.limits.depth} levels deep (the limit for job files)", mark)
+
+    def compose(self, mark: yaml.Mark | None) -> None:
+        self.composed -= 1
+        if self.composed < 0:
+            raise _LimitError(f"more than {self.limits.nodes:,} values (the limit for job files)", mark)
+
+    def expand(self, mark: yaml.Mark | None) -> None:
+        self.expanded -= 1
+        if self.expanded < 0:
+            raise _LimitError(f"more than {self.limits.nodes:,} values once aliases and merge keys are expanded "
+                              "(the limit for job files)", mark)
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads exponent notation without a dot (3e-4, 1E5) as floats."""
+    """SafeLoader that reads exponent notation without a dot (3e-4, 1E5) as floats, and
+    stops composing at the budget's depth and size."""
+
+    def __init__(self, stream: bytes | str, budget: _Budget):
+        super().__init__(stream)
+        self.budget, self._depth = budget, 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        mark = self.peek_event().start_mark
+        self._depth += 1
+        try:
+            self.budget.depth(self._depth, mark)
+            self.budget.compose(mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.add_implicit_resolver(
@@ -122,7 +235,8 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | None) -> dict[str, _Entry]:
+def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | None,
+               budget: _Budget) -> dict[str, _Entry]:
     """The mapping in `file` with its includes resolved, keyed as if it sat at `prefix`.
 
     `via` is the `include:` key that named the file (None for the job file itself); problems
@@ -130,85 +244,136 @@ def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | No
     """
     where, key = (via, _join(prefix, INCLUDE_KEY)) if via else (_Origin(file, None), "")
     try:
-        raw = Path(file).read_bytes()  # bytes: the YAML reader detects the encoding
-    except OSError as e:
-        raise _fail(where, key, f"cannot read {file}: {e.strerror}") from None
+        raw = budget.read(file)  # bytes: the YAML reader detects the encoding
+    except (OSError, Refused) as e:
+        reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+        raise _fail(where, key, f"cannot read {file}: {reason}" if via else f"cannot read: {reason}") from None
 
-    loader = _Loader(raw)
+    loader = None
     try:
+        loader = _Loader(raw, budget)
         node = loader.get_single_node()
         if not isinstance(node, yaml.MappingNode):
             found = "empty" if node is None else f"a {node.id}"
             what = f"included file {file}" if via else "the top level"
             raise _fail(where, key, f"{what} must be a mapping of keys, but it is {found}")
-        return _FileReader(loader, file, (*stack, file)).mapping(node, prefix)
+        return _FileReader(loader, file, (*stack, file), budget).mapping(node, prefix, depth=1)
+    except _LimitError as e:
+        raise _fail(_Origin(file, _mark_line(e.problem_mark)), "", e.message) from None
+    except yaml.reader.ReaderError as e:  # not text: invalid UTF-8, binary, control characters
+        line = raw[: e.position].count(b"\n") + 1
+        character = f"character U+{e.character:04X}" if e.encoding == "unicode" else f"byte 0x{e.character:02x}"
+        raise _fail(_Origin(file, line), "", f"not a YAML text file: {character} ({e.reason})") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else None
+        line = _mark_line(getattr(e, "problem_mark", None))
         raise _fail(_Origin(file, line), "", f"invalid YAML: {getattr(e, 'problem', None) or e}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _mark_line(mark: yaml.Mark | None) -> int | None:
+    return mark.line + 1 if mark else None
+
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 80
+_short.maxlevel = 3  # a value from a file can nest aliases a billion values deep: show its top
+
+
+def short_repr(value: Any) -> str:
+    """repr() for messages, bounded in size and in work however large or nested the value."""
+    return _short.repr(value)
 
 
 class _FileReader:
-    """Turns one file's composed nodes into _Entry trees, following its includes."""
+    """Turns one file's composed nodes into _Entry trees, following its includes.
 
-    def __init__(self, loader: _Loader, file: str, stack: tuple[str, ...]):
-        self.loader, self.file, self.stack = loader, file, stack
+    Every value visited is charged to the budget, so aliases (which YAML composes once and
+    we expand wherever they appear) and merge keys cannot multiply past it.
+    """
 
-    def value(self, node: yaml.Node, key: str) -> Any:
+    def __init__(self, loader: _Loader, file: str, stack: tuple[str, ...], budget: _Budget):
+        self.loader, self.file, self.stack, self.budget = loader, file, stack, budget
+
+    def value(self, node: yaml.Node, key: str, depth: int) -> Any:
+        self.budget.depth(depth, node.start_mark)
+        self.budget.expand(node.start_mark)
         if isinstance(node, yaml.MappingNode):
-            return self.mapping(node, key)
+            return self.mapping(node, key, depth)
         if isinstance(node, yaml.SequenceNode):
             return [
-                _Entry(self.value(item, _join(key, i)), _Origin(self.file, _line(item)))
+                _Entry(self.value(item, _join(key, i), depth + 1), _Origin(self.file, _line(item)))
                 for i, item in enumerate(node.value)
             ]
-        return self.loader.construct_object(node)
+        return self.scalar(node, key)
 
-    def mapping(self, node: yaml.MappingNode, prefix: str) -> dict[str, _Entry]:
+    def scalar(self, node: yaml.Node, key: str) -> Any:
+        try:
+            return self.loader.construct_object(node)
+        except (ValueError, OverflowError) as e:  # e.g. an integer of more digits than Python converts
+            raise _fail(_Origin(self.file, _line(node)), key, f"cannot read the value: {e}") from None
+
+    def mapping(self, node: yaml.MappingNode, prefix: str, depth: int) -> dict[str, _Entry]:
         self._reject_duplicates(node, prefix)
-        self.loader.flatten_mapping(node)  # YAML merge keys (<<: *anchor) become ordinary pairs
+        merged: dict[str, _Entry] = {}  # YAML merge keys (<<: *anchor): the mapping's own keys win
         own: dict[str, _Entry] = {}
         included: dict[str, _Entry] = {}
         for key_node, value_node in node.value:
             origin = _Origin(self.file, _line(key_node))
-            name = self.loader.construct_object(key_node)
+            if key_node.tag == _MERGE_TAG:
+                merged.update(self._merge_key(value_node, prefix, depth, origin))
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise _fail(origin, prefix, f"keys must be strings, got a {key_node.id}")
+            name = self.scalar(key_node, prefix)
             if not isinstance(name, str):
-                raise _fail(origin, _join(prefix, name), f"keys must be strings, got {name!r}")
+                raise _fail(origin, _join(prefix, name), f"keys must be strings, got {short_repr(name)}")
             if name == INCLUDE_KEY:
                 included = self._includes(value_node, prefix, origin)
             else:
-                own[name] = _Entry(self.value(value_node, _join(prefix, name)), origin)
-        return _merge(included, own)
+                own[name] = _Entry(self.value(value_node, _join(prefix, name), depth + 1), origin)
+        return _merge(included, {**merged, **own})  # merge keys are shallow; includes merge deep
+
+    def _merge_key(self, node: yaml.Node, prefix: str, depth: int, origin: _Origin) -> dict[str, _Entry]:
+        """`<<: *a` or `<<: [*a, *b]` (the earlier one wins), as YAML's merge key type says."""
+        sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
+        merged: dict[str, _Entry] = {}
+        for source in reversed(sources):
+            if not isinstance(source, yaml.MappingNode):
+                raise _fail(origin, _join(prefix, "<<"), f"a merge key takes mappings, got a {source.id}")
+            merged.update(self.value(source, prefix, depth))
+        return merged
 
     def _includes(self, node: yaml.Node, prefix: str, origin: _Origin) -> dict[str, _Entry]:
         key = _join(prefix, INCLUDE_KEY)
-        names = self.loader.construct_object(node, deep=True)
-        if isinstance(names, str):
-            names = [names]
-        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-            raise _fail(origin, key, f"expected a file name or a list of file names, got {names!r}")
+        items = node.value if isinstance(node, yaml.SequenceNode) else [node]
+        names = [self.scalar(item, key) if isinstance(item, yaml.ScalarNode) else None for item in items]
+        if not all(isinstance(n, str) and n for n in names):
+            raise _fail(origin, key, f"expected a file name or a list of file names, got {short_repr(names)}")
         merged: dict[str, _Entry] = {}
         for name in names:
             file = os.path.normpath(os.path.join(os.path.dirname(self.file), name))
             if any(os.path.realpath(f) == os.path.realpath(file) for f in self.stack):
                 cycle = " -> ".join((*self.stack, file))
                 raise _fail(origin, key, f"include cycle: {cycle}")
-            merged = _merge(merged, _read_file(file, self.stack, prefix, via=origin))
+            merged = _merge(merged, _read_file(file, self.stack, prefix, via=origin, budget=self.budget))
         return merged
 
     def _reject_duplicates(self, node: yaml.MappingNode, prefix: str) -> None:
         # PyYAML silently keeps the last of two equal keys; in a job file that is a typo.
         first: dict[str, int] = {}
         for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
                 if key_node.value in first:
                     raise _fail(
                         _Origin(self.file, _line(key_node)), _join(prefix, key_node.value),
                         f"duplicate key (first set on line {first[key_node.value]})",
                     )
                 first[key_node.value] = _line(key_node)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _merge(base: dict[str, _Entry], top: dict[str, _Entry]) -> dict[str, _Entry]:
@@ -239,16 +404,26 @@ def _unwrap_entry(entry: _Entry, key: str, origins: dict[str, _Origin]) -> Any:
 # --- Overrides ---
 
 
-def _apply_override(tree: dict[str, _Entry], text: str) -> None:
+def _apply_override(tree: dict[str, _Entry], text: str, budget: _Budget) -> None:
     dotted, sep, raw = text.partition("=")
     parts = dotted.strip().split(".")
-    origin = _Origin(OVERRIDE_FILE, None, f"override {text!r}")
+    origin = _Origin(OVERRIDE_FILE, None, f"override {short_repr(text)}")
     if not sep or not all(parts):
-        raise _fail(origin, "", f"expected KEY=VALUE with a dotted KEY such as train.max_steps=50, got {text!r}")
+        raise _fail(origin, "", "expected KEY=VALUE with a dotted KEY such as train.max_steps=50, "
+                                f"got {short_repr(text)}")
+    key = ".".join(parts)
+    loader = _Loader(raw, budget)
     try:
-        value = yaml.load(raw, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        node = loader.get_single_node()
+        value = None if node is None else _FileReader(loader, OVERRIDE_FILE, (), budget).value(node, key, 1)
+    except _LimitError as e:
+        raise _fail(origin, key, f"the value {short_repr(raw)} is {e.message}") from None
+    except SpecError as e:
+        raise _fail(origin, key, f"cannot read the value {short_repr(raw)}: {e.problems[0].message}") from None
     except yaml.YAMLError as e:
-        raise _fail(origin, ".".join(parts), f"cannot parse the value {raw!r} as YAML: {e}") from None
+        raise _fail(origin, key, f"cannot parse the value {short_repr(raw)} as YAML: {e}") from None
+    finally:
+        loader.dispose()
 
     mapping = tree
     for part in parts[:-1]:
@@ -256,15 +431,15 @@ def _apply_override(tree: dict[str, _Entry], text: str) -> None:
         if entry is None or not isinstance(entry.value, dict):
             entry = mapping[part] = _Entry({}, origin)
         mapping = entry.value
-    mapping[parts[-1]] = _Entry(_entries(value, origin), origin)
+    mapping[parts[-1]] = _Entry(_reorigin(value, origin), origin)
 
 
-def _entries(value: Any, origin: _Origin) -> Any:
-    """An _Entry tree for a plain value, every part of it from `origin`."""
+def _reorigin(value: Any, origin: _Origin) -> Any:
+    """An override's _Entry tree with every part attributed to the override."""
     if isinstance(value, dict):
-        return {str(k): _Entry(_entries(v, origin), origin) for k, v in value.items()}
+        return {k: _Entry(_reorigin(e.value, origin), origin) for k, e in value.items()}
     if isinstance(value, list):
-        return [_Entry(_entries(v, origin), origin) for v in value]
+        return [_Entry(_reorigin(e.value, origin), origin) for e in value]
     return value
 
 
@@ -285,7 +460,7 @@ def _problem(error: dict[str, Any], origins: dict[str, _Origin]) -> Problem:
     else:
         message = error["msg"].removeprefix("Value error, ")
         if not isinstance(error.get("input"), (dict, BaseModel)):  # a section's dict is noise
-            message += f" (got {error['input']!r})"
+            message += f" (got {short_repr(error['input'])})"
     if origin.note:
         message += f" [{origin.note}]"
     return Problem(origin.file, origin.line, key, message)

@@ -84,6 +84,7 @@ class Badput:
 
 
 SKIPS_FILE = "data_skips.json"
+FINAL_RETRY_MAX_S = 10.0  # between attempts at a final checkpoint that failed (a full disk, say)
 
 
 class LanguageModel(nn.Module):
@@ -239,9 +240,39 @@ class Trainer:
         if (code := self._save("request", wait=exiting)) is not None:
             return code
         if exiting:
-            log.info("checkpointed, stopping on request", step=self.step, micro_step=self.progress.micro_step)
+            if self._committed_everywhere():
+                log.info("checkpointed, stopping on request", step=self.step, micro_step=self.progress.micro_step)
+            else:  # stopping was asked for; the newest committed checkpoint is untouched and resumes
+                log.error("stopping on request without a checkpoint: it failed", step=self.step,
+                          resumes_from=self.checkpointer.last_committed_step())
             return exit_codes.STOPPED
         return None
+
+    def _committed_everywhere(self) -> bool:
+        """Whether every rank committed the save just waited for (a rank may fail alone)."""
+        failed = Request(Action.CHECKPOINT) if self.checkpointer.failures else None
+        return self.backend.agree(failed) is None
+
+    def _final_save(self) -> int:
+        """The checkpoint at max_steps, retried until it commits: the trained state exists only in
+        this process, so giving up would lose the whole run's work. Requests are still served
+        (and heartbeats sent) while waiting: a stop ends the wait, exiting 75."""
+        if (code := self._save("final", wait=True)) is not None:
+            return code
+        delay = 1.0
+        while not self._committed_everywhere():
+            log.error("the final checkpoint failed; retrying", step=self.step, retry_in_s=delay,
+                      failures=self.checkpointer.failures)
+            for _ in range(round(delay / 0.2)):  # counted, not timed: every rank polls (agrees) alike
+                request = self._request()
+                if request is not None and request.action is not Action.CHECKPOINT:
+                    return self._act(request)
+                if request is not None:
+                    break
+                time.sleep(0.2)
+            self._save("final", wait=True)
+            delay = min(2 * delay, FINAL_RETRY_MAX_S)
+        return exit_codes.OK
 
     def _interval_due(self) -> bool:
         cfg = self.spec.checkpoint
@@ -386,7 +417,7 @@ class Trainer:
                 if self.step < train.max_steps and self._interval_due():
                     if (code := self._save("interval")) is not None:
                         return code
-            if (code := self._save("final", wait=True)) is not None:
+            if (code := self._final_save()) != exit_codes.OK:
                 return code
         finally:
             self.backend.flush()

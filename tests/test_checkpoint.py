@@ -80,14 +80,18 @@ def test_a_request_without_deadline_waits_for_the_step_boundary(tiny_spec, tmp_p
     assert (started[0]["step"], started[0]["micro_step"], started[0]["reason"]) == (3, 0, "request")
 
 
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing in the process handles it."""
+
+
 def test_a_save_killed_before_its_manifest_never_commits(tiny_spec, tmp_path, monkeypatch):
     spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.interval_steps=2")
 
-    def crash(directory, manifest):
-        raise OSError("disk gone")
+    def killed(directory, manifest):
+        raise Killed
 
-    monkeypatch.setattr(mf, "write_manifest", crash)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(mf, "write_manifest", killed)
+    with pytest.raises(Killed):
         trainer(spec, tmp_path).run()
     assert mf.committed_steps(job_dir(tmp_path)) == []
     assert list(job_dir(tmp_path).glob(".tmp-step_*"))  # the debris is there...

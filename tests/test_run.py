@@ -17,7 +17,8 @@ QUICK = ["data.corpus_bytes=400000", "data.micro_batch_size=4", "data.seq_len=64
 
 
 def tpud_run(home, *overrides, job=TINY_JOB):
-    return subprocess.Popen([PYTHON, "-m", "tpud", "run", str(job), *QUICK, *overrides, "--home", str(home)],
+    # Overrides on both sides of an option, as people type them.
+    return subprocess.Popen([PYTHON, "-m", "tpud", "run", str(job), *QUICK, "--home", str(home), *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
 
 

@@ -120,11 +120,10 @@ def test_job_file_names(name):
     assert is_job_file(name) == (name != "a")
 
 
-def test_scan_skips_ignored_names_and_directories(jobs):
+def test_scan_skips_ignored_names(jobs):
     job = write(jobs, "job.yaml", "name: job\n")
     for name in IGNORED:
         write(jobs, name, "name: job\n")  # would be a duplicate name if it were read
-    (jobs / "dir.yaml").mkdir()
     os.symlink(jobs / "nowhere", jobs / ".#other.yaml")  # emacs lock files are dangling symlinks
 
     found = scan(jobs)
@@ -155,20 +154,28 @@ def test_every_problem_is_reported_one_per_line(jobs):
 
 def test_read_error_is_an_error(jobs, monkeypatch):
     path = write(jobs, "job.yaml", "name: job\n")
-    real = Path.read_bytes
+    real = watcher.read_regular_file
 
-    def read_bytes(self):
-        if self == path:
+    def read(file, *args):
+        if Path(file) == path:  # as root (CI), chmod cannot make a file unreadable
             raise PermissionError(13, "Permission denied")
-        return real(self)
+        return real(file, *args)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(watcher, "read_regular_file", read)
     assert scan(jobs)[path] == JobFile(path, "", None, f"{path}: cannot read: Permission denied")
 
 
-def test_fifos_and_devices_are_not_read(jobs):
-    os.mkfifo(jobs / "pipe.yaml")  # reading it would block
-    assert scan(jobs) == {}
+def test_fifos_devices_and_directories_are_refused_without_reading(jobs):
+    os.mkfifo(jobs / "pipe.yaml")  # reading it would block until a writer comes
+    os.symlink("/dev/zero", jobs / "zero.yaml")  # reading it would never end
+    (jobs / "dir.yaml").mkdir()
+    found = scan(jobs)
+    assert {path.name: job.error for path, job in found.items()} == {
+        "dir.yaml": f"{jobs / 'dir.yaml'}: cannot read: a directory, not a regular file",
+        "pipe.yaml": f"{jobs / 'pipe.yaml'}: cannot read: a FIFO, not a regular file",
+        "zero.yaml": f"{jobs / 'zero.yaml'}: cannot read: a symlink to /dev/zero, a character device, "
+                     "not a regular file",
+    }
 
 
 def test_dangling_symlink_is_an_error(jobs, tmp_path):

@@ -63,6 +63,7 @@ def _add_validate(subparsers: Subparsers) -> None:
         metavar="KEY=VALUE",
         help="override a dotted key, value parsed as YAML (e.g. train.max_steps=50); repeatable",
     )
+    _add_home(parser)  # accepted like every command's, unused: validation needs no daemon
     parser.set_defaults(func=_validate)
 
 
@@ -77,6 +78,7 @@ def _add_schema(subparsers: Subparsers) -> None:
         help="print the job file JSON Schema",
         description="Print the JSON Schema of job files, for editors (e.g. yaml-language-server).",
     )
+    _add_home(parser)
     parser.set_defaults(func=_schema)
 
 
@@ -111,18 +113,22 @@ def _add_run(subparsers: Subparsers) -> None:
     )
     parser.add_argument("job", metavar="JOB.yaml", help="job file")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides, value parsed as YAML (e.g. train.max_steps=50)")
+                        help="dotted overrides, value parsed as YAML (e.g. train.max_steps=50); anywhere after "
+                        "the job file, options included")
     parser.add_argument("--metrics-addr", metavar="HOST:PORT", default="127.0.0.1:0",
                         help="Prometheus listener (default: a free port on 127.0.0.1, written to "
                         "<runtime>/metrics.addr)")
     _add_home(parser)
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, overrides_anywhere=parser)
+
+
+HOME_HELP = ("keep jobs.d/, state/ and run/ under DIR (default: $TPUD_HOME, else the systemd directories, else "
+             "/etc/tpud, /var/lib/tpud, /run/tpud as root or the XDG paths); before or after the command name")
 
 
 def _add_home(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--home", metavar="DIR", default=None,
-                        help="keep jobs.d/, state/ and run/ under DIR (default: $TPUD_HOME, else the systemd "
-                        "directories, else /etc/tpud, /var/lib/tpud, /run/tpud as root or the XDG paths)")
+    # SUPPRESS: a subcommand that is not given --home keeps the one given before its name.
+    parser.add_argument("--home", metavar="DIR", default=argparse.SUPPRESS, help=HOME_HELP)
 
 
 def _age(seconds: float) -> str:
@@ -297,6 +303,8 @@ def _status(args: argparse.Namespace) -> int:
             print(f"\n{job.get('name', '?')}: error:")
             for line in str(job["error"]).splitlines():
                 print(f"  {line}")
+        for line in job.get("warnings") or []:
+            print(f"\n{job.get('name', '?')}: warning: {line}")
     return EXIT_OK
 
 
@@ -305,8 +313,9 @@ def _add_status(subparsers: Subparsers) -> None:
         "status",
         help="show the daemon's jobs",
         description="Show jobs (all, or the named ones): state, step, loss, tokens/s, MFU, last checkpoint "
-        "(step@tier age), restarts, goodput (productive share of the job's time), age; errors below the table "
-        "(-o json adds the badput seconds by kind and a crash's traceback lines). Exit 3 when a named "
+        "(step@tier age), restarts, goodput (productive share of the job's time), age; errors and warnings (e.g. "
+        "checkpoints failing on a full disk) below the table (-o json adds the badput seconds by kind and a "
+        "crash's traceback lines). Exit 3 when a named "
         "job is unknown, 4 when the daemon cannot be reached.",
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all)")
@@ -422,12 +431,29 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--home", metavar="DIR", default=None, help=HOME_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(subparsers)
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """argparse, plus overrides (`key=value`) after options: `tpud run JOB --home D a=1`.
+
+    argparse ends a `nargs="*"` positional at the first option and cannot resume it after;
+    what is left over is kept as overrides when every piece of it looks like one.
+    """
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    command_parser = getattr(args, "overrides_anywhere", None)
+    if extras:
+        if command_parser is None or any(extra.startswith("-") or "=" not in extra for extra in extras):
+            (command_parser or parser).error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return args.func(args)

@@ -35,9 +35,10 @@ from tpud.jobs import Job, State
 from tpud.metadata import MetadataWatcher, Notice, resolve_host
 from tpud.metrics import Metrics, write_address_file
 from tpud.notify import Notifier
+from tpud.offloop import OffLoop
 from tpud.paths import Paths
-from tpud.settings import load_settings
-from tpud.watcher import Watcher, key_line, scan
+from tpud.settings import Settings, load_settings
+from tpud.watcher import JobFile, Watcher, key_line, scan
 
 log = structlog.get_logger()
 TICK_S = 0.5
@@ -61,7 +62,7 @@ class Daemon:
         self.metrics = Metrics()
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._signals: list[int] = []
-        self._rescan = True
+        self.offloop: OffLoop | None = None  # reads jobs.d and tpud.yaml (the service only)
         self._stopping_since: float | None = None
         self.notice: Notice | None = None  # the preemption or TERMINATE notice in force
         self._loop_done = False
@@ -108,24 +109,47 @@ class Daemon:
         except BlockingIOError:
             pass
 
-    # --- job files ---
+    # --- job files (read off the loop: see tpud/offloop.py) ---
 
     def _on_files_changed(self) -> None:
-        self._rescan = True
-        self.wake()
+        """From the watcher's thread: jobs.d may have changed."""
+        if self.offloop is not None:
+            self.offloop.submit("jobs", lambda: self._read_jobs(self.settings), self.reconcile)
 
-    def reconcile(self) -> None:
-        """Bring the jobs in line with jobs.d: start new ones, restart changed ones, stop removed ones."""
-        self._rescan = False
-        if self.single is not None:
-            if not self.jobs:
-                spec, file = self.single
-                self.jobs[spec.name] = Job(spec, file, self.paths, self, self.metrics,
-                                           stop_timeout=self.settings.job_stop_timeout_seconds,
-                                           log_format=self.worker_log_format)
-                self.jobs[spec.name].start()
-            return
+    def _reload(self) -> None:
+        """SIGHUP: tpud.yaml again, then jobs.d under the new settings."""
+        def read() -> tuple[Settings, str | None, dict[Path, JobFile]]:
+            settings, error = load_settings(self.paths.config)
+            return settings, error, self._read_jobs(settings)
+
+        def then(result: tuple[Settings, str | None, dict[Path, JobFile]]) -> None:
+            self.settings, error, files = result
+            log.info("reloaded settings and rescanned jobs", error=error)
+            self.reconcile(files)
+
+        if self.offloop is not None:
+            self.offloop.submit("reload", read, then)
+
+    def _read_jobs(self, settings: Settings) -> dict[Path, JobFile]:
+        """jobs.d as it is now (off the loop), a valid job these settings refuse counted as invalid."""
         files = scan(self.paths.jobs_dir)
+        for path, job_file in files.items():
+            if job_file.spec is not None and (refused := self.refusal(job_file.spec, path, settings)):
+                files[path] = JobFile(path, job_file.digest, None, refused)
+        return files
+
+    def _start_single(self) -> None:
+        """`tpud run`: its one job, validated by the caller."""
+        spec, file = self.single
+        job = self.jobs[spec.name] = Job(spec, file, self.paths, self, self.metrics,
+                                         stop_timeout=self.settings.job_stop_timeout_seconds,
+                                         log_format=self.worker_log_format)
+        job.start()
+
+    def reconcile(self, files: dict[Path, JobFile]) -> None:
+        """Bring the jobs in line with jobs.d: start new ones, restart changed ones, stop removed ones."""
+        if self._stopping_since is not None:
+            return
         previously_invalid, self.invalid = self.invalid, {}
         present: set[str] = set()
         for path, job_file in sorted(files.items()):
@@ -139,15 +163,6 @@ class Daemon:
                     log.error("invalid job file", file=str(path), error=job_file.error)
                 continue
             spec, name = job_file.spec, job_file.spec.name
-            refused = self.refusal(spec, path)
-            if refused:
-                self.invalid[path] = refused
-                if previously_invalid.get(path) != refused:
-                    log.error("job refused", file=str(path), error=refused)
-                if (existing := self.jobs.get(name)) is not None and existing.file == path:
-                    present.add(name)  # an earlier version keeps running
-                    existing.error = refused
-                continue
             present.add(name)
             job = self.jobs.get(name)
             if job is None:
@@ -172,9 +187,10 @@ class Daemon:
                 log.info("job file removed; checkpointing and stopping", job=name)
                 job.stop("removed")
 
-    def refusal(self, spec: JobSpec, path: Path) -> str | None:
-        """Why a valid spec may not run under this daemon's settings, as FILE:LINE: KEY: MESSAGE."""
-        if spec.debug.inject is None or self.settings.allow_fault_injection:
+    def refusal(self, spec: JobSpec, path: Path, settings: Settings | None = None) -> str | None:
+        """Why a valid spec may not run under these settings (the daemon's by default), as FILE:LINE: KEY: MESSAGE."""
+        settings = settings or self.settings
+        if spec.debug.inject is None or settings.allow_fault_injection:
             return None
         line = key_line(path, "inject")
         return (f"{path}{'' if line is None else f':{line}'}: debug.inject: fault injection is refused: "
@@ -331,6 +347,7 @@ class Daemon:
             upcoming_poll_seconds=settings.upcoming_maintenance_poll_seconds)
         metadata.start()
         if self.single is None:
+            self.offloop = OffLoop(self.post)
             control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
             control.start()
             watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
@@ -341,7 +358,10 @@ class Daemon:
         log.info("tpud started", version=__version__, jobs_dir=None if self.single else str(self.paths.jobs_dir),
                  metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"))
         try:
-            self.reconcile()
+            if self.single is None:
+                self._on_files_changed()  # the first scan; jobs start as its result arrives
+            else:
+                self._start_single()
             self.notifier.ready(self._summary())
             last_status = ""
             while True:
@@ -358,9 +378,8 @@ class Daemon:
                 while self._signals:
                     signum = self._signals.pop(0)
                     if signum == signal.SIGHUP:
-                        self.settings, error = load_settings(self.paths.config)
-                        log.info("reloading settings and rescanning jobs", error=error)
-                        self._rescan = True
+                        log.info("reloading settings and rescanning jobs")
+                        self._reload()
                     elif self._stopping_since is None:
                         log.info("stopping: checkpointing every job", signal=signal.Signals(signum).name)
                         if signum == signal.SIGTERM:
@@ -371,8 +390,6 @@ class Daemon:
                         for job in self.jobs.values():
                             if job.worker is not None:
                                 job.worker.signal(signal.SIGKILL)
-                if self._rescan and self._stopping_since is None:
-                    self._guard(self.reconcile)
                 for job in list(self.jobs.values()):
                     self._guard(job.tick, job)
                 self.notifier.watchdog()
@@ -405,6 +422,8 @@ class Daemon:
             metadata.stop()
             if watcher is not None:
                 watcher.stop()
+            if self.offloop is not None:
+                self.offloop.close()
             if control is not None:
                 control.close()
             self.metrics.close()

@@ -36,6 +36,7 @@ from engine.checkpoint import manifest as mf
 from engine.config import JobSpec
 from tpud import channel, crashes, goodput
 from tpud.paths import Paths
+from tpud.save_failures import SaveFailures
 from tpud.supervisor import CheckpointTiers, WorkerProcess
 from tpud.tracking import WandbRun, new_run_id
 
@@ -113,6 +114,7 @@ class Job:
         self.error: str | None = None
         self.progress: dict = {}
         self.last_checkpoint: Checkpoint | None = None
+        self.save_failures = SaveFailures()
         self.worker: WorkerProcess | None = None
         self.standbys: list[WorkerProcess] = []  # warm spares for the next starts (restart.standby)
         self.listener: channel.Listener | None = None
@@ -171,14 +173,20 @@ class Job:
             return {}
 
     def _save(self) -> None:
-        self._state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({
-            "restarts_total": self.restarts_total, "rollbacks": self.rollbacks, "first_started": self.first_started,
-            "held": self.held, "goodput": self.ledger.to_dict(),
-            "wandb": {"run_id": self.wandb_run_id, "step": self.wandb_step}, "history": self.history[-50:]}, indent=1))
-        tmp.replace(self._state_file)
         self._saved_at = self.clock()
+        tmp = self._state_file.with_suffix(".tmp")
+        try:
+            self._state_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({
+                "restarts_total": self.restarts_total, "rollbacks": self.rollbacks,
+                "first_started": self.first_started, "held": self.held, "goodput": self.ledger.to_dict(),
+                "wandb": {"run_id": self.wandb_run_id, "step": self.wandb_step}, "history": self.history[-50:]},
+                indent=1))
+            tmp.replace(self._state_file)
+        except OSError as e:  # a full or read-only disk must not stop the job; the previous record stays
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot write the job record; keeping the previous one", job=self.name,
+                        path=str(self._state_file), error=str(e))
 
     def _set(self, state: State, reason: str = "") -> None:
         if state is self.state:
@@ -421,6 +429,9 @@ class Job:
         elif event == "checkpoint_failed":
             self.saving_since = None
             self.metrics.checkpoint_failure(self.name, "local")
+            step = message.get("step")
+            self.save_failures.failed("local", str(message.get("error") or "unknown error"),
+                                      step if isinstance(step, int) else None)
             for waiter in self.waiters:
                 waiter.future.set_exception(RuntimeError(message.get("error", "checkpoint failed")))
             self.waiters.clear()
@@ -459,6 +470,7 @@ class Job:
             self.save_seconds = float(message["seconds"])
         checkpoint = Checkpoint(message["step"], message.get("micro_step", 0), "local", message["path"], time.time())
         self.last_checkpoint = checkpoint
+        self.save_failures.committed("local")
         self.crash_streak = 0  # it made progress: not a crash loop
         self.metrics.checkpoint(self.name, tier="local", reason=message.get("reason", ""),
                                 seconds=message.get("seconds", 0.0), bytes=message.get("bytes", 0),
@@ -479,12 +491,16 @@ class Job:
         """From the uploader's thread: the GCS tier's metrics, and status's newest checkpoint."""
         if transfer is None:
             self.metrics.checkpoint_failure(self.name, "gcs")
+            uploader = self.tiers.uploader
+            error = (uploader.stats().last_error if uploader is not None else None) or "upload failed"
+            self.loop.post(lambda: self.save_failures.failed("gcs", error, key[0]))
             return
         self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
                                 bytes=transfer.bytes, step=key[0])
         self.loop.post(lambda: self._uploaded_on_loop(key))
 
     def _uploaded_on_loop(self, key: tuple[int, int]) -> None:
+        self.save_failures.committed("gcs")
         last = self.last_checkpoint
         if last is None or (key[0], key[1]) >= (last.step, last.micro_step):
             self.last_checkpoint = Checkpoint(key[0], key[1], "gcs", "", time.time())
@@ -669,6 +685,7 @@ class Job:
             "last_checkpoint": None if last is None else {"step": last.step, "tier": last.tier,
                                                           "age_seconds": round(time.time() - last.at, 1)},
             "error": self.error, "error_detail": self.error_detail,
+            "warnings": self.save_failures.warnings(), "checkpoint_failures": self.save_failures.snapshot(),
             "age_seconds": None if self.first_started is None else round(time.time() - self.first_started, 1),
             "goodput": self.ledger.snapshot(),
         }

@@ -243,7 +243,11 @@ class Uploader:
                 log.error("gcs uploader: on_result failed", job=self.tier.job, error=repr(e))
 
     def _failed(self, key: Key, step_dir: Path, error: Exception) -> bool:
-        self._report(key, None)
+        retry = self._record_failure(step_dir, error)
+        self._report(key, None)  # after the record: the callback may read stats().last_error
+        return retry
+
+    def _record_failure(self, step_dir: Path, error: Exception) -> bool:
         with self._cond:
             self._failures += 1
             self._last_error = f"{step_dir.name}: {error}"

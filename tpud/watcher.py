@@ -36,7 +36,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
 from engine.config import JobSpec
-from engine.specfile import Problem, SpecError, load_spec
+from engine.specfile import Problem, Refused, SpecError, load_spec, read_regular_file
 
 __all__ = ["JOB_SUFFIXES", "JobFile", "Watcher", "is_job_file", "scan"]
 
@@ -95,14 +95,15 @@ _READ_ATTEMPTS = 3
 def scan(directory: Path) -> dict[Path, JobFile]:
     """Every job file directly in `directory`, keyed by path, in sorted order.
 
-    A file that vanishes while being read is left out; one that cannot be read, or does not
-    hold a valid job, is there with its error. A missing directory holds no job files. When
+    A file that vanishes while being read is left out; one that cannot be read (a directory,
+    FIFO or device named like a job file, a file over the size limit), or does not hold a
+    valid job, is there with its error. A missing directory holds no job files. When
     two files declare the same job name, the later path (sorted) gets the error.
     """
     directory = Path(directory)
     try:
         with os.scandir(directory) as entries:
-            names = sorted(entry.name for entry in entries if is_job_file(entry.name) and _is_file(entry))
+            names = sorted(entry.name for entry in entries if is_job_file(entry.name))
     except (FileNotFoundError, NotADirectoryError):
         names = []
 
@@ -127,17 +128,6 @@ def scan(directory: Path) -> dict[Path, JobFile]:
                               f"job {job.spec.name} is already defined in {owner}")
             found[path] = JobFile(path, job.digest, None, str(problem))
     return found
-
-
-def _is_file(entry: os.DirEntry[str]) -> bool:
-    """A regular file, a symlink to one, or a dangling symlink (reported as unreadable).
-
-    Not directories, and not FIFOs or devices: reading one could block the scan forever.
-    """
-    try:
-        return entry.is_file() or (entry.is_symlink() and not os.path.exists(entry.path))
-    except OSError:
-        return False
 
 
 def _read_job(path: Path) -> JobFile | None:
@@ -169,14 +159,18 @@ def _read_job(path: Path) -> JobFile | None:
 
 
 def _read_bytes(path: Path) -> bytes | JobFile | None:
+    """The file's bytes; a JobFile with the error when it cannot be a job file (a FIFO, a
+    device, a directory, too large: refused without a blocking read); None when it is gone."""
     try:
-        return path.read_bytes()
+        return read_regular_file(path)
     except FileNotFoundError:
         if os.path.islink(path):  # a dangling symlink is a job file that cannot be read
             return JobFile(path, "", None, f"{path}: cannot read: the symlink's target does not exist")
         return None  # removed between listing and reading
     except OSError as e:
         return JobFile(path, "", None, f"{path}: cannot read: {e.strerror or e}")
+    except Refused as e:
+        return JobFile(path, "", None, f"{path}: cannot read: {e}")
 
 
 def _parse(path: Path) -> tuple[JobSpec | None, str | None]:
@@ -204,8 +198,8 @@ def key_line(path: Path, key: str, *, top_level: bool = False) -> int | None:
     messages about a key that validated but may not run here."""
     indent = "" if top_level else r"[ \t]*"
     pattern = re.compile(rf"""^{indent}["']?{re.escape(key)}["']?\s*:""", re.MULTILINE)
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        text = path.read_bytes().decode("utf-8")
+    with contextlib.suppress(OSError, Refused, UnicodeDecodeError):
+        text = read_regular_file(path).decode("utf-8")
         match = pattern.search(text)
         if match:
             return text.count("\n", 0, match.start()) + 1

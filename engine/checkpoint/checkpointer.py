@@ -12,6 +12,13 @@ temporary directory, then manifest.json with sizes and CRC32C, then an atomic re
 step_N. At most one save is in flight. Local retention never deletes the newest step or
 one the supervisor has pinned while uploading it.
 
+A save that fails (a full disk, an I/O error, a read-only or vanished directory, any DCP
+error) is not fatal: its temporary directory is removed at once (it would hold the very
+space the next save needs), a `checkpoint_failed` event says why, and training goes on to
+try again at the next interval; `failures` counts them in a row. Before writing, when
+the file system's free space is short of the last checkpoint's size, older committed
+steps are deleted to make room (never the newest, never a pinned one).
+
 The manifest also carries what must follow the checkpoint to another host but is not
 tensor state: the loader's skipped batch ranges (`data_skips`, set by the trainer) and the
 supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
@@ -19,6 +26,7 @@ supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -82,6 +90,7 @@ class Checkpointer:
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
         self.wandb_run_id = os.environ.get("TPUD_WANDB_RUN_ID") or None
         self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
+        self.failures = 0  # saves that failed since the last commit
         self.last_saved_step: int | None = None
         self.last_save_time = time.monotonic()
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -128,15 +137,16 @@ class Checkpointer:
                                 "grads": {n: p.grad for n, p in self.model.named_parameters()}}
         return state
 
-    def save(self, progress: Progress, reason: str, *, wait: bool = False) -> None:
-        """Checkpoint `progress`; returns once staged (async) or committed (sync or wait)."""
+    def save(self, progress: Progress, reason: str, *, wait: bool = False) -> bool | None:
+        """Checkpoint `progress`; returns once staged (async: None) or written (sync or wait:
+        whether it committed; a failure is reported, never raised)."""
         self.wait()
         existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
-        if existing.exists():  # already committed (e.g. the step this run resumed from)
-            manifest = mf.read_manifest(existing)
+        if (manifest := mf.read_manifest(existing)) is not None:  # e.g. the step this run resumed from
+            self.failures = 0
             self.emit("checkpoint_committed", step=progress.step, micro_step=progress.micro_step, reason=reason,
-                      path=str(existing), bytes=manifest.total_bytes if manifest else 0, seconds=0.0)
-            return
+                      path=str(existing), bytes=manifest.total_bytes, seconds=0.0)
+            return True
         started = time.monotonic()
         blocking = wait or not self.cfg.async_
         # A save the loop waits for anyway writes the live state; only async saves need a copy.
@@ -148,22 +158,22 @@ class Checkpointer:
                   blocking_s=round(blocked, 4))
         self._pending = self._writer.submit(self._write, staged, progress.step, progress.micro_step, reason,
                                             started, self.data_skips)
-        if blocking:
-            self.wait()
+        return self.wait() if blocking else None
 
-    def wait(self) -> None:
-        """Block until the save in flight, if any, is committed (re-raising its failure)."""
+    def wait(self) -> bool | None:
+        """Block until the save in flight, if any, is written: whether it committed (None: none was in flight)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        return None if pending is None else pending.result()
 
     def _write(self, staged: dict, step: int, micro_step: int, reason: str, started: float,
-               data_skips: tuple[tuple[int, int], ...]) -> None:
+               data_skips: tuple[tuple[int, int], ...]) -> bool:
         final = self.job_dir / mf.step_dir_name(step, micro_step)
         tmp = self.job_dir / f".tmp-{final.name}"
         try:
-            if self.rank == 0 and tmp.exists():
-                shutil.rmtree(tmp)
+            if self.rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                self._make_room(staged)
             save_planner, _ = self.backend.planners()
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITER_THREADS)
             dcp.save(staged, storage_writer=writer, planner=save_planner,
@@ -180,15 +190,40 @@ class Checkpointer:
                 seconds = time.monotonic() - started
                 self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
                           bytes=manifest.total_bytes, seconds=round(seconds, 3))
-        except Exception as e:
-            self.emit("checkpoint_failed", step=step, reason=reason, error=repr(e))
-            raise
+        except Exception as e:  # noqa: BLE001 - a failed save must never end the run (module docstring)
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank: DCP's failure reaches all of them
+            self.failures += 1
+            self.emit("checkpoint_failed", step=step, micro_step=micro_step, reason=reason, error=describe_error(e),
+                      failures=self.failures, path=str(self.job_dir))
+            return False
+        self.failures = 0
+        return True
 
     def _retain(self) -> None:
         committed = mf.committed_steps(self.job_dir)
         pinned = mf.pinned_steps(self.job_dir)
         for step, path, _ in committed[: max(0, len(committed) - self.cfg.keep)]:
             if step not in pinned:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def last_committed_step(self) -> int | None:
+        committed = mf.committed_steps(self.job_dir)
+        return committed[-1][0] if committed else None
+
+    def _make_room(self, staged: dict) -> None:
+        """Delete older committed steps (oldest first; never the newest or a pinned one) while the
+        file system has less free space than this save is expected to need."""
+        committed = mf.committed_steps(self.job_dir)
+        need = committed[-1][2].total_bytes if committed else _nbytes(staged) * self.world
+        need = int(need * 1.05) + (1 << 20)  # DCP's metadata, the manifest, file system blocks
+        pinned = mf.pinned_steps(self.job_dir)
+        for step, path, _ in committed[:-1]:
+            free = shutil.disk_usage(self.job_dir).free
+            if free >= need:
+                return
+            if step not in pinned:
+                log.warning("deleting an older checkpoint to make room", path=str(path), free_bytes=free,
+                            need_bytes=need)
                 shutil.rmtree(path, ignore_errors=True)
 
     def _remove_unfinished(self) -> None:
@@ -275,3 +310,36 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._writer.shutdown()
+
+
+def _nbytes(state: object) -> int:
+    """Bytes of the tensors in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for the operator: the operating system's reason when there is one under DCP's wrapping."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo and len(seen) < 32:
+        e = todo.pop(0)
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno:
+            code = errno.errorcode.get(e.errno, str(e.errno))
+            where = f": {e.filename}" if e.filename else ""
+            return f"{e.strerror or os.strerror(e.errno)} ({code}){where}"
+        # DCP's CheckpointException keeps each rank's exception in `failures` (with its traceback).
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."
