@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from engine.backends.base import Backend
@@ -190,7 +191,8 @@ class Checkpointer:
                 seconds = time.monotonic() - started
                 self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
                           bytes=manifest.total_bytes, seconds=round(seconds, 3))
-        except Exception as e:  # noqa: BLE001 - a failed save must never end the run (module docstring)
+        # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
+        except (Exception, CheckpointException) as e:  # a failed save must never end the run (module docstring)
             shutil.rmtree(tmp, ignore_errors=True)  # every rank: DCP's failure reaches all of them
             self.failures += 1
             self.emit("checkpoint_failed", step=step, micro_step=micro_step, reason=reason, error=describe_error(e),

@@ -1,0 +1,249 @@
+"""Checkpoints on a real small file system (a tmpfs this test mounts; CI runs as root) that fills
+up, turns read-only or loses its directory: saves fail, training does not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine import exit_codes
+from engine.checkpoint import manifest as mf
+from engine.hooks import Action, Hooks, Request
+from engine.train import Trainer
+
+QUICK = ("train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2", "data.seq_len=32",
+         "checkpoint.interval_steps=4")
+
+
+class SmallFs:
+    """A tmpfs mounted for one test, with a filler file to make it as full as a test needs."""
+
+    def __init__(self, mount: Path):
+        self.mount = mount
+        self.filler = mount / "filler"
+
+    def free(self) -> int:
+        return shutil.disk_usage(self.mount).free
+
+    def leave(self, free_bytes: int) -> None:
+        """Fill it up until `free_bytes` are left."""
+        with open(self.filler, "ab") as f:
+            f.write(b"\0" * max(0, self.free() - free_bytes))
+
+    def make_room(self) -> None:
+        self.filler.unlink(missing_ok=True)
+
+    def remount(self, mode: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{mode}", str(self.mount)], check=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tpud-test", str(mount)], check=True)
+    try:
+        yield SmallFs(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+class Script(Hooks):
+    """Runs `actions[(step, micro_step)]` at that boundary (and `on_event[event]` on an event); records events."""
+
+    def __init__(self, actions=None, on_event=None):
+        self.actions, self.on_event, self.events = dict(actions or {}), dict(on_event or {}), []
+
+    def poll(self, at):
+        action = self.actions.pop((at.step, at.micro_step), None)
+        return action() if action else None
+
+    def emit(self, event, **fields):
+        self.events.append((event, fields))
+        if event in self.on_event:
+            self.on_event[event](fields)
+
+    def of(self, kind):
+        return [fields for event, fields in self.events if event == kind]
+
+
+def ckpt_bytes(job_dir: Path) -> int:
+    return mf.committed_steps(job_dir)[-1][2].total_bytes
+
+
+def tmp_dirs(job_dir: Path) -> list[Path]:
+    return list(job_dir.glob(".tmp-*"))
+
+
+def run(spec, home, hooks) -> tuple[int, Trainer]:
+    trainer = Trainer(spec, home, hooks)
+    return trainer.run(), trainer
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_fails_the_save_and_training_goes_on_until_space_is_freed(tiny_spec, tmp_path, small_fs, mode):
+    spec = tiny_spec(*QUICK, "train.max_steps=16", f"checkpoint.dir={small_fs.mount}",
+                     f"checkpoint.async={mode == 'async'}")
+    job_dir = small_fs.mount / "tiny-cpu"
+    freed = []
+
+    def free_after_two_failures(fields):
+        if len(hooks.of("checkpoint_failed")) == 2:
+            small_fs.make_room()
+            freed.append(fields["step"])
+
+    hooks = Script({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},  # room for half a checkpoint
+                   {"checkpoint_failed": free_after_two_failures})
+    code, trainer = run(spec, tmp_path, hooks)
+
+    assert code == exit_codes.OK
+    failed = hooks.of("checkpoint_failed")
+    assert [f["step"] for f in failed] == [8, 12] and freed == [12]
+    assert all("No space left on device (ENOSPC)" in f["error"] for f in failed), failed
+    assert [f["failures"] for f in failed] == [1, 2]
+    assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 16]  # the next save after freeing
+    assert trainer.checkpointer.failures == 0
+    assert tmp_dirs(job_dir) == []  # removed at once: no restart happened to clean up
+    assert sorted(hooks.of("step"), key=lambda f: f["step"])[-1]["step"] == 16
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_before_a_save_older_steps_make_room_but_never_the_newest_or_a_pinned_one(tiny_spec, tmp_path, small_fs,
+                                                                                 pinned):
+    spec = tiny_spec(*QUICK, "train.max_steps=12", f"checkpoint.dir={small_fs.mount}", "checkpoint.keep=3",
+                     "checkpoint.async=false")
+    job_dir = small_fs.mount / "tiny-cpu"
+
+    def fill():
+        if pinned:
+            mf.pin(job_dir, 4)  # as the supervisor does while it uploads step 4
+        small_fs.leave(ckpt_bytes(job_dir) * 3 // 4)
+
+    hooks = Script({(9, 0): fill}, {"checkpoint_failed": lambda _: small_fs.make_room()})
+    code, _ = run(spec, tmp_path, hooks)
+
+    assert code == exit_codes.OK
+    steps = [step for step, _, _ in mf.committed_steps(job_dir)]
+    if pinned:  # nothing could go: step 12's first save failed, the retry after the disk was freed committed
+        assert [f["step"] for f in hooks.of("checkpoint_failed")] == [12] and steps == [4, 8, 12]
+    else:  # step 4 went to make room; step 8, the newest, stayed
+        assert hooks.of("checkpoint_failed") == [] and steps == [8, 12]
+    assert tmp_dirs(job_dir) == []
+
+
+def test_a_failed_save_for_an_exit_still_exits_75_and_leaves_the_newest_step_whole(tiny_spec, tmp_path, small_fs):
+    spec = tiny_spec(*QUICK, "train.max_steps=50", f"checkpoint.dir={small_fs.mount}")
+    job_dir = small_fs.mount / "tiny-cpu"
+
+    def fill_then_stop():
+        small_fs.leave(ckpt_bytes(job_dir) // 2)
+        return Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0.0)
+
+    hooks = Script({(6, 0): fill_then_stop})
+    code, _ = run(spec, tmp_path, hooks)
+
+    assert code == exit_codes.STOPPED
+    assert [f["reason"] for f in hooks.of("checkpoint_failed")] == ["request"]
+    ((step, path, manifest),) = mf.committed_steps(job_dir)
+    assert step == 4 and mf.problems(path, manifest, checksums=True) == []
+    assert tmp_dirs(job_dir) == []
+
+
+def test_the_final_checkpoint_is_retried_until_it_commits(tiny_spec, tmp_path, small_fs):
+    spec = tiny_spec(*QUICK, "train.max_steps=6", f"checkpoint.dir={small_fs.mount}")
+    job_dir = small_fs.mount / "tiny-cpu"
+    hooks = Script({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},
+                   {"checkpoint_failed": lambda f: small_fs.make_room() if f["failures"] == 2 else None})
+    started = time.monotonic()
+    code, _ = run(spec, tmp_path, hooks)
+
+    assert code == exit_codes.OK
+    assert [(f["step"], f["reason"]) for f in hooks.of("checkpoint_failed")] == [(6, "final"), (6, "final")]
+    assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 6]
+    assert time.monotonic() - started < 60  # retried after 1 s, then 2 s
+
+
+def test_a_stop_while_the_final_checkpoint_cannot_be_written_exits_75(tiny_spec, tmp_path, small_fs):
+    spec = tiny_spec(*QUICK, "train.max_steps=6", f"checkpoint.dir={small_fs.mount}")
+    job_dir = small_fs.mount / "tiny-cpu"
+    hooks = Script({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)})
+    # `tpud stop` arrives while the worker waits to retry: it is polled there, at step 6.
+    hooks.on_event["checkpoint_failed"] = lambda f: hooks.actions.update({(6, 0): lambda: Request(Action.STOP)})
+    code, _ = run(spec, tmp_path, hooks)
+    assert code == exit_codes.STOPPED
+    assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4]
+
+
+def test_a_read_only_file_system_fails_saves_until_it_is_writable_again(tiny_spec, tmp_path, small_fs):
+    spec = tiny_spec(*QUICK, "train.max_steps=12", f"checkpoint.dir={small_fs.mount}", "checkpoint.async=false")
+    job_dir = small_fs.mount / "tiny-cpu"
+    hooks = Script({(5, 0): lambda: small_fs.remount("ro")},
+                   {"checkpoint_failed": lambda _: small_fs.remount("rw")})
+    code, _ = run(spec, tmp_path, hooks)
+
+    assert code == exit_codes.OK
+    (failed,) = hooks.of("checkpoint_failed")
+    assert failed["step"] == 8 and "(EROFS)" in failed["error"]
+    assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 12]
+    assert tmp_dirs(job_dir) == []
+
+
+def test_a_checkpoint_directory_deleted_under_the_job_is_made_again(tiny_spec, tmp_path):
+    spec = tiny_spec(*QUICK, "train.max_steps=8", "checkpoint.async=false")
+    job_dir = tmp_path / "checkpoints" / "tiny-cpu"
+    hooks = Script({(5, 0): lambda: shutil.rmtree(job_dir)})
+    code, _ = run(spec, tmp_path, hooks)
+    assert code == exit_codes.OK
+    assert hooks.of("checkpoint_failed") == []
+    assert [step for step, _, _ in mf.committed_steps(job_dir)] == [8]
+
+
+@pytest.mark.slow
+def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, small_fs):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_daemon import Daemon, job_text
+
+    (tmp_path / "jobs.d").mkdir()
+    job_dir = small_fs.mount / "disk"
+    daemon = Daemon(tmp_path)
+    try:
+        text = job_text("disk", max_steps=300)
+        assert "checkpoint: {interval_steps: 0}" in text
+        (tmp_path / "jobs.d" / "disk.yaml").write_text(text.replace(
+            "checkpoint: {interval_steps: 0}", f"checkpoint: {{interval_steps: 10, dir: {small_fs.mount}}}"))
+        deadline = time.monotonic() + 120
+        while not mf.committed_steps(job_dir):
+            assert time.monotonic() < deadline, daemon.tail()
+            time.sleep(0.1)
+        small_fs.leave(ckpt_bytes(job_dir) // 2)  # room for half a checkpoint: the next save fails
+
+        jobs = daemon.wait_for(lambda j: j["disk"]["warnings"], "a warning in tpud status")
+        (warning,) = jobs["disk"]["warnings"]
+        assert warning.startswith("local checkpoint failed") and "No space left on device (ENOSPC)" in warning
+        assert jobs["disk"]["state"] == "RUNNING" and jobs["disk"]["restarts"] == 0
+        table = daemon.cli("status").stdout
+        assert "disk: warning: local checkpoint failed" in table
+        address = (tmp_path / "run" / "metrics.addr").read_text().strip()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            families = text_string_to_metric_families(response.read().decode())
+        failures = [s.value for f in families for s in f.samples
+                    if s.name == "tpud_checkpoint_failures_total" and s.labels == {"job": "disk", "tier": "local"}]
+        assert failures and failures[0] >= 1
+
+        small_fs.make_room()
+        jobs = daemon.wait_for(lambda j: j["disk"]["state"] == "SUCCEEDED", "the job to finish", timeout=300)
+        assert jobs["disk"]["restarts"] == 0 and jobs["disk"]["warnings"] == []
+        assert mf.committed_steps(job_dir)[-1][0] == 300
+        assert tmp_dirs(job_dir) == []
+    finally:
+        daemon.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+        daemon.proc.wait()

@@ -1,0 +1,225 @@
+"""Hostile job files are rejected quickly and with a reason, wherever they are read: load_spec,
+includes, overrides, `tpud validate`, `tpud run` and the daemon (slow test at the end)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import exit_codes, specfile
+from engine.specfile import LIMITS, SpecError, load_spec
+from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
+from tests.hostile import TOO_DEEP, TOO_MANY, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hostile")
+    return directory, write_corpus(directory)
+
+
+def test_every_hostile_file_is_rejected_with_its_reason_quickly_and_in_little_memory(corpus):
+    directory, expect = corpus
+    for name, phrase in expect.items():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        started = time.monotonic()
+        with pytest.raises(SpecError) as error:
+            load_spec(directory / name)
+        took = time.monotonic() - started
+        grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        message = str(error.value)
+        assert message.startswith(str(directory / name)) and phrase in message, (name, message)
+        assert len(message.splitlines()) == 1 and len(message) < 400, (name, message)
+        assert took < 1.5, (name, took)
+        assert grew_mb < 100, (name, grew_mb)
+
+
+def test_real_job_files_are_far_inside_the_limits():
+    for path in sorted((REPO / "configs" / "jobs").glob("*.yaml")):
+        load_spec(path, limits=specfile.Limits(file_bytes=16 << 10, total_bytes=64 << 10, depth=8, nodes=500))
+
+
+def test_an_included_hostile_file_is_reported_on_the_include_line(corpus, tmp_path):
+    directory, _ = corpus
+    for name, phrase in [("fifo.yaml", "a FIFO"), ("huge.yaml", "too large"), ("zero.yaml", "character device")]:
+        job = tmp_path / "job.yaml"
+        job.write_text(f"name: inc\nmodel:\n  include: {directory / name}\n")
+        with pytest.raises(SpecError) as error:
+            load_spec(job)
+        assert str(error.value).startswith(f"{job}:3: model.include: cannot read {directory / name}: "), error.value
+        assert phrase in str(error.value)
+
+
+def test_the_limits_count_a_job_and_its_includes_together(tmp_path):
+    part = tmp_path / "part.yaml"
+    part.write_text("model: {dim: 64}\n# " + "x" * (600 << 10) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("include: [part.yaml, part.yaml]\n")
+    small = specfile.Limits(total_bytes=1 << 20)
+    with pytest.raises(SpecError, match="larger than 1,048,576 bytes together"):
+        load_spec(job, limits=small)
+    load_spec(job)  # 1.2 MB together is within the default 4 MiB
+
+
+def test_aliases_are_expanded_against_one_budget_across_files(tmp_path):
+    anchors = "a: &a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    (tmp_path / "job.yaml").write_text(anchors + "c: [*b, *b]\n")  # 10 + 110 + 2 * 110 values, about
+    with pytest.raises(SpecError, match="more than 300 values once aliases"):
+        load_spec(tmp_path / "job.yaml", limits=specfile.Limits(nodes=300))
+
+
+def test_merge_keys_still_work_within_the_limits(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: merged\n_base: &base {dim: 64, n_layers: 2}\nmodel:\n  <<: *base\n  n_layers: 3\n")
+    with pytest.raises(SpecError) as error:  # _base is not a job key; the merged model is fine
+        load_spec(path)
+    assert [p.key for p in error.value.problems] == ["_base"]
+    path.write_text("name: merged\nmodel: &m {dim: 64, n_heads: 4}\ndata:\n  <<: [{seq_len: 32}, {seq_len: 64}]\n")
+    spec = load_spec(path)
+    assert spec.data.seq_len == 32  # the earlier mapping of a merge list wins, as YAML says
+
+
+def test_overrides_are_bounded_too():
+    with pytest.raises(SpecError, match=TOO_DEEP):
+        load_spec(TINY_JOB, ["train.batch_ramp=&a [*a]"])
+    levels = ["&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 6)]  # 10**6 values
+    with pytest.raises(SpecError) as error:
+        load_spec(TINY_JOB, [f"train.batch_ramp=[{', '.join(levels)}]"])
+    assert str(error.value).startswith("<override>: train.batch_ramp: the value") and TOO_MANY in str(error.value)
+
+
+def test_a_file_swapped_for_a_fifo_while_being_opened_is_refused_not_waited_on(tmp_path, monkeypatch):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: swapped\n")
+    real_open = os.open
+
+    def swap_then_open(file, flags, *args):
+        if Path(file) == path:  # between the check of the path and the open: now it is a FIFO
+            path.unlink()
+            os.mkfifo(path)
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(specfile.os, "open", swap_then_open)
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(_load_error(path)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "the read blocked on the FIFO"
+    assert result == [f"{path}: cannot read: a FIFO, not a regular file"]
+
+
+def test_a_file_deleted_while_being_opened_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: gone\n")
+    real_open = os.open
+
+    def delete_then_open(file, flags, *args):
+        if Path(file) == path:
+            path.unlink()
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(specfile.os, "open", delete_then_open)
+    assert _load_error(path) == f"{path}: cannot read: No such file or directory"
+
+
+def _load_error(path: Path) -> str:
+    try:
+        load_spec(path)
+    except SpecError as e:
+        return str(e)
+    return "loaded"
+
+
+def _tpud(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    out = subprocess.run([PYTHON, "-m", "tpud", *args], capture_output=True, text=True, env=python_env(),
+                         timeout=timeout)
+    return out, time.monotonic() - started
+
+
+def test_validate_rejects_each_hostile_file_within_2s(corpus):
+    directory, expect = corpus
+    for name, phrase in expect.items():
+        out, took = _tpud("validate", str(directory / name))
+        assert out.returncode == 1, (name, out.stdout, out.stderr)
+        assert f"{directory / name}" in out.stderr and phrase in out.stderr, (name, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert took < 2.0, (name, took)
+
+
+def test_run_refuses_a_hostile_file_as_bad_input(corpus, tmp_path):
+    directory, _ = corpus
+    for name in ("bomb-lists.yaml", "fifo.yaml"):
+        out, took = _tpud("run", str(directory / name), "--home", str(tmp_path))
+        assert out.returncode == exit_codes.BAD_INPUT and name in out.stderr, (name, out.stderr)
+        assert took < 2.0, (name, took)
+
+
+def test_the_limits_are_stated_in_the_readme():
+    readme = (REPO / "README.md").read_text()
+    assert "1 MiB" in readme and f"{LIMITS.nodes:,}" in readme and f"{LIMITS.depth} levels" in readme
+
+
+def test_limit_messages_say_what_the_limit_is():
+    assert TOO_MANY == f"more than {LIMITS.nodes:,} values" and TOO_DEEP == f"nested more than {LIMITS.depth} levels deep"
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+DAEMON_RSS_BOUND = 300 << 20  # README: what the daemon stays under while reading hostile files
+STATUS_BOUND_S = 0.1
+
+
+@pytest.mark.slow
+def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_path):
+    from tpud.control import ControlClient
+    from tests.test_daemon import Daemon, job_text
+
+    jobs_dir = tmp_path / "jobs.d"
+    jobs_dir.mkdir()
+    daemon = Daemon(tmp_path)
+    client = ControlClient(tmp_path / "run" / "control.sock", timeout=5)
+    try:
+        (jobs_dir / "real.yaml").write_text(job_text("real"))
+        jobs = daemon.wait_for(lambda j: (j.get("real", {}).get("step") or 0) >= 3, "the real job stepping")
+        step_before = jobs["real"]["step"]
+        expect = write_corpus(jobs_dir)  # all at once, into the watched directory
+        names = {Path(name).stem: phrase for name, phrase in expect.items()}
+
+        latencies, peak_rss, settled_at = [], 0, None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            status = client.call("status")
+            latencies.append(time.monotonic() - started)
+            peak_rss = max(peak_rss, rss_bytes(daemon.proc.pid))
+            shown = {j["name"]: j for j in status["jobs"]}
+            if settled_at is None and all(shown.get(n, {}).get("state") == "INVALID" for n in names):
+                settled_at = time.monotonic()
+            if settled_at is not None and time.monotonic() - settled_at > 3:  # and a rescan or two after
+                break
+            time.sleep(0.05)
+        assert settled_at is not None, f"not every file was shown INVALID: {sorted(shown)}\n{daemon.tail()}"
+
+        for name, phrase in names.items():
+            error = shown[name]["error"]
+            assert str(jobs_dir / name) in error and phrase in error, (name, error)
+        assert shown["real"]["state"] == "RUNNING" and shown["real"]["step"] > step_before
+        assert shown["real"]["restarts"] == 0
+        assert max(latencies) < STATUS_BOUND_S, sorted(latencies)[-5:]
+        assert peak_rss < DAEMON_RSS_BOUND, peak_rss
+    finally:
+        daemon.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+        daemon.proc.wait()
