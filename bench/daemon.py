@@ -21,23 +21,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from machine import describe
+from supervised import ENV, REPO, supervised_job
 
-from tpud.control import ControlClient  # noqa: E402
-from machine import describe  # noqa: E402
-
-JOB = f"""\
-name: bench
-include: {REPO}/configs/jobs/tiny-cpu.yaml
-train: {{max_steps: 1000000}}
-checkpoint: {{interval_steps: 0}}
-"""
 TARGETS = {"status_ms": 50.0, "scrape_ms": 50.0, "cpu_percent": 1.0}
 
 
@@ -62,38 +52,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "daemon.json")
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="tpud-bench-"))
-    (home / "jobs.d").mkdir()
-    (home / "jobs.d" / "bench.yaml").write_text(JOB)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    daemon = subprocess.Popen([sys.executable, "-m", "tpud", "daemon", "--home", str(home), "--metrics-addr",
-                               "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        client = ControlClient(home / "run" / "control.sock")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                jobs = client.call("status")["jobs"]
-                if jobs and jobs[0]["state"] == "RUNNING" and (jobs[0]["step"] or 0) > 10:
-                    break
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the job did not start within 120 s")
-            time.sleep(0.5)
+    with supervised_job() as run:
+        client, home = run.client, run.home
         url = f"http://{(home / 'run' / 'metrics.addr').read_text().strip()}/metrics"
 
-        start_cpu, start = cpu_seconds(daemon.pid), time.monotonic()
+        start_cpu, start = cpu_seconds(run.process.pid), time.monotonic()
         time.sleep(args.cpu_window)
-        cpu_percent = 100 * (cpu_seconds(daemon.pid) - start_cpu) / (time.monotonic() - start)
+        cpu_percent = 100 * (cpu_seconds(run.process.pid) - start_cpu) / (time.monotonic() - start)
 
         status_ms = timed(lambda: client.call("status"), args.repeats)
         scrape_ms = timed(lambda: urllib.request.urlopen(url, timeout=5).read(), args.repeats)
         cli = [sys.executable, "-m", "tpud", "status", "--home", str(home)]
-        cli_ms = timed(lambda: subprocess.run(cli, capture_output=True, env=env, check=True), 10)
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=120)
+        cli_ms = timed(lambda: subprocess.run(cli, capture_output=True, env=ENV, check=True), 10)
 
     results = {
         "status_ms": statistics.median(status_ms), "scrape_ms": statistics.median(scrape_ms),

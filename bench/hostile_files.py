@@ -18,27 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from machine import describe
+from supervised import ENV, REPO, supervised_job
+from tests.hostile import write_corpus
+from tpud.control import ControlClient
 
-from machine import describe  # noqa: E402
-from tests.hostile import write_corpus  # noqa: E402
-from tpud.control import ControlClient  # noqa: E402
-
-JOB = f"""\
-name: bench
-include: {REPO}/configs/jobs/tiny-cpu.yaml
-train: {{max_steps: 1000000}}
-checkpoint: {{interval_steps: 0}}
-"""
 TARGETS = {"status_max_ms": 100.0, "rss_peak_mb": 300.0, "validate_max_s": 2.0}
 
 
@@ -77,43 +67,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "hostile_files.json")
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="tpud-bench-"))
-    jobs_dir = home / "jobs.d"
-    jobs_dir.mkdir()
-    (jobs_dir / "bench.yaml").write_text(JOB)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    daemon = subprocess.Popen([sys.executable, "-m", "tpud", "daemon", "--home", str(home), "--metrics-addr",
-                               "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        client = ControlClient(home / "run" / "control.sock")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                jobs = client.call("status")["jobs"]
-                if jobs and jobs[0]["state"] == "RUNNING" and (jobs[0]["step"] or 0) > 10:
-                    break
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the job did not start within 120 s")
-            time.sleep(0.5)
-        base_lat, base_rss, _ = poll(client, daemon.pid, args.seconds)
+    with supervised_job() as run:
+        client, pid, jobs_dir = run.client, run.process.pid, run.home / "jobs.d"
+        base_lat, base_rss, _ = poll(client, pid, args.seconds)
         step_before = client.call("status")["jobs"][0]["step"]
 
         dropped = time.monotonic()
         corpus = write_corpus(jobs_dir)
         names = {Path(name).stem for name in corpus}
-        hostile_lat, hostile_rss, rejected = poll(client, daemon.pid, args.seconds, names, dropped)
+        hostile_lat, hostile_rss, rejected = poll(client, pid, args.seconds, names, dropped)
         jobs = {j["name"]: j for j in client.call("status")["jobs"]}
         reasons = {name: jobs.get(Path(name).stem, {}).get("error") for name in corpus}
         still_training = jobs["bench"]["state"] == "RUNNING" and jobs["bench"]["step"] > step_before
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=120)
 
     def validate(path: Path) -> float:
         started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "tpud", "validate", str(path)], capture_output=True, env=env,
+        subprocess.run([sys.executable, "-m", "tpud", "validate", str(path)], capture_output=True, env=ENV,
                        timeout=60)
         return time.monotonic() - started
 

@@ -42,7 +42,7 @@ INCLUDE_KEY = "include"
 OVERRIDE_FILE = "<override>"
 
 __all__ = ["INCLUDE_KEY", "LIMITS", "OVERRIDE_FILE", "Limits", "Problem", "Refused", "SpecError", "dump_schema",
-           "load_spec", "read_regular_file"]
+           "load_mapping", "load_spec", "read_regular_file"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,12 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = (), limit
         return JobSpec.model_validate(data)
     except ValidationError as e:
         raise SpecError(_problem(error, origins) for error in e.errors(include_url=False)) from None
+
+
+def load_mapping(path: str | os.PathLike[str], limits: Limits = LIMITS) -> dict[str, Any]:
+    """A YAML file's top-level mapping as plain data, read within the same limits as job
+    files (for other files the daemon reads, such as tpud.yaml). Raises SpecError."""
+    return _unwrap(_read_file(str(path), stack=(), prefix="", via=None, budget=_Budget(limits), empty_ok=True), "", {})
 
 
 def dump_schema() -> str:
@@ -236,7 +242,7 @@ def _line(node: yaml.Node) -> int:
 
 
 def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | None,
-               budget: _Budget) -> dict[str, _Entry]:
+               budget: _Budget, empty_ok: bool = False) -> dict[str, _Entry]:
     """The mapping in `file` with its includes resolved, keyed as if it sat at `prefix`.
 
     `via` is the `include:` key that named the file (None for the job file itself); problems
@@ -253,6 +259,8 @@ def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | No
     try:
         loader = _Loader(raw, budget)
         node = loader.get_single_node()
+        if node is None and empty_ok:
+            return {}
         if not isinstance(node, yaml.MappingNode):
             found = "empty" if node is None else f"a {node.id}"
             what = f"included file {file}" if via else "the top level"

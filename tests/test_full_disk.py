@@ -75,8 +75,13 @@ class Script(Hooks):
         return [fields for event, fields in self.events if event == kind]
 
 
-def ckpt_bytes(job_dir: Path) -> int:
-    return mf.committed_steps(job_dir)[-1][2].total_bytes
+def ckpt_bytes(job_dir: Path, timeout: float = 60) -> int:
+    """The size of the newest committed checkpoint, once there is one (an async save may still be writing)."""
+    deadline = time.monotonic() + timeout
+    while not (committed := mf.committed_steps(job_dir)):
+        assert time.monotonic() < deadline, "no checkpoint committed"
+        time.sleep(0.01)
+    return committed[-1][2].total_bytes
 
 
 def tmp_dirs(job_dir: Path) -> list[Path]:

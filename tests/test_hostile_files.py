@@ -137,6 +137,20 @@ def _load_error(path: Path) -> str:
     return "loaded"
 
 
+def test_the_daemon_settings_file_is_read_within_the_same_limits(corpus, tmp_path):
+    from tpud.settings import Settings, load_settings
+
+    directory, expect = corpus
+    for name in ("bomb-merge.yaml", "deep-maps.yaml", "fifo.yaml", "zero.yaml"):
+        (tmp_path / "tpud.yaml").unlink(missing_ok=True)
+        os.symlink(directory / name, tmp_path / "tpud.yaml")
+        settings, error = load_settings(tmp_path)
+        assert settings == Settings() and error.startswith(str(tmp_path / "tpud.yaml")) and expect[name] in error
+    (tmp_path / "tpud.yaml").unlink()
+    (tmp_path / "tpud.yaml").write_text("# all defaults\n")
+    assert load_settings(tmp_path) == (Settings(), None)
+
+
 def _tpud(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     out = subprocess.run([PYTHON, "-m", "tpud", *args], capture_output=True, text=True, env=python_env(),

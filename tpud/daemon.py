@@ -3,7 +3,9 @@
 One thread owns all job state and runs the loop: worker output and exits, worker
 channels, timers, and the calls other threads post (the control socket, the job-file
 watcher and the metrics server run in threads of their own and never touch a job
-directly). Signal handlers only record; the loop acts (supervisord's discipline).
+directly). Job files and tpud.yaml are read and validated off the loop (tpud/offloop.py),
+so a hostile file never delays `tpud status` or the watchdog. Signal handlers only
+record; the loop acts (supervisord's discipline).
 
 Preemption: the GCE metadata server's preempted and TERMINATE maintenance notices make
 every job commit a checkpoint within the deadline and become PREEMPTED; a MIGRATE or an
@@ -240,7 +242,7 @@ class Daemon:
         if not names:
             jobs += [{"name": path.stem, "state": "INVALID", "file": str(path), "error": error, "step": None,
                       "max_steps": None, "loss": None, "tokens_per_second": None, "mfu": None, "restarts": 0,
-                      "last_checkpoint": None, "age_seconds": None, "goodput": None}
+                      "last_checkpoint": None, "age_seconds": None, "goodput": None, "warnings": []}
                      for path, error in self.invalid.items()
                      if not any(j.file == path for j in self.jobs.values())]
         return {"jobs": jobs}

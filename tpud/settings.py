@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.specfile import SpecError, load_mapping
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9477"
 
@@ -35,9 +37,11 @@ class Settings(BaseModel):
 def load_settings(config_dir: Path) -> tuple[Settings, str | None]:
     """Settings from <config>/tpud.yaml; defaults and an error message when it is invalid."""
     path = config_dir / "tpud.yaml"
-    if not path.exists():
+    if not os.path.lexists(path):
         return Settings(), None
     try:
-        return Settings.model_validate(yaml.safe_load(path.read_text()) or {}), None
-    except (OSError, yaml.YAMLError, ValidationError) as e:
+        return Settings.model_validate(load_mapping(path)), None  # bounded, as job files are
+    except SpecError as e:
+        return Settings(), str(e)
+    except ValidationError as e:
         return Settings(), f"{path}: {e}"

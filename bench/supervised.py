@@ -1,0 +1,61 @@
+"""A real `tpud daemon --home TMP` supervising the tiny demo job, for the benchmarks that
+measure the daemon beside a training job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tpud.control import ControlClient  # noqa: E402
+
+JOB = f"""\
+name: bench
+include: {REPO}/configs/jobs/tiny-cpu.yaml
+train: {{max_steps: 1000000}}
+checkpoint: {{interval_steps: 0}}
+"""
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+@dataclass
+class Supervised:
+    home: Path
+    process: subprocess.Popen
+    client: ControlClient
+
+
+@contextlib.contextmanager
+def supervised_job(min_step: int = 10, timeout: float = 120.0) -> Iterator[Supervised]:
+    """The daemon, once its job `bench` is RUNNING past `min_step`; stopped (SIGTERM) on exit."""
+    home = Path(tempfile.mkdtemp(prefix="tpud-bench-"))
+    (home / "jobs.d").mkdir()
+    (home / "jobs.d" / "bench.yaml").write_text(JOB)
+    process = subprocess.Popen([sys.executable, "-m", "tpud", "daemon", "--home", str(home), "--metrics-addr",
+                                "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        client = ControlClient(home / "run" / "control.sock")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                jobs = client.call("status")["jobs"]
+                if jobs and jobs[0]["state"] == "RUNNING" and (jobs[0]["step"] or 0) > min_step:
+                    break
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the job did not start within {timeout:.0f} s")
+            time.sleep(0.5)
+        yield Supervised(home, process, client)
+    finally:
+        process.terminate()
+        process.wait(timeout=120)
