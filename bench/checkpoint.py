@@ -64,6 +64,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.gcs_server (tests/ is not an installed package)
 
+from engine.layout import fsync_path  # noqa: E402
 from engine import logs  # noqa: E402
 from engine.backends.torch_native import TorchBackend  # noqa: E402
 from engine.checkpoint import checkpointer as ckmod  # noqa: E402
@@ -211,7 +212,7 @@ def raw_write(directory: Path, contents: dict[str, bytes]) -> float:
             os.fsync(fd)
         finally:
             os.close(fd)
-    mf.fsync_path(directory)
+    fsync_path(directory)
     return time.perf_counter() - start
 
 

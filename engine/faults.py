@@ -28,6 +28,7 @@ import structlog
 
 from engine.config import InjectConfig
 from engine.data.loader import AccumSchedule
+from engine.layout import atomic_write
 
 log = structlog.get_logger()
 
@@ -51,17 +52,8 @@ class Faults:
             return True  # the same firing: the other micro-batches of a poisoned step
         if name in self._fired_before and not self.cfg.repeat:
             return False
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / name
-        with open(path, "w") as f:
-            json.dump({"kind": kind, "step": step, "pid": os.getpid(), "unix": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the marker's directory entry too: a crash right after must not forget it
-        finally:
-            os.close(fd)
+        # Durably, directory entry included: a crash right after must not forget it fired.
+        atomic_write(self.dir / name, json.dumps({"kind": kind, "step": step, "pid": os.getpid(), "unix": time.time()}))
         self._fired_now.add(name)
         return True
 

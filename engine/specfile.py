@@ -14,8 +14,9 @@ The rules a job file follows:
   parsed as YAML, replacing what was there (a mapping value is not merged).
 - Reading is bounded (`LIMITS`), because a job file is input the daemon cannot trust: only
   regular files (never a FIFO or a device, which could block a read forever), each at most
-  1 MiB and 4 MiB with its includes, at most 64 levels deep and 20,000 values once aliases
-  and merge keys are expanded. A file beyond a limit is invalid, with a message that says so.
+  1 MiB and 4 MiB with its includes (64 files at most), at most 64 levels deep and 20,000
+  values once aliases and merge keys are expanded, keys of at most 256 characters, integers
+  of at most 80. A file beyond a limit is invalid, with a message that says so.
 
 Loading is torch-free: the daemon validates job files with it.
 """
@@ -39,6 +40,7 @@ from pydantic import BaseModel, ValidationError
 from engine.config import JobSpec
 
 INCLUDE_KEY = "include"
+MAX_PROBLEMS = 20  # reported per job file; a list of 20,000 bad values need not make 20,000 lines
 OVERRIDE_FILE = "<override>"
 
 __all__ = ["INCLUDE_KEY", "LIMITS", "OVERRIDE_FILE", "Limits", "Problem", "Refused", "SpecError", "dump_schema",
@@ -56,8 +58,11 @@ class Limits:
 
     file_bytes: int = 1 << 20   # each file
     total_bytes: int = 4 << 20  # the job file and everything it includes
-    depth: int = 64             # mappings and sequences inside one another
+    depth: int = 64             # mappings and sequences inside one another, across includes
     nodes: int = 20_000         # values, counting each alias as the values it stands for
+    files: int = 64             # the job file and every file it includes (each time it does)
+    key_chars: int = 256        # one key; and 4x this for a whole dotted key (model.attention.kernel)
+    scalar_chars: int = 80      # one integer (a long one is slow to convert: base 60, hexadecimal)
 
 
 LIMITS = Limits()
@@ -133,7 +138,11 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = (), limit
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(_problem(error, origins) for error in e.errors(include_url=False)) from None
+        errors = e.errors(include_url=False)
+        problems = [_problem(error, origins) for error in errors[:MAX_PROBLEMS]]
+        if len(errors) > MAX_PROBLEMS:
+            problems.append(Problem(file, None, "", f"... and {len(errors) - MAX_PROBLEMS} more problems"))
+        raise SpecError(problems) from None
 
 
 def load_mapping(path: str | os.PathLike[str], limits: Limits = LIMITS) -> dict[str, Any]:
@@ -177,10 +186,14 @@ class _Budget:
     def __init__(self, limits: Limits):
         self.limits = limits
         self.bytes = limits.total_bytes
+        self.files = limits.files
         self.composed = limits.nodes  # nodes YAML builds, aliases counted once
         self.expanded = limits.nodes  # values they make, each alias counted in full
 
     def read(self, file: str) -> bytes:
+        self.files -= 1
+        if self.files < 0:
+            raise Refused(f"the job file includes more than {self.limits.files - 1} files (counting repeats)")
         raw = read_regular_file(file, self.limits.file_bytes)
         self.bytes -= len(raw)
         if self.bytes < 0:
@@ -190,6 +203,13 @@ class _Budget:
     def depth(self, depth: int, mark: yaml.Mark | None) -> None:
         if depth > self.limits.depth:
             raise _LimitError(f"nested more than {self.limits.depth} levels deep (the limit for job files)", mark)
+
+    def key(self, prefix: str, name: str, mark: yaml.Mark | None) -> str:
+        """The dotted key `prefix.name`, unless it is too long: every value's key is kept for messages."""
+        if len(name) > self.limits.key_chars or len(prefix) + len(name) > 4 * self.limits.key_chars:
+            raise _LimitError(f"a key longer than {self.limits.key_chars} characters, or a dotted key longer "
+                              f"than {4 * self.limits.key_chars} (the limits for job files)", mark)
+        return _join(prefix, name)
 
     def compose(self, mark: yaml.Mark | None) -> None:
         self.composed -= 1
@@ -207,9 +227,17 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader that reads exponent notation without a dot (3e-4, 1E5) as floats, and
     stops composing at the budget's depth and size."""
 
-    def __init__(self, stream: bytes | str, budget: _Budget):
+    def __init__(self, stream: bytes | str, budget: _Budget, depth: int = 0):
+        """`depth`: how deep the including file's `include:` sits (0 for the job file itself)."""
         super().__init__(stream)
-        self.budget, self._depth = budget, 0
+        self.budget, self._depth = budget, depth
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        # PyYAML converts hexadecimal, octal and base-60 integers of any length (in quadratic time
+        # for base 60), outside Python's own limit on decimal digits.
+        if len(node.value) > self.budget.limits.scalar_chars:
+            raise ValueError(f"an integer of more than {self.budget.limits.scalar_chars} characters")
+        return super().construct_yaml_int(node)
 
     def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
         mark = self.peek_event().start_mark
@@ -222,6 +250,7 @@ class _Loader(yaml.SafeLoader):
             self._depth -= 1
 
 
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -242,7 +271,7 @@ def _line(node: yaml.Node) -> int:
 
 
 def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | None,
-               budget: _Budget, empty_ok: bool = False) -> dict[str, _Entry]:
+               budget: _Budget, empty_ok: bool = False, depth: int = 0) -> dict[str, _Entry]:
     """The mapping in `file` with its includes resolved, keyed as if it sat at `prefix`.
 
     `via` is the `include:` key that named the file (None for the job file itself); problems
@@ -251,13 +280,13 @@ def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | No
     where, key = (via, _join(prefix, INCLUDE_KEY)) if via else (_Origin(file, None), "")
     try:
         raw = budget.read(file)  # bytes: the YAML reader detects the encoding
-    except (OSError, Refused) as e:
+    except (OSError, Refused, ValueError) as e:  # ValueError: a NUL in the name
         reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
         raise _fail(where, key, f"cannot read {file}: {reason}" if via else f"cannot read: {reason}") from None
 
     loader = None
     try:
-        loader = _Loader(raw, budget)
+        loader = _Loader(raw, budget, depth)
         node = loader.get_single_node()
         if node is None and empty_ok:
             return {}
@@ -265,7 +294,7 @@ def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | No
             found = "empty" if node is None else f"a {node.id}"
             what = f"included file {file}" if via else "the top level"
             raise _fail(where, key, f"{what} must be a mapping of keys, but it is {found}")
-        return _FileReader(loader, file, (*stack, file), budget).mapping(node, prefix, depth=1)
+        return _FileReader(loader, file, (*stack, file), budget).mapping(node, prefix, depth=depth + 1)
     except _LimitError as e:
         raise _fail(_Origin(file, _mark_line(e.problem_mark)), "", e.message) from None
     except yaml.reader.ReaderError as e:  # not text: invalid UTF-8, binary, control characters
@@ -291,7 +320,10 @@ _short.maxlevel = 3  # a value from a file can nest aliases a billion values dee
 
 def short_repr(value: Any) -> str:
     """repr() for messages, bounded in size and in work however large or nested the value."""
-    return _short.repr(value)
+    try:
+        return _short.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an integer too long for str()
+        return f"<a {type(value).__name__}>"
 
 
 class _FileReader:
@@ -319,7 +351,9 @@ class _FileReader:
     def scalar(self, node: yaml.Node, key: str) -> Any:
         try:
             return self.loader.construct_object(node)
-        except (ValueError, OverflowError) as e:  # e.g. an integer of more digits than Python converts
+        except yaml.YAMLError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PyYAML's constructors fail in many ways (!!bool x, !!int '')
             raise _fail(_Origin(self.file, _line(node)), key, f"cannot read the value: {e}") from None
 
     def mapping(self, node: yaml.MappingNode, prefix: str, depth: int) -> dict[str, _Entry]:
@@ -336,11 +370,12 @@ class _FileReader:
                 raise _fail(origin, prefix, f"keys must be strings, got a {key_node.id}")
             name = self.scalar(key_node, prefix)
             if not isinstance(name, str):
-                raise _fail(origin, _join(prefix, name), f"keys must be strings, got {short_repr(name)}")
+                raise _fail(origin, prefix, f"keys must be strings, got {short_repr(name)}")
+            key = self.budget.key(prefix, name, key_node.start_mark)
             if name == INCLUDE_KEY:
-                included = self._includes(value_node, prefix, origin)
+                included = self._includes(value_node, prefix, origin, depth)
             else:
-                own[name] = _Entry(self.value(value_node, _join(prefix, name), depth + 1), origin)
+                own[name] = _Entry(self.value(value_node, key, depth + 1), origin)
         return _merge(included, {**merged, **own})  # merge keys are shallow; includes merge deep
 
     def _merge_key(self, node: yaml.Node, prefix: str, depth: int, origin: _Origin) -> dict[str, _Entry]:
@@ -353,19 +388,23 @@ class _FileReader:
             merged.update(self.value(source, prefix, depth))
         return merged
 
-    def _includes(self, node: yaml.Node, prefix: str, origin: _Origin) -> dict[str, _Entry]:
+    def _includes(self, node: yaml.Node, prefix: str, origin: _Origin, depth: int) -> dict[str, _Entry]:
         key = _join(prefix, INCLUDE_KEY)
         items = node.value if isinstance(node, yaml.SequenceNode) else [node]
+        for item in items:
+            self.budget.expand(item.start_mark)
         names = [self.scalar(item, key) if isinstance(item, yaml.ScalarNode) else None for item in items]
         if not all(isinstance(n, str) and n for n in names):
             raise _fail(origin, key, f"expected a file name or a list of file names, got {short_repr(names)}")
         merged: dict[str, _Entry] = {}
         for name in names:
             file = os.path.normpath(os.path.join(os.path.dirname(self.file), name))
+            if "\0" in name:
+                raise _fail(origin, key, f"a file name with a NUL character: {short_repr(name)}")
             if any(os.path.realpath(f) == os.path.realpath(file) for f in self.stack):
                 cycle = " -> ".join((*self.stack, file))
                 raise _fail(origin, key, f"include cycle: {cycle}")
-            merged = _merge(merged, _read_file(file, self.stack, prefix, via=origin, budget=self.budget))
+            merged = _merge(merged, _read_file(file, self.stack, prefix, via=origin, budget=self.budget, depth=depth))
         return merged
 
     def _reject_duplicates(self, node: yaml.MappingNode, prefix: str) -> None:
@@ -420,8 +459,9 @@ def _apply_override(tree: dict[str, _Entry], text: str, budget: _Budget) -> None
         raise _fail(origin, "", "expected KEY=VALUE with a dotted KEY such as train.max_steps=50, "
                                 f"got {short_repr(text)}")
     key = ".".join(parts)
-    loader = _Loader(raw, budget)
+    loader = None
     try:
+        loader = _Loader(raw, budget)
         node = loader.get_single_node()
         value = None if node is None else _FileReader(loader, OVERRIDE_FILE, (), budget).value(node, key, 1)
     except _LimitError as e:
@@ -429,9 +469,11 @@ def _apply_override(tree: dict[str, _Entry], text: str, budget: _Budget) -> None
     except SpecError as e:
         raise _fail(origin, key, f"cannot read the value {short_repr(raw)}: {e.problems[0].message}") from None
     except yaml.YAMLError as e:
-        raise _fail(origin, key, f"cannot parse the value {short_repr(raw)} as YAML: {e}") from None
+        reason = getattr(e, "problem", None) or getattr(e, "reason", None) or type(e).__name__
+        raise _fail(origin, key, f"cannot parse the value {short_repr(raw)} as YAML: {reason}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
     mapping = tree
     for part in parts[:-1]:

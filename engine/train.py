@@ -39,6 +39,7 @@ from torch import nn
 from engine import exit_codes
 from engine.attention import build_attention
 from engine.backends import build_backend
+from engine.backoff import Backoff
 from engine.config import JobSpec
 from engine.data.corpus import stdlib_corpus
 from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips, write_skips
@@ -84,7 +85,7 @@ class Badput:
 
 
 SKIPS_FILE = "data_skips.json"
-FINAL_RETRY_MAX_S = 10.0  # between attempts at a final checkpoint that failed (a full disk, say)
+FINAL_RETRY = Backoff(initial=1.0, maximum=10.0)  # a final checkpoint that failed (a full disk, say)
 
 
 class LanguageModel(nn.Module):
@@ -259,8 +260,10 @@ class Trainer:
         (and heartbeats sent) while waiting: a stop ends the wait, exiting 75."""
         if (code := self._save("final", wait=True)) is not None:
             return code
-        delay = 1.0
+        attempt = 0  # counted here, not by the checkpointer: every rank must wait (poll, agree) alike
         while not self._committed_everywhere():
+            attempt += 1
+            delay = FINAL_RETRY.delay(attempt)
             log.error("the final checkpoint failed; retrying", step=self.step, retry_in_s=delay,
                       failures=self.checkpointer.failures)
             for _ in range(round(delay / 0.2)):  # counted, not timed: every rank polls (agrees) alike
@@ -271,7 +274,6 @@ class Trainer:
                     break
                 time.sleep(0.2)
             self._save("final", wait=True)
-            delay = min(2 * delay, FINAL_RETRY_MAX_S)
         return exit_codes.OK
 
     def _interval_due(self) -> bool:

@@ -185,3 +185,16 @@ def test_a_later_checkpoint_request_does_not_cancel_a_pending_exit(tiny_spec, tm
     assert t.run() == 75
     # Merged: exit (the stronger action) at the next boundary (the tighter deadline).
     assert (t.progress.step, t.progress.micro_step) == (1, 2)
+
+
+def test_a_step_directory_without_a_manifest_is_moved_aside_and_the_save_commits(tiny_spec, tmp_path):
+    spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.interval_steps=0")
+    leftover = job_dir(tmp_path) / mf.step_dir_name(4)  # e.g. a deletion interrupted after its manifest
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"half of something")
+    hooks = Script()
+    assert trainer(spec, tmp_path, hooks).run() == 0
+    assert [event for event, _ in hooks.events if event.startswith("checkpoint_")] == ["checkpoint_started",
+                                                                                       "checkpoint_committed"]
+    assert [step for step, _, _ in mf.committed_steps(job_dir(tmp_path))] == [4]
+    assert [p.name.split(".")[0] for p in (job_dir(tmp_path) / "corrupt").iterdir()] == [leftover.name]

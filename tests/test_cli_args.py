@@ -29,6 +29,8 @@ def test_home_after_the_command_wins_and_none_means_default():
     ["run", "job.yaml", "a.b=1", "--home", "/h", "train.max_steps=60"],
     ["--home", "/h", "run", "job.yaml", "a.b=1", "--metrics-addr", "127.0.0.1:0", "train.max_steps=60"],
     ["run", "--home", "/h", "job.yaml", "a.b=1", "train.max_steps=60"],
+    ["run", "job.yaml", "--home", "/h", "--", "a.b=1", "train.max_steps=60"],
+    ["run", "job.yaml", "--home", "/h", "a.b=1", "--", "train.max_steps=60"],
 ])
 def test_run_takes_overrides_anywhere_after_the_job_file_in_order(argv):
     args = cli.parse_args(argv)

@@ -36,7 +36,7 @@ def test_every_hostile_file_is_rejected_with_its_reason_quickly_and_in_little_me
         message = str(error.value)
         assert message.startswith(str(directory / name)) and phrase in message, (name, message)
         assert len(message.splitlines()) == 1 and len(message) < 400, (name, message)
-        assert took < 1.5, (name, took)
+        assert took < 5, (name, took)  # seconds, not minutes; quiet-machine figures: bench/hostile_files.py
         assert grew_mb < 100, (name, grew_mb)
 
 
@@ -129,6 +129,55 @@ def test_a_file_deleted_while_being_opened_is_an_error_not_a_crash(tmp_path, mon
     assert _load_error(path) == f"{path}: cannot read: No such file or directory"
 
 
+@pytest.mark.parametrize("text, phrase", [
+    ("name: x\n? " + "k" * 100_000 + "\n: [1, 1, 1]\n", "a key longer than 256 characters"),
+    ("train:\n  max_steps: " + ":".join(["1"] * 100_000) + "\n", "an integer of more than 80 characters"),
+    ("train:\n  max_steps: 0x" + "f" * 20_000 + "\n", "an integer of more than 80 characters"),
+    ("name: !!bool abc\n", "cannot read the value"),
+    ("train:\n  max_steps: !!int ''\n", "cannot read the value"),
+    ("name: !!timestamp abc\n", "cannot read the value"),
+    ("include: \"a\\0b.yaml\"\n", "NUL"),
+    ("name: !!python/name:os.system ''\n", "invalid YAML"),  # SafeLoader: never constructed
+    ("\ufeffname: x\nmodel: {dim: [1, 2]}\n", "model.dim"),
+])
+def test_strange_scalars_and_keys_are_spec_errors_found_quickly(tmp_path, text, phrase):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    started = time.monotonic()
+    message = _load_error(path)
+    assert time.monotonic() - started < 5
+    assert message.startswith(str(path)) and phrase in message and len(message) < 500, message
+
+
+def test_the_depth_limit_counts_across_includes(tmp_path):
+    for i in range(12):  # each file 40 levels deep, including the next at its bottom
+        inner = "{include: f%d.yaml}" % (i + 1) if i < 11 else "1"
+        (tmp_path / f"f{i}.yaml").write_text("a: " + "{a: " * 40 + inner + "}" * 40 + "\n")
+    message = _load_error(tmp_path / "f0.yaml")
+    assert TOO_DEEP in message and "f1.yaml" in message, message
+
+
+def test_a_job_may_include_at_most_64_files_counting_repeats(tmp_path):
+    (tmp_path / "x.yaml").write_text("{}\n")
+    (tmp_path / "job.yaml").write_text("l: &l [x.yaml, x.yaml, x.yaml, x.yaml, x.yaml, x.yaml, x.yaml, x.yaml]\n"
+                                       + "".join(f"m{i}: {{include: *l}}\n" for i in range(10)))
+    assert "includes more than 63 files" in _load_error(tmp_path / "job.yaml")
+
+
+def test_many_problems_are_summed_up_after_twenty(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: many\ntrain:\n  batch_ramp: [" + ", ".join(["a"] * 5000) + "]\n")
+    lines = _load_error(path).splitlines()
+    assert len(lines) == 21 and lines[-1] == f"{path}: ... and 4980 more problems"
+
+
+@pytest.mark.parametrize("override", ["name=\x07", "name=!!bool x", "x=[1, 2"])
+def test_a_bad_override_is_one_line_naming_it(override):
+    with pytest.raises(SpecError) as error:
+        load_spec(TINY_JOB, [override])
+    assert str(error.value).startswith("<override>:") and len(str(error.value).splitlines()) == 1
+
+
 def _load_error(path: Path) -> str:
     try:
         load_spec(path)
@@ -158,22 +207,29 @@ def _tpud(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess,
     return out, time.monotonic() - started
 
 
+def _start_up_s() -> float:
+    """`tpud validate` of a valid job: the interpreter's start-up, which a loaded machine stretches."""
+    return min(_tpud("validate", str(TINY_JOB))[1] for _ in range(2))
+
+
 def test_validate_rejects_each_hostile_file_within_2s(corpus):
     directory, expect = corpus
+    bound = max(2.0, _start_up_s() + 2.0)  # 2 s on a quiet machine (bench/hostile_files.py: 0.35-0.7 s)
     for name, phrase in expect.items():
         out, took = _tpud("validate", str(directory / name))
         assert out.returncode == 1, (name, out.stdout, out.stderr)
         assert f"{directory / name}" in out.stderr and phrase in out.stderr, (name, out.stderr)
         assert "Traceback" not in out.stderr
-        assert took < 2.0, (name, took)
+        assert took < bound, (name, took, bound)
 
 
 def test_run_refuses_a_hostile_file_as_bad_input(corpus, tmp_path):
     directory, _ = corpus
+    bound = max(2.0, _start_up_s() + 2.0)
     for name in ("bomb-lists.yaml", "fifo.yaml"):
         out, took = _tpud("run", str(directory / name), "--home", str(tmp_path))
         assert out.returncode == exit_codes.BAD_INPUT and name in out.stderr, (name, out.stderr)
-        assert took < 2.0, (name, took)
+        assert took < bound, (name, took, bound)
 
 
 def test_the_limits_are_stated_in_the_readme():

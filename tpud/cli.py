@@ -447,6 +447,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     command_parser = getattr(args, "overrides_anywhere", None)
+    if command_parser is not None and "--" in extras:  # `--` ends options (before it: argparse took it)
+        extras.remove("--")
     if extras:
         if command_parser is None or any(extra.startswith("-") or "=" not in extra for extra in extras):
             (command_parser or parser).error(f"unrecognized arguments: {' '.join(extras)}")

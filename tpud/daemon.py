@@ -56,6 +56,7 @@ class Daemon:
         self.settings, settings_error = load_settings(paths.config)
         if settings_error:
             log.error("invalid settings file; using defaults", error=settings_error)
+        self._reader_settings = self.settings  # the settings scans use: the reader thread's own copy
         self.metrics_addr = metrics_addr or self.settings.metrics_addr
         self.selector = selectors.DefaultSelector()
         self.jobs: dict[str, Job] = {}
@@ -116,12 +117,13 @@ class Daemon:
     def _on_files_changed(self) -> None:
         """From the watcher's thread: jobs.d may have changed."""
         if self.offloop is not None:
-            self.offloop.submit("jobs", lambda: self._read_jobs(self.settings), self.reconcile)
+            self.offloop.submit("jobs", lambda: self._read_jobs(self._reader_settings), self.reconcile)
 
     def _reload(self) -> None:
         """SIGHUP: tpud.yaml again, then jobs.d under the new settings."""
         def read() -> tuple[Settings, str | None, dict[Path, JobFile]]:
             settings, error = load_settings(self.paths.config)
+            self._reader_settings = settings  # every scan after this one uses them, before the loop has them
             return settings, error, self._read_jobs(settings)
 
         def then(result: tuple[Settings, str | None, dict[Path, JobFile]]) -> None:

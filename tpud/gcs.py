@@ -50,12 +50,12 @@ from engine.checkpoint.manifest import (
     Manifest,
     committed_steps,
     file_crc32c,
-    fsync_path,
     problems,
     read_manifest,
     step_dir_name,
     write_manifest,
 )
+from engine.layout import fsync_path
 
 log = structlog.get_logger()
 

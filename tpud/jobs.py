@@ -32,8 +32,10 @@ from typing import Protocol
 import structlog
 
 from engine import exit_codes
+from engine.backoff import Backoff
 from engine.checkpoint import manifest as mf
 from engine.config import JobSpec
+from engine.layout import atomic_write
 from tpud import channel, crashes, goodput
 from tpud.paths import Paths
 from tpud.save_failures import SaveFailures
@@ -174,17 +176,13 @@ class Job:
 
     def _save(self) -> None:
         self._saved_at = self.clock()
-        tmp = self._state_file.with_suffix(".tmp")
         try:
-            self._state_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({
+            atomic_write(self._state_file, json.dumps({
                 "restarts_total": self.restarts_total, "rollbacks": self.rollbacks,
                 "first_started": self.first_started, "held": self.held, "goodput": self.ledger.to_dict(),
                 "wandb": {"run_id": self.wandb_run_id, "step": self.wandb_step}, "history": self.history[-50:]},
                 indent=1))
-            tmp.replace(self._state_file)
         except OSError as e:  # a full or read-only disk must not stop the job; the previous record stays
-            tmp.unlink(missing_ok=True)
             log.warning("cannot write the job record; keeping the previous one", job=self.name,
                         path=str(self._state_file), error=str(e))
 
@@ -592,7 +590,7 @@ class Job:
         self.crash_times.append(now)
         self.restarts_total += 1
         self.metrics.restart(self.name, reason)
-        delay = min(policy.backoff_max_seconds, policy.backoff_initial_seconds * 2 ** self.crash_streak)
+        delay = Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds).delay(self.crash_streak + 1)
         self.crash_streak += 1
         self.backoff_until = now + delay
         self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import socket
 import threading
 import time
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
+
+from engine.backoff import Backoff
 
 log = structlog.get_logger()
 
@@ -101,16 +102,15 @@ class _Response:
 
 
 class _Backoff:
-    """Exponential backoff with jitter (half to full of the step), capped."""
+    """The failures of one polling loop: exponential backoff with jitter (half to full of the step), capped."""
 
     def __init__(self, initial: float, cap: float):
-        self.initial, self.cap = initial, cap
+        self.policy = Backoff(initial, cap, jitter=0.5)
         self.failures = 0
 
     def next_delay(self) -> float:
         self.failures += 1
-        step = min(self.cap, self.initial * 2 ** min(self.failures - 1, 32))
-        return random.uniform(step / 2, step)
+        return self.policy.delay(self.failures)
 
     def should_log(self) -> bool:
         # Warn on failures 1, 2, 4, 8, ...: at most once per backoff step, and a long outage

@@ -22,16 +22,15 @@ from __future__ import annotations
 import enum
 import ipaddress
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
+from engine.layout import atomic_write
 from tpud import __version__
 
 DEFAULT_ADDRESS = "127.0.0.1:9477"
@@ -81,22 +80,7 @@ def format_address(host: str, port: int) -> str:
 def write_address_file(path: str | os.PathLike, host: str, port: int) -> None:
     """Write "HOST:PORT\\n" to path atomically (<runtime>/metrics.addr): a reader sees the old
     file or the whole new one, never a partial line."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(format_address(host, port) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, format_address(host, port) + "\n")
 
 
 class _WithoutCreated:

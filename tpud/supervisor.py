@@ -19,6 +19,7 @@ from typing import BinaryIO
 import structlog
 
 from engine.config import JobSpec
+from engine.layout import atomic_write
 from tpud.gcs import GcsTier
 from tpud.paths import Paths
 from tpud.uploader import Uploader, ensure_newest_local
@@ -91,13 +92,10 @@ class WorkerProcess:
             set_session_nice(self.pid, 19)
 
     def write_spec(self, spec: JobSpec) -> None:
-        self.spec_file.parent.mkdir(parents=True, exist_ok=True)
         # Only what the job file set: a full dump would also set keys that some sections reject
         # as meaningless for the chosen option (e.g. wsd-only keys under a cosine schedule).
         # Atomically: a released standby may be reading it as its successor's spawn writes it.
-        tmp = self.spec_file.with_suffix(".tmp")
-        tmp.write_text(spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
-        tmp.replace(self.spec_file)
+        atomic_write(self.spec_file, spec.model_dump_json(indent=2, by_alias=True, exclude_unset=True))
 
     def release(self, spec: JobSpec) -> bool:
         """Let a standby worker train `spec`; False if it has already exited (then it is reaped)."""

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+from engine.backoff import Backoff
 from engine.checkpoint.manifest import PINS, pin, read_manifest, step_dir_name, unpin
 from tpud.gcs import GcsTier, RemoteConflict, Transfer, newest_valid_local
 
@@ -260,7 +261,7 @@ class Uploader:
                           reason=why, error=str(error), failures=self._failures)
                 return False
             self._retries += 1
-            pause = min(self.retry_maximum, self.retry_initial * 2 ** (self._retries - 1))
+            pause = Backoff(self.retry_initial, self.retry_maximum).delay(self._retries)
             if self._hurry:
                 pause = min(pause, 1.0)
             self._not_before = time.monotonic() + pause

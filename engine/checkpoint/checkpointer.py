@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from engine.backends.base import Backend
 from engine.checkpoint import manifest as mf
 from engine.config import CheckpointConfig
+from engine.layout import fsync_path
 
 log = structlog.get_logger()
 Emit = Callable[..., None]
@@ -172,9 +173,7 @@ class Checkpointer:
         tmp = self.job_dir / f".tmp-{final.name}"
         try:
             if self.rank == 0:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                self._make_room(staged)
+                self._prepare(tmp, staged)
             save_planner, _ = self.backend.planners()
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITER_THREADS)
             dcp.save(staged, storage_writer=writer, planner=save_planner,
@@ -185,8 +184,10 @@ class Checkpointer:
                     spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
                     data_skips=data_skips)
                 mf.write_manifest(tmp, manifest)
+                if final.exists():  # no valid manifest there (save() looked): a leftover, never trusted
+                    self._move_aside(final, ["no valid manifest"])
                 tmp.rename(final)
-                mf.fsync_path(self.job_dir)
+                fsync_path(self.job_dir)
                 self._retain()
                 seconds = time.monotonic() - started
                 self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
@@ -200,6 +201,15 @@ class Checkpointer:
             return False
         self.failures = 0
         return True
+
+    def _prepare(self, tmp: Path, staged: dict) -> None:
+        """Rank 0, before writing: clear the way. Never raises: every rank must reach DCP's
+        collectives, and a real problem (a read-only disk) fails the save there, on all ranks."""
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._make_room(staged)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not make room for a checkpoint", path=str(self.job_dir), error=describe_error(e))
 
     def _retain(self) -> None:
         committed = mf.committed_steps(self.job_dir)

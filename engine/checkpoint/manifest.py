@@ -26,6 +26,8 @@ from pathlib import Path
 
 import google_crc32c
 
+from engine.layout import atomic_write, fsync_path
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{9})(?:\.(\d{4}))?$")
@@ -94,23 +96,13 @@ class Manifest:
         return cls(files=files, **fields)
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Durably write the commit marker: data files first, then the manifest, then the directory."""
     for entry in manifest.files:
         fsync_path(directory / entry.path)
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(manifest.to_json())
-    fsync_path(tmp)
-    tmp.rename(directory / MANIFEST)
-    fsync_path(directory)
+    atomic_write(directory / MANIFEST, manifest.to_json())
 
 
 def read_manifest(directory: Path) -> Manifest | None:

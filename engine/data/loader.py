@@ -17,7 +17,6 @@ the micro-batches that follow, still a pure function of (seed, skips, step, micr
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from engine.backends.base import DataPosition
 from engine.config import TrainConfig
+from engine.layout import atomic_write
 
 
 @dataclass(frozen=True)
@@ -86,18 +86,7 @@ def read_skips(path: Path) -> Skips:
 
 def write_skips(path: Path, skips: Skips) -> None:
     """Durably replace the skip list: {"format": 1, "skips": [[first, count], ...]}."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks sharing the directory never collide
-    with open(tmp, "w") as f:
-        json.dump({"format": 1, "skips": [list(s) for s in skips]}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write(path, json.dumps({"format": 1, "skips": [list(s) for s in skips]}))
 
 
 class PackedLoader:
