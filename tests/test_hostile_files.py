@@ -265,6 +265,13 @@ def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_pa
         (jobs_dir / "real.yaml").write_text(job_text("real"))
         jobs = daemon.wait_for(lambda j: (j.get("real", {}).get("step") or 0) >= 3, "the real job stepping")
         step_before = jobs["real"]["step"]
+        baseline = []  # the same polling before the corpus: what this machine's load alone costs
+        for _ in range(40):
+            started = time.monotonic()
+            client.call("status")
+            baseline.append(time.monotonic() - started)
+            time.sleep(0.05)
+        bound = max(STATUS_BOUND_S, 3 * max(baseline))  # 100 ms unless the machine is loaded
         expect = write_corpus(jobs_dir)  # all at once, into the watched directory
         names = {Path(name).stem: phrase for name, phrase in expect.items()}
 
@@ -288,7 +295,7 @@ def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_pa
             assert str(jobs_dir / name) in error and phrase in error, (name, error)
         assert shown["real"]["state"] == "RUNNING" and shown["real"]["step"] > step_before
         assert shown["real"]["restarts"] == 0
-        assert max(latencies) < STATUS_BOUND_S, sorted(latencies)[-5:]
+        assert max(latencies) < bound, (sorted(latencies)[-5:], sorted(baseline)[-5:])
         assert peak_rss < DAEMON_RSS_BOUND, peak_rss
     finally:
         daemon.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
