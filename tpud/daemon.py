@@ -3,7 +3,7 @@
 One thread owns all job state and runs the loop: worker output and exits, worker
 channels, timers, and the calls other threads post (the control socket, the job-file
 watcher and the metrics server run in threads of their own and never touch a job
-directly). Job files and tpud.yaml are read and validated off the loop (tpud/offloop.py),
+directly). Job files and tpud.yaml are read and validated in a helper process (tpud/offloop.py),
 so a hostile file never delays `tpud status` or the watchdog. Signal handlers only
 record; the loop acts (supervisord's discipline).
 
@@ -37,10 +37,10 @@ from tpud.jobs import Job, State
 from tpud.metadata import MetadataWatcher, Notice, resolve_host
 from tpud.metrics import Metrics, write_address_file
 from tpud.notify import Notifier
-from tpud.offloop import OffLoop
+from tpud.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
 from tpud.paths import Paths
-from tpud.settings import Settings, load_settings
-from tpud.watcher import JobFile, Watcher, key_line, scan
+from tpud.settings import load_settings
+from tpud.watcher import JobFile, Watcher
 
 log = structlog.get_logger()
 TICK_S = 0.5
@@ -117,30 +117,21 @@ class Daemon:
     def _on_files_changed(self) -> None:
         """From the watcher's thread: jobs.d may have changed."""
         if self.offloop is not None:
-            self.offloop.submit("jobs", lambda: self._read_jobs(self._reader_settings), self.reconcile)
+            self.offloop.submit("jobs", read_jobs, lambda: (self.paths.jobs_dir, self._reader_settings, self.paths.config),
+                                self.reconcile)
 
     def _reload(self) -> None:
         """SIGHUP: tpud.yaml again, then jobs.d under the new settings."""
-        def read() -> tuple[Settings, str | None, dict[Path, JobFile]]:
-            settings, error = load_settings(self.paths.config)
-            self._reader_settings = settings  # every scan after this one uses them, before the loop has them
-            return settings, error, self._read_jobs(settings)
+        def seen(result: Reloaded) -> None:  # every scan after this one uses them, before the loop has them
+            self._reader_settings = result.settings
 
-        def then(result: tuple[Settings, str | None, dict[Path, JobFile]]) -> None:
-            self.settings, error, files = result
-            log.info("reloaded settings and rescanned jobs", error=error)
-            self.reconcile(files)
+        def then(result: Reloaded) -> None:
+            self.settings = result.settings
+            log.info("reloaded settings and rescanned jobs", error=result.error)
+            self.reconcile(result.files)
 
         if self.offloop is not None:
-            self.offloop.submit("reload", read, then)
-
-    def _read_jobs(self, settings: Settings) -> dict[Path, JobFile]:
-        """jobs.d as it is now (off the loop), a valid job these settings refuse counted as invalid."""
-        files = scan(self.paths.jobs_dir)
-        for path, job_file in files.items():
-            if job_file.spec is not None and (refused := self.refusal(job_file.spec, path, settings)):
-                files[path] = JobFile(path, job_file.digest, None, refused)
-        return files
+            self.offloop.submit("reload", reload, lambda: (self.paths.jobs_dir, self.paths.config), then, seen)
 
     def _start_single(self) -> None:
         """`tpud run`: its one job, validated by the caller."""
@@ -191,14 +182,9 @@ class Daemon:
                 log.info("job file removed; checkpointing and stopping", job=name)
                 job.stop("removed")
 
-    def refusal(self, spec: JobSpec, path: Path, settings: Settings | None = None) -> str | None:
-        """Why a valid spec may not run under these settings (the daemon's by default), as FILE:LINE: KEY: MESSAGE."""
-        settings = settings or self.settings
-        if spec.debug.inject is None or settings.allow_fault_injection:
-            return None
-        line = key_line(path, "inject")
-        return (f"{path}{'' if line is None else f':{line}'}: debug.inject: fault injection is refused: "
-                f"set allow_fault_injection: true in {self.paths.config / 'tpud.yaml'} to allow it")
+    def refusal(self, spec: JobSpec, path: Path) -> str | None:
+        """Why a valid spec may not run under this daemon's settings (`tpud run` asks before it starts)."""
+        return refusal(spec, path, self.settings, self.paths.config)
 
     # --- preemption notices (from the metadata watcher's threads, posted to the loop) ---
 
