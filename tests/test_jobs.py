@@ -305,7 +305,8 @@ def test_the_daemon_side_never_imports_torch():
 
     code = ("import sys, tpud.cli, tpud.daemon, tpud.jobs, tpud.supervisor, tpud.channel, tpud.control, "
             "tpud.watcher, tpud.metrics, tpud.gcs, tpud.uploader, tpud.notify, tpud.metadata, tpud.crashes, "
-            "tpud.goodput, tpud.tracking, engine.specfile, "
+            "tpud.goodput, tpud.tracking, tpud.offloop, tpud.save_failures, tpud.worker, engine.specfile, engine.layout, "
+            "engine.backoff, "
             "engine.checkpoint.manifest; assert 'torch' not in sys.modules, sorted(m for m in sys.modules "
             "if m.startswith('torch'))")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=python_env())
