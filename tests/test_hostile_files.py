@@ -297,6 +297,14 @@ def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_pa
         assert shown["real"]["restarts"] == 0
         assert max(latencies) < bound, (sorted(latencies)[-5:], sorted(baseline)[-5:])
         assert peak_rss < DAEMON_RSS_BOUND, peak_rss
+
+        # The running job's own file turns into a bomb: the earlier valid version keeps running.
+        pid, step = shown["real"]["pid"], shown["real"]["step"]
+        (jobs_dir / ".real.yaml.swp").write_text((jobs_dir / "bomb-lists.yaml").read_text())
+        os.replace(jobs_dir / ".real.yaml.swp", jobs_dir / "real.yaml")
+        jobs = daemon.wait_for(lambda j: TOO_MANY in (j["real"].get("error") or ""), "the error on the running job")
+        assert jobs["real"]["state"] == "RUNNING" and jobs["real"]["pid"] == pid
+        daemon.wait_for(lambda j: j["real"]["step"] > step and j["real"]["pid"] == pid, "the old version stepping")
     finally:
         daemon.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
         daemon.proc.wait()
