@@ -252,3 +252,17 @@ def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, 
     finally:
         daemon.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
         daemon.proc.wait()
+
+
+def test_a_failure_after_the_commit_does_not_report_the_committed_step_as_failed(tiny_spec, tmp_path, monkeypatch):
+    from engine.checkpoint.checkpointer import Checkpointer
+
+    def retention_fails(self):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(Checkpointer, "_retain", retention_fails)
+    spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.async=false")
+    hooks = Script()
+    code, trainer = run(spec, tmp_path, hooks)
+    assert code == exit_codes.OK and hooks.of("checkpoint_failed") == []
+    assert [f["step"] for f in hooks.of("checkpoint_committed")] == [4] and trainer.checkpointer.failures == 0

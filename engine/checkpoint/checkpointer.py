@@ -186,12 +186,7 @@ class Checkpointer:
                 mf.write_manifest(tmp, manifest)
                 if final.exists():  # no valid manifest there (save() looked): a leftover, never trusted
                     self._move_aside(final, ["no valid manifest"])
-                tmp.rename(final)
-                fsync_path(self.job_dir)
-                self._retain()
-                seconds = time.monotonic() - started
-                self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
-                          bytes=manifest.total_bytes, seconds=round(seconds, 3))
+                tmp.rename(final)  # committed: nothing after this may report the save as failed
         # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
         except (Exception, CheckpointException) as e:  # a failed save must never end the run (module docstring)
             shutil.rmtree(tmp, ignore_errors=True)  # every rank: DCP's failure reaches all of them
@@ -200,6 +195,14 @@ class Checkpointer:
                       failures=self.failures, path=str(self.job_dir))
             return False
         self.failures = 0
+        if self.rank == 0:
+            try:
+                fsync_path(self.job_dir)
+                self._retain()
+            except OSError as e:  # the step is committed; only its durability or retention is in doubt
+                log.warning("after a commit", path=str(final), error=describe_error(e))
+            self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
+                      bytes=manifest.total_bytes, seconds=round(time.monotonic() - started, 3))
         return True
 
     def _prepare(self, tmp: Path, staged: dict) -> None:
