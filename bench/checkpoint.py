@@ -18,7 +18,7 @@ step per parameter: 742 MB more). All four measurements run on it in one process
    before each restore (echo 3 > /proc/sys/vm/drop_caches, needs root; the JSON says whether
    it worked). The CRC phase is timed separately, and the CRC computation alone over the same
    bytes in memory. Reference: a plain read of the same files from a cold cache. Target >= 1 GB/s.
-4. GCS upload: tpud.gcs.GcsTier.upload_step of the committed step directory to a local
+4. GCS upload: tpud.checkpoints.gcs.GcsTier.upload_step of the committed step directory to a local
    fake-gcs-server (tests/gcs_server.py's GcsServer, filesystem backend, fresh bucket)
    against transfer_manager.upload_many_from_filenames of the same files to the same bucket
    under another prefix, with the tier's settings (threads, 8 workers). Target >= 90%.
@@ -70,9 +70,9 @@ from engine.backends.torch_native import TorchBackend  # noqa: E402
 from engine.checkpoint import checkpointer as ckmod  # noqa: E402
 from engine.checkpoint import manifest as mf  # noqa: E402
 from engine.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
-from engine.config import CheckpointConfig  # noqa: E402
+from engine.spec.schema import CheckpointConfig  # noqa: E402
 from tests.gcs_server import GcsServer  # noqa: E402
-from tpud.gcs import GcsTier  # noqa: E402
+from tpud.checkpoints.gcs import GcsTier  # noqa: E402
 from machine import describe  # noqa: E402
 
 TARGETS = {"save_ratio": 0.80, "async_blocking_ratio": 0.15, "restore_gb_s": 1.0, "upload_ratio": 0.90}

@@ -4,7 +4,7 @@ Each run is a real `engine.train.Trainer` on configs/jobs/tiny-cpu.yaml (the tin
 ~0.8 M parameters, byte-level stdlib corpus, 16 x 256 tokens per step, warmup 20 steps then
 cosine to 0.1x), with only `optimizer.name` and `train.max_steps` overridden, so every run sees
 the identical batches and initial weights. Defaults, from the job's optimizer.lr = 3e-3 and
-weight_decay = 0.1 (engine/config.py, OptimizerConfig):
+weight_decay = 0.1 (engine/spec/schema.py, OptimizerConfig):
 
 - adamw: lr 3e-3, betas (0.9, 0.95), wd 0.1 (not on norms, biases, embeddings).
 - lion:  lr = lr/3 = 1e-3, wd = 3 x 0.1 = 0.3, betas (0.9, 0.99).
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from engine import logs
+from engine import events, logs
 from engine.hooks import Hooks
-from engine.specfile import load_spec
+from engine.spec.loader import load_spec
 from engine.train import Trainer
 from machine import describe
 
@@ -52,9 +52,9 @@ class StepLosses(Hooks):
     def __init__(self):
         self.losses: dict[int, float] = {}
 
-    def emit(self, event: str, **fields) -> None:
-        if event == "step":
-            self.losses[fields["step"]] = fields["loss"]
+    def emit(self, event: events.Event) -> None:
+        if isinstance(event, events.Step):
+            self.losses[event.step] = event.loss
 
 
 def run(name: str, steps: int) -> dict:

@@ -47,7 +47,7 @@ import yaml
 from engine import logs
 from engine.attention.sdpa import sdpa_attention
 from engine.models.llama import Transformer
-from engine.specfile import load_spec
+from engine.spec.loader import load_spec
 from engine.train import StepResult, Trainer
 from machine import describe
 

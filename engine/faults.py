@@ -26,7 +26,7 @@ from pathlib import Path
 
 import structlog
 
-from engine.config import InjectConfig
+from engine.spec.schema import InjectConfig
 from engine.data.loader import AccumSchedule
 from engine.layout import atomic_write
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.events import Event
 
 
 class Action(enum.Enum):
@@ -52,8 +56,8 @@ class Hooks:
         """Called at every micro-batch and step boundary; return a request to act on."""
         return None
 
-    def emit(self, event: str, **fields) -> None:
-        """Step metrics, checkpoint events, start and exit notices."""
+    def emit(self, event: Event) -> None:
+        """Step metrics, checkpoint events, the start of the loop (engine/events.py)."""
 
 
 class SignalHooks(Hooks):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
@@ -36,11 +37,11 @@ import structlog
 import torch
 from torch import nn
 
-from engine import exit_codes
+from engine import events, exit_codes
 from engine.attention import build_attention
 from engine.backends import build_backend
 from engine.backoff import Backoff
-from engine.config import JobSpec
+from engine.spec.schema import JobSpec
 from engine.data.corpus import stdlib_corpus
 from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips, write_skips
 from engine.errors import ConfigError
@@ -73,15 +74,15 @@ class NonFinite:
 
 @dataclass
 class Badput:
-    """Seconds this process has spent not training, by kind, since its Trainer began."""
+    """Seconds this process has spent not training, by kind (events.Badput), since its Trainer began."""
 
-    startup: float = 0.0     # construction (less restore) and the first step (XLA compiles there)
-    restore: float = 0.0     # loading and verifying the checkpoint resumed from
-    checkpoint: float = 0.0  # the loop blocked by saves (all of a sync save, staging of an async one)
-    data: float = 0.0        # fetching batches on the host and moving them to the device
+    startup: float = 0.0
+    restore: float = 0.0
+    checkpoint: float = 0.0
+    data: float = 0.0
 
-    def fields(self) -> dict[str, float]:
-        return {kind: round(seconds, 3) for kind, seconds in vars(self).items()}
+    def snapshot(self) -> events.Badput:
+        return events.Badput(**{kind: round(seconds, 3) for kind, seconds in vars(self).items()})
 
 
 SKIPS_FILE = "data_skips.json"
@@ -340,7 +341,7 @@ class Trainer:
             "rss_bytes": host_rss_bytes(),
             "device_memory_bytes": self.backend.memory_bytes(),
         }
-        badput = self.badput.fields()
+        badput = self.badput.snapshot()
 
         def publish(rows: list[list[float]]) -> None:
             scalars = None
@@ -351,7 +352,7 @@ class Trainer:
                     self._found(NonFinite(result.step, *row))
                     break
                 scalars = dict(zip(StepResult.NAMES, row), lr=result.lr)
-                self.hooks.emit("step", step=result.step, **scalars, **perf, badput=badput)
+                self.hooks.emit(events.Step(step=result.step, **scalars, **perf, badput=badput))
                 logged = result.step
             if scalars is not None:
                 log.info("step", step=logged, max_steps=self.spec.train.max_steps,
@@ -375,23 +376,23 @@ class Trainer:
     def _nonfinite_exit(self) -> int:
         """Exit 76 without a checkpoint; for a rollback, skip the bad step's batches from now on."""
         bad, policy = self._nonfinite, self.spec.health.nonfinite
-        fields = {"step": bad.step, "loss": bad.loss, "grad_norm": bad.grad_norm, "policy": policy}
+        skip = None
         if policy == "rollback":
             # The restarted worker resumes from a checkpoint before the bad step (saves check first)
             # and reads past these micro-batches; persisted before exiting, or it would meet them again.
             skip = self.loader.skip_range(bad.step - 1)
             self.loader.skips = merge_skips(self.loader.skips, [skip])
             write_skips(self.skips_path, self.loader.skips)
-            fields["skip"] = list(skip)
-        log.error("nonfinite", **fields)  # named like the event, as the checkpointer logs its events
-        self.hooks.emit("nonfinite", **fields)
+        event = events.NonFinite(bad.step, bad.loss, bad.grad_norm, policy, skip)
+        log.error(event.TYPE, **dataclasses.asdict(event))  # named like the event, as the checkpointer logs its events
+        self.hooks.emit(event)
         return exit_codes.NONFINITE_LOSS
 
     # --- the loop ---
 
     def run(self) -> int:
         train = self.spec.train
-        self.hooks.emit("started", step=self.step, micro_step=self.progress.micro_step, badput=self.badput.fields())
+        self.hooks.emit(events.Started(self.step, self.progress.micro_step, self.badput.snapshot()))
         began = self._interval_start = time.monotonic()
         counted = self.badput.data + self.badput.checkpoint
         first_step = True
@@ -425,7 +426,6 @@ class Trainer:
             self.backend.flush()
             self.checkpointer.close()
         log.info("training finished", step=self.step)
-        self.hooks.emit("finished", step=self.step, badput=self.badput.fields())
         return exit_codes.OK
 
 
@@ -439,7 +439,7 @@ def default_state_dir() -> Path:
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     from engine import logs
-    from engine.specfile import SpecError, load_spec
+    from engine.spec.loader import SpecError, load_spec
 
     parser = argparse.ArgumentParser(
         prog="python -m engine.train", description="Train a job without the tpud supervisor (local only).")

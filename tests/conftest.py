@@ -16,7 +16,7 @@ TINY_JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
 @pytest.fixture
 def tiny_spec():
     """The demo job with overrides, as the engine sees it."""
-    from engine.specfile import load_spec
+    from engine.spec.loader import load_spec
 
     def make(*overrides: str):
         return load_spec(TINY_JOB, ["data.corpus_bytes=400000", *overrides])

@@ -1,14 +1,48 @@
-"""Hooks that tests and probe scripts use to watch a training run."""
+"""Hooks that tests and probe scripts use to drive and watch a training run."""
 
-from engine.hooks import Hooks
+from engine import events
+from engine.hooks import Boundary, Hooks
 
 
-class StepLosses(Hooks):
-    """Collects each step's loss, in step order."""
+class Recorder(Hooks):
+    """Records every event; answers polls from `requests`.
 
-    def __init__(self):
-        self.losses = []
+    requests: {(step, micro_step) or Boundary: a Request, or a callable returning one}, each
+    used once. on: {event type: callable(event)}, called as each event arrives. `boundaries`
+    lists every boundary polled.
+    """
 
-    def emit(self, event, **fields):
-        if event == "step":
-            self.losses.append(fields["loss"])
+    def __init__(self, requests=None, on=None):
+        self.requests = {(k.step, k.micro_step) if isinstance(k, Boundary) else k: v
+                         for k, v in (requests or {}).items()}
+        self.on, self.events, self.boundaries = dict(on or {}), [], []
+
+    def poll(self, at):
+        self.boundaries.append(at)
+        request = self.requests.pop((at.step, at.micro_step), None)
+        return request() if callable(request) else request
+
+    def emit(self, event):
+        self.events.append(event)
+        if type(event) in self.on:
+            self.on[type(event)](event)
+
+    def of(self, kind: type[events.Event]) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {e.step: e.loss for e in self.of(events.Step)}
+
+    @property
+    def nonfinite(self) -> events.NonFinite | None:
+        found = self.of(events.NonFinite)
+        return found[-1] if found else None
+
+
+class StepLosses(Recorder):
+    """The losses as a list in step order (what a probe prints as JSON)."""
+
+    @property
+    def losses(self) -> list[float]:
+        return [e.loss for e in self.of(events.Step)]

@@ -5,7 +5,7 @@ from engine.attention import build_attention
 from engine.attention.eager import eager_attention
 from engine.attention.sdpa import sdpa_attention
 from engine.backends.torch_native import TorchBackend
-from engine.config import AttentionConfig
+from engine.spec.schema import AttentionConfig
 from engine.errors import ConfigError
 
 

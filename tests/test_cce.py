@@ -102,7 +102,7 @@ def test_the_full_logits_ce_path_matches_the_written_out_definition(case):
 
 
 def test_auto_uses_cce_when_the_vocabulary_outgrows_the_hidden_size():
-    from engine.config import LossConfig, ModelConfig
+    from engine.spec.schema import LossConfig, ModelConfig
     from engine.losses import resolve_loss_name
 
     assert resolve_loss_name(LossConfig(), ModelConfig(vocab_size=32768, dim=768, n_heads=12)) == "cce"

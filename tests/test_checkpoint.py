@@ -7,30 +7,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Boundary, Hooks, Request
+from engine import events
+from engine.hooks import Action, Boundary, Request
 from engine.train import Trainer
+from tests.recorders import Recorder
 
 QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
          "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4")
 
 
-class Script(Hooks):
-    """Requests at given boundaries; records step losses and events."""
-
-    def __init__(self, requests=None):
-        self.requests, self.losses, self.events = dict(requests or {}), {}, []
-
-    def poll(self, at):
-        return self.requests.pop(at, None)
-
-    def emit(self, event, **fields):
-        self.events.append((event, fields))
-        if event == "step":
-            self.losses[fields["step"]] = fields["loss"]
-
-
 def trainer(spec, home, hooks=None):
-    return Trainer(spec, home, hooks or Script())
+    return Trainer(spec, home, hooks or Recorder())
 
 
 def job_dir(home):
@@ -59,14 +46,14 @@ def test_periodic_and_final_checkpoints_are_committed_with_a_manifest(tiny_spec,
 
 def test_resume_from_a_partial_step_checkpoint_is_bitwise_identical(tiny_spec, tmp_path):
     spec = tiny_spec(*QUICK)
-    whole = trainer(spec, tmp_path / "whole", hooks := Script())
+    whole = trainer(spec, tmp_path / "whole", hooks := Recorder())
     whole.run()
     # Stop inside step 6's accumulation (one micro-batch done), checkpointing first.
     stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
-    first = trainer(spec, tmp_path / "cut", Script(stop))
+    first = trainer(spec, tmp_path / "cut", Recorder(stop))
     assert first.run() == 75
     assert mf.committed_steps(job_dir(tmp_path / "cut"))[-1][2].micro_step == 1
-    second = trainer(spec, tmp_path / "cut", resumed := Script())
+    second = trainer(spec, tmp_path / "cut", resumed := Recorder())
     assert (second.progress.step, second.progress.micro_step) == (5, 1)
     assert second.run() == 0
     assert_same_training_state(whole, second)
@@ -74,10 +61,10 @@ def test_resume_from_a_partial_step_checkpoint_is_bitwise_identical(tiny_spec, t
 
 
 def test_a_request_without_deadline_waits_for_the_step_boundary(tiny_spec, tmp_path):
-    script = Script({Boundary(2, 1): Request(Action.CHECKPOINT)})
+    script = Recorder({Boundary(2, 1): Request(Action.CHECKPOINT)})
     trainer(tiny_spec(*QUICK, "checkpoint.interval_steps=0"), tmp_path, script).run()
-    started = [f for e, f in script.events if e == "checkpoint_started"]
-    assert (started[0]["step"], started[0]["micro_step"], started[0]["reason"]) == (3, 0, "request")
+    started = script.of(events.CheckpointStarted)
+    assert (started[0].step, started[0].micro_step, started[0].reason) == (3, 0, "request")
 
 
 class Killed(BaseException):
@@ -143,13 +130,13 @@ def test_checkpoint_holds_rng_progress_and_loader_geometry(tiny_spec, tmp_path):
 
 @pytest.mark.parametrize("mode", ["true", "false"])
 def test_interval_seconds_triggers_saves_sync_or_async(tiny_spec, tmp_path, mode):
-    script = Script()
+    script = Recorder()
     spec = tiny_spec(*QUICK, "train.max_steps=5", "checkpoint.interval_steps=0", "checkpoint.interval_seconds=1e-6",
                      "checkpoint.keep=10", f"checkpoint.async={mode}")
     assert spec.checkpoint.async_ is (mode == "true")
     trainer(spec, tmp_path, script).run()
     assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path))] == [1, 2, 3, 4, 5]
-    started = [f["reason"] for e, f in script.events if e == "checkpoint_started"]
+    started = [e.reason for e in script.of(events.CheckpointStarted)]
     assert started == ["interval"] * 4 + ["final"]
 
 
@@ -169,10 +156,10 @@ def test_when_the_only_checkpoint_is_damaged_the_process_refuses_to_train_on_it(
 @pytest.mark.parametrize("stop_at", [Boundary(0, 0), Boundary(0, 1), Boundary(0, 2)])
 def test_a_checkpoint_before_the_first_update_resumes_exactly(tiny_spec, tmp_path, stop_at):
     spec = tiny_spec(*QUICK, "train.max_steps=3", "checkpoint.interval_steps=0")
-    whole = trainer(spec, tmp_path / "whole", hooks := Script())
+    whole = trainer(spec, tmp_path / "whole", hooks := Recorder())
     whole.run()
-    assert trainer(spec, tmp_path / "cut", Script({stop_at: Request(Action.CHECKPOINT_AND_EXIT, 0)})).run() == 75
-    resumed = trainer(spec, tmp_path / "cut", again := Script())
+    assert trainer(spec, tmp_path / "cut", Recorder({stop_at: Request(Action.CHECKPOINT_AND_EXIT, 0)})).run() == 75
+    resumed = trainer(spec, tmp_path / "cut", again := Recorder())
     assert resumed.run() == 0
     assert_same_training_state(whole, resumed)
     assert again.losses == hooks.losses
@@ -181,7 +168,7 @@ def test_a_checkpoint_before_the_first_update_resumes_exactly(tiny_spec, tmp_pat
 def test_a_later_checkpoint_request_does_not_cancel_a_pending_exit(tiny_spec, tmp_path):
     requests = {Boundary(1, 1): Request(Action.CHECKPOINT_AND_EXIT),  # waits for the step boundary
                 Boundary(1, 2): Request(Action.CHECKPOINT, deadline_s=0)}
-    t = trainer(tiny_spec(*QUICK, "checkpoint.interval_steps=0"), tmp_path, Script(requests))
+    t = trainer(tiny_spec(*QUICK, "checkpoint.interval_steps=0"), tmp_path, Recorder(requests))
     assert t.run() == 75
     # Merged: exit (the stronger action) at the next boundary (the tighter deadline).
     assert (t.progress.step, t.progress.micro_step) == (1, 2)
@@ -192,9 +179,9 @@ def test_a_step_directory_without_a_manifest_is_moved_aside_and_the_save_commits
     leftover = job_dir(tmp_path) / mf.step_dir_name(4)  # e.g. a deletion interrupted after its manifest
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"half of something")
-    hooks = Script()
+    hooks = Recorder()
     assert trainer(spec, tmp_path, hooks).run() == 0
-    assert [event for event, _ in hooks.events if event.startswith("checkpoint_")] == ["checkpoint_started",
+    assert [e.TYPE for e in hooks.events if e.TYPE.startswith("checkpoint_")] == ["checkpoint_started",
                                                                                        "checkpoint_committed"]
     assert [step for step, _, _ in mf.committed_steps(job_dir(tmp_path))] == [4]
     assert [p.name.split(".")[0] for p in (job_dir(tmp_path) / "corrupt").iterdir()] == [leftover.name]

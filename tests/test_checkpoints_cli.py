@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import PYTHON, REPO, python_env
 from tests.gcs_server import free_port
 from tests.test_gcs import BUCKET, FAST, make_step
-from tpud.gcs import GcsTier
+from tpud.checkpoints.gcs import GcsTier
 
 
 def tpud(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.specfile import OVERRIDE_FILE, Problem, SpecError, dump_schema, load_spec
+from engine.spec.loader import OVERRIDE_FILE, Problem, SpecError, dump_schema, load_job, load_spec
 from tpud.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,6 +204,17 @@ def test_overrides_apply_after_includes(tmp_path):
     job = write(tmp_path, "job.yaml", "include: base.yaml\n")
     spec = load_spec(job, ["train.max_steps=20"])
     assert (spec.train.max_steps, spec.train.seed) == (20, 4)
+
+
+def test_a_valid_key_is_located_where_it_was_set_include_or_override(tmp_path):
+    """Messages about keys that validated but may not run here (tpud's refusals) point at their origin."""
+    write(tmp_path, "base.yaml", "# shared\ndebug:\n  inject: {crash_at_step: 3}\n")
+    job = write(tmp_path, "job.yaml", "include: base.yaml\ntrain:\n  seed: 1\n")
+    loaded = load_job(job, ["train.max_steps=20"])
+    assert str(loaded.problem("debug.inject", "refused")) == f"{tmp_path / 'base.yaml'}:3: debug.inject: refused"
+    assert str(loaded.problem("train.seed", "x")) == f"{job}:3: train.seed: x"
+    assert str(loaded.problem("train.max_steps", "x")) == f"{OVERRIDE_FILE}: train.max_steps: x [override 'train.max_steps=20']"
+    assert str(loaded.problem("train.grad_clip", "x")) == f"{job}:2: train.grad_clip: x"  # unset: its section's line
 
 
 @pytest.mark.parametrize("text", ["train.max_steps", "=5", "train..seed=1"])

@@ -13,12 +13,12 @@ import time
 import pytest
 
 from engine import exit_codes
-from engine.config import InjectConfig
+from engine.spec.schema import InjectConfig
 from engine.data.loader import AccumSchedule
 from engine.faults import Faults
-from engine.hooks import Hooks
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
+from tests.recorders import Recorder
 
 ARGS = ("train.max_steps=6", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
         "data.seq_len=32", "data.corpus_bytes=400000", "checkpoint.interval_steps=2")
@@ -52,26 +52,15 @@ def test_nan_poisons_the_micro_batches_of_the_step_in_the_unskipped_stream(tmp_p
     assert Faults(InjectConfig(nan_at_step=[3]), tmp_path, AccumSchedule(4, ((2, 1),))).poisons(2) is False
 
 
-class Steps(Hooks):
-    def __init__(self):
-        self.losses, self.nonfinite = {}, None
-
-    def emit(self, event, **fields):
-        if event == "step":
-            self.losses[fields["step"]] = fields["loss"]
-        elif event == "nonfinite":
-            self.nonfinite = fields
-
-
 @pytest.mark.parametrize("repeat", [False, True])
 def test_nan_once_is_gone_after_a_restart_and_repeat_comes_back(tiny_spec, tmp_path, repeat):
     spec = tiny_spec(*ARGS, "health.nonfinite=stop", "debug.inject.nan_at_step=3", f"debug.inject.repeat={repeat}")
-    assert Trainer(spec, tmp_path, first := Steps()).run() == exit_codes.NONFINITE_LOSS
-    assert first.nonfinite["step"] == 3
-    again = Trainer(spec, tmp_path, second := Steps())
+    assert Trainer(spec, tmp_path, first := Recorder()).run() == exit_codes.NONFINITE_LOSS
+    assert first.nonfinite.step == 3
+    again = Trainer(spec, tmp_path, second := Recorder())
     assert again.progress.step == 2 and again.loader.skips == ()  # stop: nothing skipped
     if repeat:
-        assert again.run() == exit_codes.NONFINITE_LOSS and second.nonfinite["step"] == 3
+        assert again.run() == exit_codes.NONFINITE_LOSS and second.nonfinite.step == 3
     else:
         assert again.run() == exit_codes.OK and sorted(second.losses) == [3, 4, 5, 6]
     assert markers(tmp_path) == ["nan-3"]

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import exit_codes
+from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Hooks, Request
+from engine.hooks import Action, Request
 from engine.train import Trainer
+from tests.recorders import Recorder
 
 QUICK = ("train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2", "data.seq_len=32",
          "checkpoint.interval_steps=4")
@@ -56,25 +57,6 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-class Script(Hooks):
-    """Runs `actions[(step, micro_step)]` at that boundary (and `on_event[event]` on an event); records events."""
-
-    def __init__(self, actions=None, on_event=None):
-        self.actions, self.on_event, self.events = dict(actions or {}), dict(on_event or {}), []
-
-    def poll(self, at):
-        action = self.actions.pop((at.step, at.micro_step), None)
-        return action() if action else None
-
-    def emit(self, event, **fields):
-        self.events.append((event, fields))
-        if event in self.on_event:
-            self.on_event[event](fields)
-
-    def of(self, kind):
-        return [fields for event, fields in self.events if event == kind]
-
-
 def ckpt_bytes(job_dir: Path, timeout: float = 60) -> int:
     """The size of the newest committed checkpoint, once there is one (an async save may still be writing)."""
     deadline = time.monotonic() + timeout
@@ -101,23 +83,23 @@ def test_a_full_disk_fails_the_save_and_training_goes_on_until_space_is_freed(ti
     freed = []
 
     def free_after_two_failures(fields):
-        if len(hooks.of("checkpoint_failed")) == 2:
+        if len(hooks.of(events.CheckpointFailed)) == 2:
             small_fs.make_room()
             freed.append(fields["step"])
 
-    hooks = Script({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},  # room for half a checkpoint
-                   {"checkpoint_failed": free_after_two_failures})
+    hooks = Recorder({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},  # room for half a checkpoint
+                   {events.CheckpointFailed: free_after_two_failures})
     code, trainer = run(spec, tmp_path, hooks)
 
     assert code == exit_codes.OK
-    failed = hooks.of("checkpoint_failed")
-    assert [f["step"] for f in failed] == [8, 12] and freed == [12]
-    assert all("No space left on device (ENOSPC)" in f["error"] for f in failed), failed
-    assert [f["failures"] for f in failed] == [1, 2]
+    failed = hooks.of(events.CheckpointFailed)
+    assert [f.step for f in failed] == [8, 12] and freed == [12]
+    assert all("No space left on device (ENOSPC)" in f.error for f in failed), failed
+    assert [f.failures for f in failed] == [1, 2]
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 16]  # the next save after freeing
     assert trainer.checkpointer.failures == 0
     assert tmp_dirs(job_dir) == []  # removed at once: no restart happened to clean up
-    assert sorted(hooks.of("step"), key=lambda f: f["step"])[-1]["step"] == 16
+    assert max(e.step for e in hooks.of(events.Step)) == 16
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -132,15 +114,15 @@ def test_before_a_save_older_steps_make_room_but_never_the_newest_or_a_pinned_on
             mf.pin(job_dir, 4)  # as the supervisor does while it uploads step 4
         small_fs.leave(ckpt_bytes(job_dir) * 3 // 4)
 
-    hooks = Script({(9, 0): fill}, {"checkpoint_failed": lambda _: small_fs.make_room()})
+    hooks = Recorder({(9, 0): fill}, {events.CheckpointFailed: lambda _: small_fs.make_room()})
     code, _ = run(spec, tmp_path, hooks)
 
     assert code == exit_codes.OK
     steps = [step for step, _, _ in mf.committed_steps(job_dir)]
     if pinned:  # nothing could go: step 12's first save failed, the retry after the disk was freed committed
-        assert [f["step"] for f in hooks.of("checkpoint_failed")] == [12] and steps == [4, 8, 12]
+        assert [f.step for f in hooks.of(events.CheckpointFailed)] == [12] and steps == [4, 8, 12]
     else:  # step 4 went to make room; step 8, the newest, stayed
-        assert hooks.of("checkpoint_failed") == [] and steps == [8, 12]
+        assert hooks.of(events.CheckpointFailed) == [] and steps == [8, 12]
     assert tmp_dirs(job_dir) == []
 
 
@@ -152,11 +134,11 @@ def test_a_failed_save_for_an_exit_still_exits_75_and_leaves_the_newest_step_who
         small_fs.leave(ckpt_bytes(job_dir) // 2)
         return Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0.0)
 
-    hooks = Script({(6, 0): fill_then_stop})
+    hooks = Recorder({(6, 0): fill_then_stop})
     code, _ = run(spec, tmp_path, hooks)
 
     assert code == exit_codes.STOPPED
-    assert [f["reason"] for f in hooks.of("checkpoint_failed")] == ["request"]
+    assert [f.reason for f in hooks.of(events.CheckpointFailed)] == ["request"]
     ((step, path, manifest),) = mf.committed_steps(job_dir)
     assert step == 4 and mf.problems(path, manifest, checksums=True) == []
     assert tmp_dirs(job_dir) == []
@@ -165,13 +147,13 @@ def test_a_failed_save_for_an_exit_still_exits_75_and_leaves_the_newest_step_who
 def test_the_final_checkpoint_is_retried_until_it_commits(tiny_spec, tmp_path, small_fs):
     spec = tiny_spec(*QUICK, "train.max_steps=6", f"checkpoint.dir={small_fs.mount}")
     job_dir = small_fs.mount / "tiny-cpu"
-    hooks = Script({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},
-                   {"checkpoint_failed": lambda f: small_fs.make_room() if f["failures"] == 2 else None})
+    hooks = Recorder({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},
+                   {events.CheckpointFailed: lambda f: small_fs.make_room() if f.failures == 2 else None})
     started = time.monotonic()
     code, _ = run(spec, tmp_path, hooks)
 
     assert code == exit_codes.OK
-    assert [(f["step"], f["reason"]) for f in hooks.of("checkpoint_failed")] == [(6, "final"), (6, "final")]
+    assert [(f.step, f.reason) for f in hooks.of(events.CheckpointFailed)] == [(6, "final"), (6, "final")]
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 6]
     assert time.monotonic() - started < 60  # retried after 1 s, then 2 s
 
@@ -179,9 +161,9 @@ def test_the_final_checkpoint_is_retried_until_it_commits(tiny_spec, tmp_path, s
 def test_a_stop_while_the_final_checkpoint_cannot_be_written_exits_75(tiny_spec, tmp_path, small_fs):
     spec = tiny_spec(*QUICK, "train.max_steps=6", f"checkpoint.dir={small_fs.mount}")
     job_dir = small_fs.mount / "tiny-cpu"
-    hooks = Script({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)})
+    hooks = Recorder({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)})
     # `tpud stop` arrives while the worker waits to retry: it is polled there, at step 6.
-    hooks.on_event["checkpoint_failed"] = lambda f: hooks.actions.update({(6, 0): lambda: Request(Action.STOP)})
+    hooks.on[events.CheckpointFailed] = lambda f: hooks.requests.update({(6, 0): lambda: Request(Action.STOP)})
     code, _ = run(spec, tmp_path, hooks)
     assert code == exit_codes.STOPPED
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4]
@@ -190,12 +172,12 @@ def test_a_stop_while_the_final_checkpoint_cannot_be_written_exits_75(tiny_spec,
 def test_a_read_only_file_system_fails_saves_until_it_is_writable_again(tiny_spec, tmp_path, small_fs):
     spec = tiny_spec(*QUICK, "train.max_steps=12", f"checkpoint.dir={small_fs.mount}", "checkpoint.async=false")
     job_dir = small_fs.mount / "tiny-cpu"
-    hooks = Script({(5, 0): lambda: small_fs.remount("ro")},
-                   {"checkpoint_failed": lambda _: small_fs.remount("rw")})
+    hooks = Recorder({(5, 0): lambda: small_fs.remount("ro")},
+                   {events.CheckpointFailed: lambda _: small_fs.remount("rw")})
     code, _ = run(spec, tmp_path, hooks)
 
     assert code == exit_codes.OK
-    (failed,) = hooks.of("checkpoint_failed")
+    (failed,) = hooks.of(events.CheckpointFailed)
     assert failed["step"] == 8 and "(EROFS)" in failed["error"]
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 12]
     assert tmp_dirs(job_dir) == []
@@ -204,10 +186,10 @@ def test_a_read_only_file_system_fails_saves_until_it_is_writable_again(tiny_spe
 def test_a_checkpoint_directory_deleted_under_the_job_is_made_again(tiny_spec, tmp_path):
     spec = tiny_spec(*QUICK, "train.max_steps=8", "checkpoint.async=false")
     job_dir = tmp_path / "checkpoints" / "tiny-cpu"
-    hooks = Script({(5, 0): lambda: shutil.rmtree(job_dir)})
+    hooks = Recorder({(5, 0): lambda: shutil.rmtree(job_dir)})
     code, _ = run(spec, tmp_path, hooks)
     assert code == exit_codes.OK
-    assert hooks.of("checkpoint_failed") == []
+    assert hooks.of(events.CheckpointFailed) == []
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [8]
 
 
@@ -262,7 +244,7 @@ def test_a_failure_after_the_commit_does_not_report_the_committed_step_as_failed
 
     monkeypatch.setattr(Checkpointer, "_retain", retention_fails)
     spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.async=false")
-    hooks = Script()
+    hooks = Recorder()
     code, trainer = run(spec, tmp_path, hooks)
-    assert code == exit_codes.OK and hooks.of("checkpoint_failed") == []
-    assert [f["step"] for f in hooks.of("checkpoint_committed")] == [4] and trainer.checkpointer.failures == 0
+    assert code == exit_codes.OK and hooks.of(events.CheckpointFailed) == []
+    assert [f.step for f in hooks.of(events.CheckpointCommitted)] == [4] and trainer.checkpointer.failures == 0

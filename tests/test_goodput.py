@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpud.goodput import BACKOFF, DOWN, IDLE, WORKER, Ledger
+from tpud.job.goodput import BACKOFF, DOWN, IDLE, WORKER, Ledger
 
 
 class Clock:

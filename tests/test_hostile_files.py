@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import exit_codes, specfile
-from engine.specfile import LIMITS, SpecError, load_spec
+from engine.spec.loader import LIMITS, SpecError, load_spec
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 from tests.hostile import TOO_DEEP, TOO_MANY, write_corpus
 

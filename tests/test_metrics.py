@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import enum
 import socket
-import subprocess
-import sys
 import threading
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -283,11 +280,6 @@ def test_address_parsing():
             parse_address(bad)
     assert format_address("::1", 5) == "[::1]:5"
     assert format_address("10.0.0.1", 5) == "10.0.0.1:5"
-
-
-def test_import_does_not_load_torch():
-    code = "import sys, tpud.metrics; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
 def test_missing_prometheus_skips_locally_and_fails_in_ci(monkeypatch):

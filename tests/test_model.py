@@ -5,7 +5,7 @@ import torch
 
 from engine.attention.eager import eager_attention
 from engine.attention.sdpa import sdpa_attention
-from engine.config import ModelConfig
+from engine.spec.schema import ModelConfig
 from engine.models.llama import Attention, Transformer, apply_rotary, flops_per_token, rotary_tables
 
 TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64)

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import exit_codes
+from engine import events, exit_codes
 from engine.backends.base import DataPosition
 from engine.checkpoint import manifest as mf
 from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips, write_skips
-from engine.hooks import Action, Boundary, Hooks, Request
+from engine.hooks import Action, Boundary, Request
 from engine.train import SKIPS_FILE, Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
+from tests.recorders import Recorder
 
 # --- the loader's skips ---
 
@@ -104,23 +105,6 @@ QUICK = ("train.max_steps=8", "train.log_interval=4", "scheduler.warmup_steps=1"
          "data.seq_len=32", "train.grad_accum_steps=2", "checkpoint.interval_steps=2", "checkpoint.keep=10")
 
 
-class Script(Hooks):
-    def __init__(self, requests=None):
-        self.requests, self.events = dict(requests or {}), []
-
-    def poll(self, at):
-        return self.requests.pop(at, None)
-
-    def emit(self, event, **fields):
-        self.events.append((event, fields))
-
-    def losses(self):
-        return {f["step"]: f["loss"] for e, f in self.events if e == "step"}
-
-    def event(self, name):
-        return [f for e, f in self.events if e == name]
-
-
 def committed(home):
     return [(step, m.micro_step) for step, _, m in mf.committed_steps(home / "checkpoints" / "tiny-cpu")]
 
@@ -128,52 +112,52 @@ def committed(home):
 def test_rollback_skips_the_bad_steps_batches_and_finishes_finite(tiny_spec, tmp_path):
     home = tmp_path / "rollback"
     # NaN at step 3, found only when the save at step 4 reads steps 3-4 (log_interval 4).
-    first = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, script := Script())
+    first = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, script := Recorder())
     assert first.run() == exit_codes.NONFINITE_LOSS
     assert committed(home) == [(2, 0)]  # step 4 held the bad update: never saved
-    (event,) = script.event("nonfinite")
-    assert event["step"] == 3 and math.isnan(event["loss"]) and event["policy"] == "rollback"
-    assert event["skip"] == [4, 2]  # step 3 (index 2): micro-batches 4 and 5
+    (event,) = script.of(events.NonFinite)
+    assert event.step == 3 and math.isnan(event.loss) and event.policy == "rollback"
+    assert event.skip == (4, 2)  # step 3 (index 2): micro-batches 4 and 5
     assert json.loads((home / "jobs" / "tiny-cpu" / SKIPS_FILE).read_text())["skips"] == [[4, 2]]
-    assert script.event("finished") == [] and 3 not in script.losses()
+    assert 3 not in script.losses
 
-    second = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, resumed := Script())
+    second = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, resumed := Recorder())
     assert second.progress.step == 2 and second.loader.skips == ((4, 2),)
     assert second.run() == exit_codes.OK
-    losses = resumed.losses()
+    losses = resumed.losses
     assert sorted(losses) == list(range(3, 9)) and all(math.isfinite(v) for v in losses.values())
 
     # Against runs without faults: the same before the bad step; from it on, exactly the run
     # whose data skips micro-batches 4-5 from the start.
-    Trainer(tiny_spec(*QUICK), tmp_path / "whole", whole := Script()).run()
+    Trainer(tiny_spec(*QUICK), tmp_path / "whole", whole := Recorder()).run()
     skipping_home = tmp_path / "skipping"
     write_skips(skipping_home / "jobs" / "tiny-cpu" / SKIPS_FILE, ((4, 2),))
-    Trainer(tiny_spec(*QUICK), skipping_home, skipping := Script()).run()
-    assert {s: script.losses()[s] for s in (1, 2)} == {s: whole.losses()[s] for s in (1, 2)}
-    assert losses[3] != whole.losses()[3]
-    assert losses == {s: skipping.losses()[s] for s in range(3, 9)}
+    Trainer(tiny_spec(*QUICK), skipping_home, skipping := Recorder()).run()
+    assert {s: script.losses[s] for s in (1, 2)} == {s: whole.losses[s] for s in (1, 2)}
+    assert losses[3] != whole.losses[3]
+    assert losses == {s: skipping.losses[s] for s in range(3, 9)}
 
     # Every later checkpoint carries the skips: a host without the state file still skips.
     assert mf.committed_steps(home / "checkpoints" / "tiny-cpu")[-1][2].data_skips == ((4, 2),)
     (home / "jobs" / "tiny-cpu" / SKIPS_FILE).unlink()
-    assert Trainer(tiny_spec(*QUICK, "train.max_steps=10"), home, Script()).loader.skips == ((4, 2),)
+    assert Trainer(tiny_spec(*QUICK, "train.max_steps=10"), home, Recorder()).loader.skips == ((4, 2),)
 
 
 def test_a_partial_step_checkpoint_is_refused_when_its_accumulated_loss_is_nan(tiny_spec, tmp_path):
     # Step 3's first micro-batch is poisoned; a checkpoint is asked for right after it.
     exit_after = {Boundary(2, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
     t = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3", "health.nonfinite=stop"), tmp_path,
-                script := Script(exit_after))
+                script := Recorder(exit_after))
     assert t.run() == exit_codes.NONFINITE_LOSS
     assert committed(tmp_path) == [(2, 0)]
-    (event,) = script.event("nonfinite")
-    assert event["step"] == 3 and event["policy"] == "stop" and "skip" not in event
+    (event,) = script.of(events.NonFinite)
+    assert event.step == 3 and event.policy == "stop" and event.skip is None
     assert not (tmp_path / "jobs" / "tiny-cpu" / SKIPS_FILE).exists()
 
 
 def test_an_infinite_grad_norm_counts_as_non_finite(tiny_spec, tmp_path, monkeypatch):
     t = Trainer(tiny_spec(*QUICK, "train.log_interval=1", "checkpoint.interval_steps=0"), tmp_path,
-                script := Script())
+                script := Recorder())
     real = torch.nn.utils.clip_grad_norm_
     calls = []
 
@@ -184,9 +168,9 @@ def test_an_infinite_grad_norm_counts_as_non_finite(tiny_spec, tmp_path, monkeyp
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     assert t.run() == exit_codes.NONFINITE_LOSS
-    (event,) = script.event("nonfinite")
-    assert event["step"] == 2 and math.isfinite(event["loss"]) and event["grad_norm"] == float("inf")
-    assert [f["step"] for f in script.event("step")] == [1]  # a bad step is not reported as a step
+    (event,) = script.of(events.NonFinite)
+    assert event.step == 2 and math.isfinite(event.loss) and event.grad_norm == float("inf")
+    assert [e.step for e in script.of(events.Step)] == [1]  # a bad step is not reported as a step
 
 
 @pytest.mark.slow

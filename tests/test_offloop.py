@@ -1,4 +1,4 @@
-"""The daemon reads job files and tpud.yaml in a helper process (tpud/offloop.py), in order."""
+"""The daemon reads job files and tpud.yaml in a helper process (tpud/jobfiles/offloop.py), in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tpud.daemon import Daemon
-from tpud.offloop import OffLoop
+from tpud.jobfiles.offloop import OffLoop
 from tpud.paths import Paths
 from tests.conftest import TINY_JOB
 

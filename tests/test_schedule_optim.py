@@ -1,7 +1,7 @@
 import torch
 
 from engine.attention.sdpa import sdpa_attention
-from engine.config import ModelConfig, OptimizerConfig
+from engine.spec.schema import ModelConfig, OptimizerConfig
 from engine.models.llama import Transformer
 from engine.optim import build_optimizer
 from engine.optim.param_groups import decay_groups

@@ -6,11 +6,11 @@ import torch
 from pydantic import ValidationError
 
 from engine.backends.base import DataPosition
-from engine.config import SchedulerConfig, TrainConfig
+from engine.spec.schema import SchedulerConfig, TrainConfig
 from engine.data.loader import AccumSchedule, PackedLoader
 from engine.hooks import Boundary, Hooks
 from engine.optim.schedule import decay_start, lr_factor
-from engine.specfile import SpecError, load_spec
+from engine.spec.loader import SpecError, load_spec
 from engine.train import Trainer
 
 

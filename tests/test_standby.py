@@ -15,7 +15,7 @@ import pytest
 from engine.checkpoint import manifest as mf
 from tests.conftest import REPO
 from tpud.paths import Paths
-from tpud.supervisor import WorkerProcess, process_stopped
+from tpud.worker.process import WorkerProcess, process_stopped
 
 
 def nice_values(pid: int) -> list[int]:

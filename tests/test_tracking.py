@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from engine.config import WandbConfig
+from engine.spec.schema import WandbConfig
 from tests.conftest import PYTHON, REPO, python_env
 from tpud.tracking import WandbRun, new_run_id
 
@@ -179,7 +179,7 @@ def test_daemon_side_never_imports_torch(wandb_env):
     script = f"""
 import sys
 from pathlib import Path
-from engine.config import WandbConfig
+from engine.spec.schema import WandbConfig
 from tpud.tracking import WandbRun, new_run_id
 run = WandbRun(WandbConfig(project="p", mode="offline"), job="j", run_id=new_run_id(),
                directory=Path({str(wandb_env / "job")!r}), config={{}})

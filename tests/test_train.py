@@ -6,32 +6,18 @@ import time
 import pytest
 import torch
 
-from engine import exit_codes
+from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Boundary, Hooks, Request
+from engine.hooks import Action, Boundary, Request
 from engine.train import Trainer
+from tests.recorders import Recorder, StepLosses
 
 SHORT = ("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=2", "data.micro_batch_size=4",
          "data.seq_len=64")
 
 
-class Recorder(Hooks):
-    def __init__(self, stop_at: Boundary | None = None):
-        self.events, self.boundaries, self.stop_at = [], [], stop_at
-
-    def poll(self, at):
-        self.boundaries.append(at)
-        return Request(Action.STOP, deadline_s=0) if at == self.stop_at else None
-
-    def emit(self, event, **fields):
-        self.events.append((event, fields))
-
-    def losses(self):
-        return [f["loss"] for e, f in self.events if e == "step"]
-
-
 def run(spec, tmp_path, hooks=None):
-    hooks = hooks or Recorder()
+    hooks = hooks or StepLosses()
     trainer = Trainer(spec, tmp_path, hooks)
     return trainer, hooks, trainer.run()
 
@@ -39,25 +25,25 @@ def run(spec, tmp_path, hooks=None):
 def test_loss_falls_and_every_step_is_reported(tiny_spec, tmp_path):
     trainer, hooks, code = run(tiny_spec(*SHORT, "optimizer.lr=3e-3"), tmp_path)
     assert code == exit_codes.OK and trainer.step == 12
-    steps = [f for e, f in hooks.events if e == "step"]
-    assert [f["step"] for f in steps] == list(range(1, 13))
-    assert all(f["tokens_per_s"] > 0 and f["mfu"] is None for f in steps)  # no MFU on CPU
+    steps = hooks.of(events.Step)
+    assert [e.step for e in steps] == list(range(1, 13))
+    assert all(e.tokens_per_s > 0 and e.mfu is None for e in steps)  # no MFU on CPU
     # Near ln(256) = 5.55 at init; a little below because a tied head already favours
     # repeating the input byte, and Python source repeats spaces a lot.
-    assert 4.5 < steps[0]["loss"] < 5.7
-    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
-    assert [e for e, _ in hooks.events][0] == "started" and hooks.events[-1][0] == "finished"
+    assert 4.5 < steps[0].loss < 5.7
+    assert steps[-1].loss < steps[0].loss - 1.0
+    assert isinstance(hooks.events[0], events.Started) and isinstance(hooks.events[-1], events.CheckpointCommitted)
 
 
 def test_same_seed_same_run_bit_for_bit(tiny_spec, tmp_path):
     spec = tiny_spec(*SHORT)
     a, ha, _ = run(spec, tmp_path / "a")
     b, hb, _ = run(spec, tmp_path / "b")
-    assert ha.losses() == hb.losses()
+    assert ha.losses == hb.losses
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
     c, hc, _ = run(tiny_spec(*SHORT, "train.seed=1"), tmp_path / "c")
-    assert hc.losses() != ha.losses()
+    assert hc.losses != ha.losses
 
 
 def test_gradient_accumulation_matches_one_big_batch(tiny_spec, tmp_path):
@@ -65,7 +51,7 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_spec, tmp_path):
     acc, hacc, _ = run(tiny_spec(*SHORT, "train.max_steps=3", "data.micro_batch_size=2",
                                  "train.grad_accum_steps=2"), tmp_path / "acc")
     # Same sequences per step, summed in a different order: equal up to float rounding.
-    assert hacc.losses() == pytest.approx(hbig.losses(), rel=1e-5)
+    assert hacc.losses == pytest.approx(hbig.losses, rel=1e-5)
     for pa, pb in zip(big.model.parameters(), acc.model.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
 
@@ -76,7 +62,7 @@ def test_hooks_are_polled_at_every_micro_batch_and_step_boundary(tiny_spec, tmp_
 
 
 def test_stop_request_mid_accumulation_exits_75(tiny_spec, tmp_path):
-    hooks = Recorder(stop_at=Boundary(step=1, micro_step=1))
+    hooks = Recorder({Boundary(step=1, micro_step=1): Request(Action.STOP, deadline_s=0)})
     trainer, _, code = run(tiny_spec(*SHORT, "train.grad_accum_steps=2"), tmp_path, hooks)
     assert code == exit_codes.STOPPED and trainer.step == 1
 
@@ -93,30 +79,26 @@ def test_step_events_carry_cumulative_badput_by_kind(tiny_spec, tmp_path):
 
     trainer.loader.batch = slow_fetch
     trainer.run()
-    kinds = {"startup", "restore", "checkpoint", "data"}
-    (started,) = [f["badput"] for e, f in hooks.events if e == "started"]
-    assert set(started) == kinds and started["startup"] > 0 and started["data"] == started["checkpoint"] == 0
-    assert started["restore"] < 0.5  # nothing to restore
-    steps = {f["step"]: f["badput"] for e, f in hooks.events if e == "step"}
-    assert all(set(b) == kinds for b in steps.values())
-    assert steps[1]["startup"] > started["startup"]  # the first step is startup too (XLA compiles there)
-    assert all(steps[s]["startup"] == steps[1]["startup"] for s in steps)  # and only the first
-    for kind in kinds:  # cumulative
-        assert [steps[s][kind] for s in sorted(steps)] == sorted(steps[s][kind] for s in steps)
+    (started,) = [e.badput for e in hooks.of(events.Started)]
+    assert started.startup > 0 and started.data == started.checkpoint == 0
+    assert started.restore < 0.5  # nothing to restore
+    steps = {e.step: e.badput for e in hooks.of(events.Step)}
+    assert steps[1].startup > started.startup  # the first step is startup too (XLA compiles there)
+    assert all(steps[s].startup == steps[1].startup for s in steps)  # and only the first
+    for kind in events.BADPUT_KINDS:  # cumulative
+        assert [getattr(steps[s], kind) for s in sorted(steps)] == sorted(getattr(steps[s], kind) for s in steps)
     # Counted once: the first step's fetch is data, not startup.
-    assert 0.01 <= steps[1]["data"] < 0.1 and 0.06 <= steps[6]["data"] < 0.5
+    assert 0.01 <= steps[1].data < 0.1 and 0.06 <= steps[6].data < 0.5
     # Sync saves at steps 2 and 4: the loop waits for each whole write.
-    written = {f["step"]: f["seconds"] for e, f in hooks.events if e == "checkpoint_committed"}
-    assert steps[2]["checkpoint"] == 0 and steps[3]["checkpoint"] >= written[2] - 0.002 > 0
-    assert steps[5]["checkpoint"] >= written[2] + written[4] - 0.004
-    (finished,) = [f["badput"] for e, f in hooks.events if e == "finished"]
-    assert finished["checkpoint"] >= steps[6]["checkpoint"] + written[6] - 0.002  # the final save too
+    written = {e.step: e.seconds for e in hooks.of(events.CheckpointCommitted)}
+    assert steps[2].checkpoint == 0 and steps[3].checkpoint >= written[2] - 0.002 > 0
+    assert steps[5].checkpoint >= written[2] + written[4] - 0.004
 
     resumed = Recorder()
     Trainer(tiny_spec(*SHORT, "train.max_steps=8", "train.log_interval=1"), tmp_path, resumed).run()
-    (started,) = [f["badput"] for e, f in resumed.events if e == "started"]
-    (restored,) = [f for e, f in resumed.events if e == "checkpoint_restored"]
-    assert started["restore"] >= restored["seconds"] > 0
+    (started,) = [e.badput for e in resumed.of(events.Started)]
+    (restored,) = resumed.of(events.CheckpointRestored)
+    assert started.restore >= restored.seconds > 0
 
 
 def test_manifests_carry_the_wandb_run_id_and_old_manifests_still_read(tiny_spec, tmp_path, monkeypatch):

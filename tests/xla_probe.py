@@ -9,25 +9,22 @@ import json
 import sys
 from pathlib import Path
 
-from engine.hooks import Hooks
-from engine.specfile import load_spec
+from engine.spec.loader import load_spec
 from engine.train import Trainer
+from tests.recorders import Recorder
 
 
-class Probe(Hooks):
+class Probe(Recorder):
     def __init__(self):
         import torch_xla.debug.metrics as met
 
-        self.met, self.losses, self.compiles_at_step = met, {}, {}
+        super().__init__()
+        self.met, self.compiles_at_step = met, {}
 
     def poll(self, at):
         if at.micro_step == 0:
             data = self.met.metric_data("CompileTime")
             self.compiles_at_step[at.step] = data[0] if data else 0
-
-    def emit(self, event, **fields):
-        if event == "step":
-            self.losses[fields["step"]] = fields["loss"]
 
 
 def attention_checks(backend) -> dict:
@@ -36,7 +33,7 @@ def attention_checks(backend) -> dict:
 
     from engine.attention import build_attention
     from engine.attention.eager import eager_attention
-    from engine.config import AttentionConfig
+    from engine.spec.schema import AttentionConfig
     from engine.errors import ConfigError
 
     g = torch.Generator().manual_seed(0)

@@ -11,26 +11,15 @@ from pathlib import Path
 
 import torch
 
-from engine.hooks import Action, Boundary, Hooks, Request
-from engine.specfile import load_spec
+from engine.hooks import Action, Request
+from engine.spec.loader import load_spec
 from engine.train import Trainer
-
-
-class Script(Hooks):
-    def __init__(self, stop: Boundary | None):
-        self.stop, self.losses = stop, {}
-
-    def poll(self, at):
-        return Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0) if at == self.stop else None
-
-    def emit(self, event, **fields):
-        if event == "step":
-            self.losses[fields["step"]] = fields["loss"]
+from tests.recorders import Recorder
 
 
 def main(job: str, home: str, stop: str, *overrides: str) -> None:
     step, micro = (int(x) for x in stop.split(","))
-    script = Script(Boundary(step, micro) if step >= 0 else None)
+    script = Recorder({(step, micro): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)} if step >= 0 else {})
     trainer = Trainer(load_spec(job, list(overrides)), Path(home), script)
     resumed_at = (trainer.progress.step, trainer.progress.micro_step)
     code = trainer.run()

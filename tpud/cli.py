@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
-from engine.specfile import SpecError, dump_schema, load_spec
+from engine.spec.loader import SpecError, dump_schema, load_job, load_spec
 from tpud import __version__
 
 # Client exit codes (DESIGN.md, "Command line").
@@ -89,14 +89,14 @@ def _run(args: argparse.Namespace) -> int:
 
     logs.configure()
     try:
-        spec = load_spec(args.job, args.overrides)
+        loaded = load_job(args.job, args.overrides)
     except SpecError as e:
         print(e, file=sys.stderr)
         return exit_codes.BAD_INPUT
     worker_log = "console" if sys.stdout.isatty() else "json"
-    daemon = Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(spec, Path(args.job)),
+    daemon = Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(loaded.spec, Path(args.job)),
                     worker_log_format=worker_log)
-    if refused := daemon.refusal(spec, Path(args.job)):
+    if refused := daemon.refusal(loaded):
         print(refused, file=sys.stderr)
         return exit_codes.BAD_INPUT
     return daemon.run()
@@ -178,7 +178,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
             reason=manifest.reason, created_unix=manifest.created_unix, age_seconds=round(now - manifest.created_unix, 1),
             ok=not issues, problems=issues, location=str(directory)))
     if spec.checkpoint.remote:
-        from tpud.gcs import GcsTier, RemoteError, RetryPolicy
+        from tpud.checkpoints.gcs import GcsTier, RemoteError, RetryPolicy
 
         tiers["gcs"] = []
         tier = GcsTier(spec.checkpoint.remote, spec.name,

@@ -3,7 +3,7 @@
 One thread owns all job state and runs the loop: worker output and exits, worker
 channels, timers, and the calls other threads post (the control socket, the job-file
 watcher and the metrics server run in threads of their own and never touch a job
-directly). Job files and tpud.yaml are read and validated in a helper process (tpud/offloop.py),
+directly). Job files and tpud.yaml are read and validated in a helper process (tpud/jobfiles/offloop.py),
 so a hostile file never delays `tpud status` or the watchdog. Signal handlers only
 record; the loop acts (supervisord's discipline).
 
@@ -30,17 +30,19 @@ from pathlib import Path
 
 import structlog
 
-from engine.config import JobSpec
+from engine.spec.loader import LoadedSpec
+from engine.spec.schema import JobSpec
 from tpud import __version__
 from tpud.control import ControlError, ControlServer
-from tpud.jobs import Job, State
+from tpud.job.job import Job, State
+from tpud.jobfiles.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
+from tpud.jobfiles.reading import JobFile
+from tpud.jobfiles.watcher import Watcher
 from tpud.metadata import MetadataWatcher, Notice, resolve_host
 from tpud.metrics import Metrics, write_address_file
 from tpud.notify import Notifier
-from tpud.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
 from tpud.paths import Paths
 from tpud.settings import load_settings
-from tpud.watcher import JobFile, Watcher
 
 log = structlog.get_logger()
 TICK_S = 0.5
@@ -112,7 +114,7 @@ class Daemon:
         except BlockingIOError:
             pass
 
-    # --- job files (read off the loop: see tpud/offloop.py) ---
+    # --- job files (read off the loop: see tpud/jobfiles/offloop.py) ---
 
     def _on_files_changed(self) -> None:
         """From the watcher's thread: jobs.d may have changed."""
@@ -182,9 +184,9 @@ class Daemon:
                 log.info("job file removed; checkpointing and stopping", job=name)
                 job.stop("removed")
 
-    def refusal(self, spec: JobSpec, path: Path) -> str | None:
+    def refusal(self, loaded: LoadedSpec) -> str | None:
         """Why a valid spec may not run under this daemon's settings (`tpud run` asks before it starts)."""
-        return refusal(spec, path, self.settings, self.paths.config)
+        return refusal(loaded, self.settings, self.paths.config)
 
     # --- preemption notices (from the metadata watcher's threads, posted to the loop) ---
 

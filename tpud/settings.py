@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.specfile import SpecError, load_mapping
+from engine.spec.loader import SpecError, load_mapping
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9477"
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
-    from engine.config import WandbConfig
+    from engine.spec.schema import WandbConfig
 
 log = structlog.get_logger()
 

@@ -11,7 +11,7 @@ import structlog
 from engine.attention.eager import eager_attention
 from engine.attention.sdpa import sdpa_attention
 from engine.backends.base import Backend
-from engine.config import AttentionConfig
+from engine.spec.schema import AttentionConfig
 from engine.errors import ConfigError
 from engine.models.llama import AttentionFn
 

@@ -11,7 +11,7 @@ import math
 import torch
 
 from engine.attention.eager import repeat_kv
-from engine.config import FlashBlocks, SplashBlocks
+from engine.spec.schema import FlashBlocks, SplashBlocks
 from engine.models.llama import AttentionFn
 
 # Batch over the data-parallel axes, heads over the tensor axis.

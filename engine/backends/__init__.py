@@ -8,7 +8,7 @@ import os
 import torch
 
 from engine.backends.base import Backend
-from engine.config import DeviceConfig
+from engine.spec.schema import DeviceConfig
 from engine.errors import ConfigError
 
 

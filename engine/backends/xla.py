@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import Backend, DataPosition, peak_flops_for
-from engine.config import DeviceConfig
+from engine.spec.schema import DeviceConfig
 
 # Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
 # ("row-parallel") ones get (fsdp, tensor), so a tensor-parallel block needs one reduction.

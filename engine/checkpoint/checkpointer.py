@@ -26,6 +26,7 @@ supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -45,13 +46,14 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from engine import events
 from engine.backends.base import Backend
 from engine.checkpoint import manifest as mf
-from engine.config import CheckpointConfig
+from engine.spec.schema import CheckpointConfig
 from engine.layout import fsync_path
 
 log = structlog.get_logger()
-Emit = Callable[..., None]
+Emit = Callable[[events.Event], None]
 _WRITER_THREADS = 2  # DCP serialises and writes each file in its own thread; measured 1.3x faster than 1
 
 # DCP warns on every single-process save by design, and its file writer trips torch's
@@ -116,10 +118,11 @@ class Checkpointer:
             elif step is not None:
                 state["step"] = 0
 
-    def emit(self, event: str, **fields) -> None:
+    def emit(self, event: events.Event) -> None:
         """To the supervisor through the hooks, and to the log for the operator."""
-        (log.warning if event.endswith("failed") else log.info)(event.replace("_", " "), **fields)
-        self._emit(event, **fields)
+        fields = dataclasses.asdict(event)
+        (log.warning if isinstance(event, events.CheckpointFailed) else log.info)(event.TYPE.replace("_", " "), **fields)
+        self._emit(event)
 
     # --- saving ---
 
@@ -146,8 +149,8 @@ class Checkpointer:
         existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
         if (manifest := mf.read_manifest(existing)) is not None:  # e.g. the step this run resumed from
             self.failures = 0
-            self.emit("checkpoint_committed", step=progress.step, micro_step=progress.micro_step, reason=reason,
-                      path=str(existing), bytes=manifest.total_bytes, seconds=0.0)
+            self.emit(events.CheckpointCommitted(progress.step, progress.micro_step, reason, str(existing),
+                                                 bytes=manifest.total_bytes, seconds=0.0))
             return True
         started = time.monotonic()
         blocking = wait or not self.cfg.async_
@@ -156,8 +159,7 @@ class Checkpointer:
         staged = self.backend.host_view(state) if blocking else self.backend.stage(state)
         blocked = time.monotonic() - started
         self.last_save_time, self.last_saved_step = time.monotonic(), progress.step
-        self.emit("checkpoint_started", step=progress.step, micro_step=progress.micro_step, reason=reason,
-                  blocking_s=round(blocked, 4))
+        self.emit(events.CheckpointStarted(progress.step, progress.micro_step, reason, blocking_s=round(blocked, 4)))
         self._pending = self._writer.submit(self._write, staged, progress.step, progress.micro_step, reason,
                                             started, self.data_skips)
         return self.wait() if blocking else None
@@ -191,8 +193,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # a failed save must never end the run (module docstring)
             shutil.rmtree(tmp, ignore_errors=True)  # every rank: DCP's failure reaches all of them
             self.failures += 1
-            self.emit("checkpoint_failed", step=step, micro_step=micro_step, reason=reason, error=describe_error(e),
-                      failures=self.failures, path=str(self.job_dir))
+            self.emit(events.CheckpointFailed(step, micro_step, reason, describe_error(e), self.failures,
+                                              str(self.job_dir)))
             return False
         self.failures = 0
         if self.rank == 0:
@@ -201,8 +203,8 @@ class Checkpointer:
                 self._retain()
             except OSError as e:  # the step is committed; only its durability or retention is in doubt
                 log.warning("after a commit", path=str(final), error=describe_error(e))
-            self.emit("checkpoint_committed", step=step, micro_step=micro_step, reason=reason, path=str(final),
-                      bytes=manifest.total_bytes, seconds=round(time.monotonic() - started, 3))
+            self.emit(events.CheckpointCommitted(step, micro_step, reason, str(final), bytes=manifest.total_bytes,
+                                                 seconds=round(time.monotonic() - started, 3)))
         return True
 
     def _prepare(self, tmp: Path, staged: dict) -> None:
@@ -318,8 +320,8 @@ class Checkpointer:
                 param.grad = template["partial"]["grads"][name]
             progress.loss_sum = template["partial"]["loss_sum"]
         self.last_saved_step, self.restored = progress.step, manifest
-        self.emit("checkpoint_restored", step=progress.step, micro_step=progress.micro_step, path=str(path),
-                  seconds=round(time.monotonic() - started, 3))
+        self.emit(events.CheckpointRestored(progress.step, progress.micro_step, str(path),
+                                            seconds=round(time.monotonic() - started, 3)))
         return progress
 
     def close(self) -> None:

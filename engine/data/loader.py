@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.backends.base import DataPosition
-from engine.config import TrainConfig
+from engine.spec.schema import TrainConfig
 from engine.layout import atomic_write
 
 

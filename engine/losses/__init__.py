@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import LossConfig, ModelConfig
+from engine.spec.schema import LossConfig, ModelConfig
 from engine.losses.cce import linear_cross_entropy
 from engine.losses.ce import cross_entropy
 

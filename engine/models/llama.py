@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.spec.schema import ModelConfig
 
 # (q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, H, T, D], causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

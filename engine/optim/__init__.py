@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import OptimizerConfig
+from engine.spec.schema import OptimizerConfig
 from engine.errors import ConfigError
 from engine.optim.lion import Lion
 from engine.optim.muon import MuonWithAdamW

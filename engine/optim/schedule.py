@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from engine.config import SchedulerConfig
+from engine.spec.schema import SchedulerConfig
 
 
 def decay_start(cfg: SchedulerConfig, max_steps: int) -> int:

@@ -2,7 +2,7 @@
 
 This module must stay importable without torch: the daemon validates job files with it
 and never imports torch. Loading YAML (includes, overrides, line numbers) lives in
-`engine/specfile.py`; this file only says what a valid job is.
+`engine/spec/loader.py`; this file only says what a valid job is.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Which job files exist and what they say.
-
-`scan(directory)` reads every job file (`*.yaml`, `*.yml`) directly in the jobs directory and
-returns one `JobFile` per file: its path, the sha256 of its bytes, and either the validated
-`JobSpec` or the error (`FILE:LINE: KEY: MESSAGE` lines, as `tpud validate` prints them).
-Editor droppings (swap, backup, lock and temp files) and dot files are not job files.
+"""Noticing that the jobs directory may have changed.
 
 `Watcher(directory, on_change)` calls `on_change()` when the directory may have changed: after
 a burst of file-system events has been quiet for `debounce_s` (so a save by write-temp-then-
 rename is seen once, complete), and every `rescan_s` regardless, as a backstop for what
 inotify cannot see (network file systems, a directory deleted and recreated, includes that
-live elsewhere). It never says *what* changed: the caller rescans and reconciles. Call
-`start()` first and `scan()` after it, so no change falls between the two.
+live elsewhere). It never says *what* changed: the caller rescans (jobfiles/reading.py) and
+reconciles. Call `start()` first and scan after it, so no change falls between the two.
 
 Torch-free: the daemon imports this.
 """
@@ -18,15 +13,12 @@ Torch-free: the daemon imports this.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
-import re
 import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -35,178 +27,10 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
-from engine.config import JobSpec
-from engine.specfile import Problem, Refused, SpecError, load_spec, read_regular_file
-
-__all__ = ["JOB_SUFFIXES", "JobFile", "Watcher", "is_job_file", "scan"]
+__all__ = ["Watcher"]
 
 log = structlog.get_logger()
 
-JOB_SUFFIXES = (".yaml", ".yml")
-
-# Names that are never job files even when they end in .yaml: editor and package-manager
-# droppings. Dot files (.#x emacs locks, .x.swp vim swap, .x.tmp123 temp files) go by the
-# leading dot.
-_IGNORED_PREFIXES = (".", "#")  # .hidden, .#x (emacs lock), #x# (emacs autosave)
-_IGNORED_SUFFIXES = ("~", "#", ".swp", ".swo", ".swx", ".tmp", ".bak", ".orig", ".rej", ".part")
-_IGNORED_NAMES = frozenset({"4913"})  # vim's probe file
-_IGNORED_INFIXES = (".dpkg-", ".ucf-", ".rpmnew", ".rpmsave")
-
-
-def is_job_file(name: str) -> bool:
-    """Whether a directory entry's name is a job file (not a dot file or an editor's leftover)."""
-    if name in _IGNORED_NAMES or name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES):
-        return False
-    if any(infix in name for infix in _IGNORED_INFIXES):
-        return False
-    return name.endswith(JOB_SUFFIXES) and name not in JOB_SUFFIXES
-
-
-@dataclass(frozen=True)
-class JobFile:
-    """One job file as last read. Exactly one of `spec` and `error` is set.
-
-    `digest` is the sha256 (hex) of the file's own bytes ("" when it could not be read); it
-    does not cover files the job `include:`s, so compare `spec` too to see every change.
-    `spec` may be shared with later scans (cached): treat it as read-only.
-    """
-
-    path: Path
-    digest: str
-    spec: JobSpec | None
-    error: str | None
-
-    def __post_init__(self) -> None:
-        if (self.spec is None) == (self.error is None):
-            raise ValueError("a JobFile has exactly one of spec and error")
-
-    @property
-    def ok(self) -> bool:
-        return self.spec is not None
-
-
-# (path, digest) -> (spec, error). Only files without `include:` are cached: an included
-# file can change while the including file's bytes stay the same.
-_cache: dict[tuple[Path, str], tuple[JobSpec | None, str | None]] = {}
-_cache_lock = threading.Lock()
-_READ_ATTEMPTS = 3
-
-
-def scan(directory: Path) -> dict[Path, JobFile]:
-    """Every job file directly in `directory`, keyed by path, in sorted order.
-
-    A file that vanishes while being read is left out; one that cannot be read (a directory,
-    FIFO or device named like a job file, a file over the size limit), or does not hold a
-    valid job, is there with its error. A missing directory holds no job files. When
-    two files declare the same job name, the later path (sorted) gets the error.
-    """
-    directory = Path(directory)
-    try:
-        with os.scandir(directory) as entries:
-            names = sorted(entry.name for entry in entries if is_job_file(entry.name))
-    except (FileNotFoundError, NotADirectoryError):
-        names = []
-
-    found: dict[Path, JobFile] = {}
-    for name in names:
-        job = _read_job(directory / name)
-        if job is not None:
-            found[job.path] = job
-
-    with _cache_lock:  # forget versions of this directory's files that are gone
-        keep = {(job.path, job.digest) for job in found.values()}
-        for key in [k for k in _cache if k[0].parent == directory and k not in keep]:
-            del _cache[key]
-
-    owners: dict[str, Path] = {}
-    for path, job in found.items():
-        if job.spec is None:
-            continue
-        owner = owners.setdefault(job.spec.name, path)
-        if owner != path:
-            problem = Problem(str(path), key_line(path, "name", top_level=True), "name",
-                              f"job {job.spec.name} is already defined in {owner}")
-            found[path] = JobFile(path, job.digest, None, str(problem))
-    return found
-
-
-def _read_job(path: Path) -> JobFile | None:
-    """The job file at `path`, or None when it no longer exists."""
-    raw = _read_bytes(path)
-    for _ in range(_READ_ATTEMPTS):
-        if isinstance(raw, JobFile) or raw is None:
-            return raw
-        digest = hashlib.sha256(raw).hexdigest()
-        cacheable = _cacheable(raw)
-        with _cache_lock:
-            hit = _cache.get((path, digest)) if cacheable else None
-        if hit is not None:
-            return JobFile(path, digest, *hit)
-
-        spec, error = _parse(path)
-        # load_spec read the file again: keep the result only if that was the same version.
-        again = _read_bytes(path)
-        if isinstance(again, bytes) and again == raw:
-            if cacheable:
-                with _cache_lock:
-                    _cache[(path, digest)] = (spec, error)
-            return JobFile(path, digest, spec, error)
-        raw = again
-    if isinstance(raw, bytes):
-        digest = hashlib.sha256(raw).hexdigest()
-        return JobFile(path, digest, None, f"{path}: the file kept changing while it was being read")
-    return raw
-
-
-def _read_bytes(path: Path) -> bytes | JobFile | None:
-    """The file's bytes; a JobFile with the error when it cannot be a job file (a FIFO, a
-    device, a directory, too large: refused without a blocking read); None when it is gone."""
-    try:
-        return read_regular_file(path)
-    except FileNotFoundError:
-        if os.path.islink(path):  # a dangling symlink is a job file that cannot be read
-            return JobFile(path, "", None, f"{path}: cannot read: the symlink's target does not exist")
-        return None  # removed between listing and reading
-    except OSError as e:
-        return JobFile(path, "", None, f"{path}: cannot read: {e.strerror or e}")
-    except Refused as e:
-        return JobFile(path, "", None, f"{path}: cannot read: {e}")
-
-
-def _parse(path: Path) -> tuple[JobSpec | None, str | None]:
-    try:
-        return load_spec(path), None
-    except SpecError as e:
-        return None, str(e)
-    except Exception as e:  # noqa: BLE001 - a strange file must never take the daemon down
-        log.exception("job file: unexpected error while loading", path=str(path))
-        return None, f"{path}: cannot load: {type(e).__name__}: {e}"
-
-
-def _cacheable(raw: bytes) -> bool:
-    # Not cached: files that may name an include (its content is not in the digest), and
-    # files that are not plain UTF-8 (the include check could not see the key in them).
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return "\x00" not in text and "include" not in text
-
-
-def key_line(path: Path, key: str, *, top_level: bool = False) -> int | None:
-    """The first line of `path` that spells out `key:` plainly (at column 0 with top_level), for
-    messages about a key that validated but may not run here."""
-    indent = "" if top_level else r"[ \t]*"
-    pattern = re.compile(rf"""^{indent}["']?{re.escape(key)}["']?\s*:""", re.MULTILINE)
-    with contextlib.suppress(OSError, Refused, UnicodeDecodeError):
-        text = read_regular_file(path).decode("utf-8")
-        match = pattern.search(text)
-        if match:
-            return text.count("\n", 0, match.start()) + 1
-    return None
-
-
-# --- Watching ---
 
 # Event kinds that can change what scan() returns. Not opened / closed-without-writing:
 # scan()'s own reads produce those, and reacting to them would loop.

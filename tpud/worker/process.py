@@ -1,9 +1,8 @@
-"""A worker process and the checkpoint tiers around it, as the supervisor sees them.
+"""A worker process, as the supervisor sees it.
 
 The worker runs in its own session and process group (a terminal's Ctrl-C reaches only the
 supervisor, which then asks the worker to checkpoint and stop) and dies with its
-supervisor (parent-death signal), so no worker is ever orphaned. The GCS tier lives on
-the supervisor's side, so an upload outlives a worker crash.
+supervisor (parent-death signal), so no worker is ever orphaned.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ from typing import BinaryIO
 
 import structlog
 
-from engine.config import JobSpec
+from engine.spec.schema import JobSpec
 from engine.layout import atomic_write
-from tpud.gcs import GcsTier
 from tpud.paths import Paths
-from tpud.uploader import Uploader, ensure_newest_local
 
 log = structlog.get_logger()
 
@@ -140,27 +137,12 @@ class WorkerProcess:
         return exit_status(self.proc.wait())
 
 
-class CheckpointTiers:
-    """The supervisor's side of checkpoints: the GCS tier, when the job has one.
+def die_with_parent(expected_parent: int | None) -> None:
+    """Linux: SIGKILL this process when its supervisor dies, so no worker is orphaned."""
+    import ctypes
 
-    It lives here rather than in the worker so that an upload outlives a worker crash.
-    """
-
-    def __init__(self, spec: JobSpec, paths: Paths, on_upload=None):
-        """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread."""
-        self.local_job_dir = Path(spec.checkpoint.dir or paths.state / "checkpoints") / spec.name
-        self.keep = spec.checkpoint.keep
-        self.tier = GcsTier.for_spec(spec)
-        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)
-                         if self.tier else None)
-
-    def prepare(self) -> None:
-        """Before a worker starts: bring the newest committed step here if only GCS has it."""
-        if self.tier:
-            self.local_job_dir.mkdir(parents=True, exist_ok=True)
-            ensure_newest_local(self.tier, self.local_job_dir)
-            self.uploader.start()
-
-    def close(self) -> bool:
-        """Wait for pending uploads; True when everything committed locally is also remote."""
-        return self.uploader.close(timeout=None) if self.uploader else True
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)  # the supervisor died before prctl took effect

@@ -29,7 +29,7 @@ import os
 import re
 import reprlib
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from engine.config import JobSpec
+from engine.spec.schema import JobSpec
 
 INCLUDE_KEY = "include"
 MAX_PROBLEMS = 20  # reported per job file; a list of 20,000 bad values need not make 20,000 lines
@@ -78,6 +78,26 @@ class Problem:
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}"
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+class Origin(NamedTuple):
+    """Where a value was set: a line of a job file or of a file it includes, or an override."""
+
+    file: str
+    line: int | None
+    note: str | None = None  # appended to messages, e.g. the override that set the value
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    """A validated spec and where each of its dotted keys was set (its key origins)."""
+
+    spec: JobSpec
+    origins: Mapping[str, Origin]
+
+    def problem(self, key: str, message: str) -> Problem:
+        """A problem with a valid key (one that may not run here), located where the key was set."""
+        return _located(key, message, self.origins)
 
 
 class SpecError(Exception):
@@ -124,19 +144,24 @@ def read_regular_file(path: str | os.PathLike[str], limit: int = LIMITS.file_byt
 
 def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits: Limits = LIMITS) -> JobSpec:
     """Load, merge, override and validate a job file. Raises SpecError."""
+    return load_job(path, overrides, limits).spec
+
+
+def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits: Limits = LIMITS) -> LoadedSpec:
+    """load_spec, keeping where each key was set. Raises SpecError."""
     file = str(path)
     budget = _Budget(limits)
     tree = _read_file(file, stack=(), prefix="", via=None, budget=budget)
     for text in overrides:
         _apply_override(tree, text, budget)
 
-    origins: dict[str, _Origin] = {"": _Origin(file, None)}
+    origins: dict[str, Origin] = {"": Origin(file, None)}
     data = _unwrap(tree, "", origins)
     if "name" not in data:
         data["name"] = Path(file).stem.lower()
-        origins["name"] = _Origin(file, None, "the name defaults to the file name")
+        origins["name"] = Origin(file, None, "the name defaults to the file name")
     try:
-        return JobSpec.model_validate(data)
+        return LoadedSpec(JobSpec.model_validate(data), origins)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         problems = [_problem(error, origins) for error in errors[:MAX_PROBLEMS]]
@@ -162,16 +187,10 @@ def dump_schema() -> str:
 # --- Reading YAML into a tree that remembers where each value came from ---
 
 
-class _Origin(NamedTuple):
-    file: str
-    line: int | None
-    note: str | None = None  # appended to messages, e.g. the override that set the value
-
-
 @dataclass
 class _Entry:
     value: Any  # dict[str, _Entry] for a mapping, list[_Entry] for a sequence, else a plain scalar
-    origin: _Origin
+    origin: Origin
 
 
 class _LimitError(yaml.YAMLError):
@@ -258,7 +277,7 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _fail(origin: _Origin, key: str, message: str) -> SpecError:
+def _fail(origin: Origin, key: str, message: str) -> SpecError:
     return SpecError([Problem(origin.file, origin.line, key, message)])
 
 
@@ -270,14 +289,14 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | None,
+def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: Origin | None,
                budget: _Budget, empty_ok: bool = False, depth: int = 0) -> dict[str, _Entry]:
     """The mapping in `file` with its includes resolved, keyed as if it sat at `prefix`.
 
     `via` is the `include:` key that named the file (None for the job file itself); problems
     about the file as a whole are reported there. `stack` is the chain of including files.
     """
-    where, key = (via, _join(prefix, INCLUDE_KEY)) if via else (_Origin(file, None), "")
+    where, key = (via, _join(prefix, INCLUDE_KEY)) if via else (Origin(file, None), "")
     try:
         raw = budget.read(file)  # bytes: the YAML reader detects the encoding
     except (OSError, Refused, ValueError) as e:  # ValueError: a NUL in the name
@@ -296,14 +315,14 @@ def _read_file(file: str, stack: tuple[str, ...], prefix: str, via: _Origin | No
             raise _fail(where, key, f"{what} must be a mapping of keys, but it is {found}")
         return _FileReader(loader, file, (*stack, file), budget).mapping(node, prefix, depth=depth + 1)
     except _LimitError as e:
-        raise _fail(_Origin(file, _mark_line(e.problem_mark)), "", e.message) from None
+        raise _fail(Origin(file, _mark_line(e.problem_mark)), "", e.message) from None
     except yaml.reader.ReaderError as e:  # not text: invalid UTF-8, binary, control characters
         line = raw[: e.position].count(b"\n") + 1
         character = f"character U+{e.character:04X}" if e.encoding == "unicode" else f"byte 0x{e.character:02x}"
-        raise _fail(_Origin(file, line), "", f"not a YAML text file: {character} ({e.reason})") from None
+        raise _fail(Origin(file, line), "", f"not a YAML text file: {character} ({e.reason})") from None
     except yaml.YAMLError as e:
         line = _mark_line(getattr(e, "problem_mark", None))
-        raise _fail(_Origin(file, line), "", f"invalid YAML: {getattr(e, 'problem', None) or e}") from None
+        raise _fail(Origin(file, line), "", f"invalid YAML: {getattr(e, 'problem', None) or e}") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -343,7 +362,7 @@ class _FileReader:
             return self.mapping(node, key, depth)
         if isinstance(node, yaml.SequenceNode):
             return [
-                _Entry(self.value(item, _join(key, i), depth + 1), _Origin(self.file, _line(item)))
+                _Entry(self.value(item, _join(key, i), depth + 1), Origin(self.file, _line(item)))
                 for i, item in enumerate(node.value)
             ]
         return self.scalar(node, key)
@@ -354,7 +373,7 @@ class _FileReader:
         except yaml.YAMLError:
             raise
         except Exception as e:  # noqa: BLE001 - PyYAML's constructors fail in many ways (!!bool x, !!int '')
-            raise _fail(_Origin(self.file, _line(node)), key, f"cannot read the value: {e}") from None
+            raise _fail(Origin(self.file, _line(node)), key, f"cannot read the value: {e}") from None
 
     def mapping(self, node: yaml.MappingNode, prefix: str, depth: int) -> dict[str, _Entry]:
         self._reject_duplicates(node, prefix)
@@ -362,7 +381,7 @@ class _FileReader:
         own: dict[str, _Entry] = {}
         included: dict[str, _Entry] = {}
         for key_node, value_node in node.value:
-            origin = _Origin(self.file, _line(key_node))
+            origin = Origin(self.file, _line(key_node))
             if key_node.tag == _MERGE_TAG:
                 merged.update(self._merge_key(value_node, prefix, depth, origin))
                 continue
@@ -378,7 +397,7 @@ class _FileReader:
                 own[name] = _Entry(self.value(value_node, key, depth + 1), origin)
         return _merge(included, {**merged, **own})  # merge keys are shallow; includes merge deep
 
-    def _merge_key(self, node: yaml.Node, prefix: str, depth: int, origin: _Origin) -> dict[str, _Entry]:
+    def _merge_key(self, node: yaml.Node, prefix: str, depth: int, origin: Origin) -> dict[str, _Entry]:
         """`<<: *a` or `<<: [*a, *b]` (the earlier one wins), as YAML's merge key type says."""
         sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
         merged: dict[str, _Entry] = {}
@@ -388,7 +407,7 @@ class _FileReader:
             merged.update(self.value(source, prefix, depth))
         return merged
 
-    def _includes(self, node: yaml.Node, prefix: str, origin: _Origin, depth: int) -> dict[str, _Entry]:
+    def _includes(self, node: yaml.Node, prefix: str, origin: Origin, depth: int) -> dict[str, _Entry]:
         key = _join(prefix, INCLUDE_KEY)
         items = node.value if isinstance(node, yaml.SequenceNode) else [node]
         for item in items:
@@ -414,7 +433,7 @@ class _FileReader:
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
                 if key_node.value in first:
                     raise _fail(
-                        _Origin(self.file, _line(key_node)), _join(prefix, key_node.value),
+                        Origin(self.file, _line(key_node)), _join(prefix, key_node.value),
                         f"duplicate key (first set on line {first[key_node.value]})",
                     )
                 first[key_node.value] = _line(key_node)
@@ -434,7 +453,7 @@ def _merge(base: dict[str, _Entry], top: dict[str, _Entry]) -> dict[str, _Entry]
     return out
 
 
-def _unwrap(value: Any, key: str, origins: dict[str, _Origin]) -> Any:
+def _unwrap(value: Any, key: str, origins: dict[str, Origin]) -> Any:
     """Plain dicts and lists from an _Entry tree, recording each dotted key's origin."""
     if isinstance(value, dict):
         return {k: _unwrap_entry(entry, _join(key, k), origins) for k, entry in value.items()}
@@ -443,7 +462,7 @@ def _unwrap(value: Any, key: str, origins: dict[str, _Origin]) -> Any:
     return value
 
 
-def _unwrap_entry(entry: _Entry, key: str, origins: dict[str, _Origin]) -> Any:
+def _unwrap_entry(entry: _Entry, key: str, origins: dict[str, Origin]) -> Any:
     origins[key] = entry.origin
     return _unwrap(entry.value, key, origins)
 
@@ -454,7 +473,7 @@ def _unwrap_entry(entry: _Entry, key: str, origins: dict[str, _Origin]) -> Any:
 def _apply_override(tree: dict[str, _Entry], text: str, budget: _Budget) -> None:
     dotted, sep, raw = text.partition("=")
     parts = dotted.strip().split(".")
-    origin = _Origin(OVERRIDE_FILE, None, f"override {short_repr(text)}")
+    origin = Origin(OVERRIDE_FILE, None, f"override {short_repr(text)}")
     if not sep or not all(parts):
         raise _fail(origin, "", "expected KEY=VALUE with a dotted KEY such as train.max_steps=50, "
                                 f"got {short_repr(text)}")
@@ -484,7 +503,7 @@ def _apply_override(tree: dict[str, _Entry], text: str, budget: _Budget) -> None
     mapping[parts[-1]] = _Entry(_reorigin(value, origin), origin)
 
 
-def _reorigin(value: Any, origin: _Origin) -> Any:
+def _reorigin(value: Any, origin: Origin) -> Any:
     """An override's _Entry tree with every part attributed to the override."""
     if isinstance(value, dict):
         return {k: _Entry(_reorigin(e.value, origin), origin) for k, e in value.items()}
@@ -496,21 +515,23 @@ def _reorigin(value: Any, origin: _Origin) -> Any:
 # --- Validation errors, located ---
 
 
-def _problem(error: dict[str, Any], origins: dict[str, _Origin]) -> Problem:
+def _problem(error: dict[str, Any], origins: Mapping[str, Origin]) -> Problem:
     loc = error["loc"]
-    key = ".".join(map(str, loc))
-    # A missing key has no origin of its own: report it at the nearest parent that has one.
-    parent = key
-    while parent not in origins:
-        parent = parent.rpartition(".")[0]
-    origin = origins[parent]
-
     if error["type"] == "extra_forbidden":
         message = _unknown_key(loc)
     else:
         message = error["msg"].removeprefix("Value error, ")
         if not isinstance(error.get("input"), (dict, BaseModel)):  # a section's dict is noise
             message += f" (got {short_repr(error['input'])})"
+    return _located(".".join(map(str, loc)), message, origins)
+
+
+def _located(key: str, message: str, origins: Mapping[str, Origin]) -> Problem:
+    # A missing key has no origin of its own: report it at the nearest parent that has one.
+    parent = key
+    while parent not in origins:
+        parent = parent.rpartition(".")[0]
+    origin = origins[parent]
     if origin.note:
         message += f" [{origin.note}]"
     return Problem(origin.file, origin.line, key, message)

@@ -34,12 +34,14 @@ import structlog
 from engine import exit_codes
 from engine.backoff import Backoff
 from engine.checkpoint import manifest as mf
-from engine.config import JobSpec
+from engine.spec.schema import JobSpec
 from engine.layout import atomic_write
-from tpud import channel, crashes, goodput
+from tpud.job import crashes, goodput
 from tpud.paths import Paths
-from tpud.save_failures import SaveFailures
-from tpud.supervisor import CheckpointTiers, WorkerProcess
+from tpud.job.save_failures import SaveFailures
+from tpud.checkpoints.tiers import CheckpointTiers
+from tpud.worker import channel
+from tpud.worker.process import WorkerProcess
 from tpud.tracking import WandbRun, new_run_id
 
 log = structlog.get_logger()

@@ -1,9 +1,8 @@
 """The per-job channel between the daemon and its worker: a Unix socket, JSON lines.
 
-worker -> daemon: {"type": "hello", "pid"}, {"type": "heartbeat", "step", "micro_step"},
-                  {"type": "event", "event": "step" | "checkpoint_committed" | ..., ...}
-daemon -> worker: {"type": "request", "action": "checkpoint" | "checkpoint_and_exit" | "stop",
-                   "deadline_s": seconds or null}
+Every line is one message of engine/events.py: the worker sends hello, heartbeats, step and
+checkpoint events; the daemon sends requests (checkpoint, checkpoint_and_exit, stop, each with
+an optional deadline). Lines that are not a message this version knows are dropped.
 
 The daemon listens on <runtime>/jobs/<job>.sock before it starts the worker and passes
 the path in TPUD_CHANNEL. Signals stay the fallback (SIGTERM, SIGUSR1), so a worker whose
@@ -17,6 +16,8 @@ import os
 import socket
 import time
 from pathlib import Path
+
+from engine import events
 
 MAX_LINE = 1 << 20
 HEARTBEAT_EVERY_S = 1.0
@@ -32,7 +33,7 @@ class Connection:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def receive(self) -> list[dict] | None:
+    def receive(self) -> list[events.Event] | None:
         """Messages now readable; None once the peer has closed the connection."""
         try:
             data = self.sock.recv(65536)
@@ -49,15 +50,15 @@ class Connection:
         messages = []
         for line in lines:
             try:
-                message = json.loads(line)
+                message = events.decode(json.loads(line))
             except ValueError:
                 continue
-            if isinstance(message, dict):
+            if message is not None:
                 messages.append(message)
         return messages
 
-    def send(self, message: dict) -> bool:
-        data = (json.dumps(message) + "\n").encode()
+    def send(self, message: events.Event) -> bool:
+        data = (json.dumps(message.to_json()) + "\n").encode()
         try:
             self.sock.setblocking(True)
             self.sock.settimeout(1.0)

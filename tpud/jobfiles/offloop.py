@@ -1,7 +1,7 @@
 """Reading jobs.d and tpud.yaml away from the daemon's loop, in a helper process.
 
 The loop answers `tpud status` and pings systemd's watchdog. Parsing a job file is bounded
-(engine.specfile.LIMITS) but can still take a second of CPU for a large or hostile one, and
+(engine.spec.loader.LIMITS) but can still take a second of CPU for a large or hostile one, and
 a directory may hold many. Parsed on a thread of the daemon, that CPU time would hold the
 daemon's GIL (measured: `status` answers stalled past 100 ms beside a busy worker); parsed
 in a child process it costs the daemon neither time nor memory, and a read that runs away
@@ -29,9 +29,9 @@ from typing import Any
 
 import structlog
 
-from engine.config import JobSpec
+from engine.spec.loader import LoadedSpec
+from tpud.jobfiles.reading import JobFile, scan
 from tpud.settings import Settings, load_settings
-from tpud.watcher import JobFile, key_line, scan
 
 log = structlog.get_logger()
 READ_TIMEOUT_S = 120.0  # a whole jobs.d; each file is bounded, so only thousands of files come near
@@ -40,21 +40,20 @@ READ_TIMEOUT_S = 120.0  # a whole jobs.d; each file is bounded, so only thousand
 # --- what runs in the helper process (module-level: the calls are pickled) ---
 
 
-def refusal(spec: JobSpec, path: Path, settings: Settings, config_dir: Path) -> str | None:
+def refusal(loaded: LoadedSpec, settings: Settings, config_dir: Path) -> str | None:
     """Why a valid spec may not run under these settings, as FILE:LINE: KEY: MESSAGE."""
-    if spec.debug.inject is None or settings.allow_fault_injection:
+    if loaded.spec.debug.inject is None or settings.allow_fault_injection:
         return None
-    line = key_line(path, "inject")
-    return (f"{path}{'' if line is None else f':{line}'}: debug.inject: fault injection is refused: "
-            f"set allow_fault_injection: true in {config_dir / 'tpud.yaml'} to allow it")
+    return str(loaded.problem("debug.inject", "fault injection is refused: set allow_fault_injection: true "
+                                              f"in {config_dir / 'tpud.yaml'} to allow it"))
 
 
 def read_jobs(jobs_dir: Path, settings: Settings, config_dir: Path) -> dict[Path, JobFile]:
     """jobs.d as it is now, a valid job these settings refuse counted as invalid."""
     files = scan(jobs_dir)
     for path, job_file in files.items():
-        if job_file.spec is not None and (refused := refusal(job_file.spec, path, settings, config_dir)):
-            files[path] = JobFile(path, job_file.digest, None, refused)
+        if job_file.spec is not None and (refused := refusal(job_file.loaded, settings, config_dir)):
+            files[path] = JobFile.invalid(path, job_file.digest, refused)
     return files
 
 
@@ -72,7 +71,7 @@ def reload(jobs_dir: Path, config_dir: Path) -> Reloaded:
 
 
 def _child_init(daemon_pid: int) -> None:
-    from tpud.worker import die_with_parent  # torch-free at import
+    from tpud.worker.process import die_with_parent  # torch-free at import
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

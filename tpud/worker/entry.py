@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
 
 import structlog
 
-from engine import logs
-from engine.config import JobSpec
-from engine.hooks import Action, Boundary, Request, SignalHooks, merge
-from tpud import channel
+from engine import events, logs
+from engine.spec.schema import JobSpec
+from engine.hooks import Boundary, Request, SignalHooks, merge
+from tpud.worker import channel
+from tpud.worker.process import die_with_parent
 
 log = structlog.get_logger()
 
@@ -38,44 +38,24 @@ class ChannelHooks(SignalHooks):
         self.connection = channel.connect(path) if path else None
         self.heartbeats = channel.HeartbeatClock()
         # The rank tells the daemon whether this host logs the job to wandb (rank 0 only).
-        self._send({"type": "hello", "pid": os.getpid(), "rank": int(os.environ.get("RANK", "0"))})
+        self.emit(events.Hello(os.getpid(), int(os.environ.get("RANK", "0"))))
 
-    def _send(self, message: dict) -> None:
+    def emit(self, event: events.Event) -> None:
         with self._lock:
-            if self.connection is not None and not self.connection.send(message):
+            if self.connection is not None and not self.connection.send(event):
                 log.warning("lost the daemon channel; signals still work")
                 self.connection = None
 
     def poll(self, at: Boundary) -> Request | None:
         if self.heartbeats.due():
-            self._send({"type": "heartbeat", "step": at.step, "micro_step": at.micro_step})
+            self.emit(events.Heartbeat(at.step, at.micro_step))
         request = super().poll(at)
         with self._lock:
             messages = (self.connection.receive() or []) if self.connection is not None else []
         for message in messages:
-            if message.get("type") == "request":
-                try:
-                    deadline = message.get("deadline_s")
-                    incoming = Request(Action(message["action"]), None if deadline is None else float(deadline))
-                except (KeyError, ValueError, TypeError):
-                    log.warning("ignoring a malformed request from the daemon", message=message)
-                    continue
-                request = merge(request, incoming)
+            if isinstance(message, events.CheckpointRequest):
+                request = merge(request, message.request())
         return request
-
-    def emit(self, event: str, **fields) -> None:
-        self._send({"type": "event", "event": event, **fields})
-
-
-def die_with_parent(expected_parent: int | None) -> None:
-    """Linux: SIGKILL this process when its supervisor dies, so no worker is orphaned."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)  # the supervisor died before prctl took effect
 
 
 def _warm_up(spec: JobSpec) -> None:
@@ -125,6 +105,3 @@ def main(argv: list[str] | None = None) -> int:
 
     return train(spec, args.state_dir, ChannelHooks(os.environ.get("TPUD_CHANNEL")))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,188 @@
+"""What the worker tells its supervisor, and what the supervisor asks of it: one type per message.
+
+Each message is a frozen dataclass; on the channel (tpud/worker/channel.py) it travels as one
+JSON line, `{"type": NAME, ...its fields}`. `decode` turns a line's object back into its type,
+validated (pydantic), or None for anything this version does not know: the daemon then never
+looks at a field that was not sent. Lists that other modules need (the badput kinds the
+worker reports, the scalars that go to wandb) are read from these types, not retyped.
+
+Torch-free: both the worker and the daemon import this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from typing import Any, ClassVar
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+from engine.hooks import Action, Request
+
+_CONFIG = ConfigDict(extra="ignore")  # a newer worker may send more fields than we know
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Badput:
+    """Seconds a worker process has spent not training, by kind, since it began (cumulative)."""
+
+    startup: float = 0.0     # construction (less restore) and the first step (XLA compiles there)
+    restore: float = 0.0     # loading and verifying the checkpoint resumed from
+    checkpoint: float = 0.0  # the loop blocked by saves (all of a sync save, staging of an async one)
+    data: float = 0.0        # fetching batches on the host and moving them to the device
+
+
+BADPUT_KINDS = tuple(f.name for f in dataclasses.fields(Badput))
+
+
+class Event:
+    """A message on the channel. `TYPE` names it on the wire."""
+
+    TYPE: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Hello(Event):
+    """The worker's first message. The rank says whether this host logs the job to wandb (rank 0)."""
+
+    TYPE: ClassVar[str] = "hello"
+    pid: int
+    rank: int = 0
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Heartbeat(Event):
+    """About once a second, from inside the loop: it is alive and where it is."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    step: int
+    micro_step: int = 0
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Started(Event):
+    """The training loop begins at `step`: startup and restore are behind it."""
+
+    TYPE: ClassVar[str] = "started"
+    step: int
+    micro_step: int = 0
+    badput: Badput = Badput()
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Step(Event):
+    """A finished optimizer step's values, sent every log_interval steps once they reach the host."""
+
+    TYPE: ClassVar[str] = "step"
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float | None = None
+    rss_bytes: int | None = None
+    device_memory_bytes: int | None = None
+    badput: Badput = Badput()
+
+
+# The host-side scalars of a step: what goes to wandb.
+STEP_SCALARS = tuple(f.name for f in dataclasses.fields(Step) if f.name not in ("step", "badput"))
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class CheckpointStarted(Event):
+    TYPE: ClassVar[str] = "checkpoint_started"
+    step: int
+    micro_step: int
+    reason: str
+    blocking_s: float = 0.0  # how long the loop was held for it (staging an async save)
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class CheckpointCommitted(Event):
+    TYPE: ClassVar[str] = "checkpoint_committed"
+    step: int
+    micro_step: int
+    reason: str
+    path: str
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class CheckpointFailed(Event):
+    TYPE: ClassVar[str] = "checkpoint_failed"
+    step: int
+    micro_step: int
+    reason: str
+    error: str
+    failures: int  # in a row, this one included
+    path: str
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class CheckpointRestored(Event):
+    TYPE: ClassVar[str] = "checkpoint_restored"
+    step: int
+    micro_step: int
+    path: str
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class NonFinite(Event):
+    """The loss or gradient norm of `step` is not finite; the worker exits 76 next."""
+
+    TYPE: ClassVar[str] = "nonfinite"
+    step: int
+    loss: float
+    grad_norm: float | None
+    policy: str                       # health.nonfinite: rollback | stop
+    skip: tuple[int, int] | None = None  # for a rollback: the micro-batches (start, end) skipped from now on
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class CheckpointRequest(Event):
+    """The daemon asks the worker to act at its next boundary (engine.hooks.Request on the wire)."""
+
+    TYPE: ClassVar[str] = "request"
+    action: Action
+    deadline_s: float | None = None
+
+    @classmethod
+    def of(cls, request: Request) -> CheckpointRequest:
+        return cls(request.action, request.deadline_s)
+
+    def request(self) -> Request:
+        return Request(self.action, self.deadline_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "action": self.action.value, "deadline_s": self.deadline_s}
+
+
+WORKER_EVENTS: tuple[type[Event], ...] = (Hello, Heartbeat, Started, Step, CheckpointStarted, CheckpointCommitted,
+                                         CheckpointFailed, CheckpointRestored, NonFinite)
+_BY_TYPE = {cls.TYPE: cls for cls in (*WORKER_EVENTS, CheckpointRequest)}
+
+
+@cache
+def _adapter(cls: type[Event]) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def decode(message: object) -> Event | None:
+    """A channel message as its type; None when it is not one this version knows (or is malformed)."""
+    if not isinstance(message, dict):
+        return None
+    cls = _BY_TYPE.get(message.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        return None
+    try:
+        return _adapter(cls).validate_python({k: v for k, v in message.items() if k != "type"})
+    except ValidationError:
+        return None

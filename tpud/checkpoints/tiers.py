@@ -1,0 +1,36 @@
+"""The supervisor's side of a job's checkpoints: the GCS tier beside the worker's local one.
+
+It lives in the daemon rather than in the worker so that an upload outlives a worker crash.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.spec.schema import JobSpec
+from tpud.checkpoints.gcs import GcsTier
+from tpud.checkpoints.uploader import Uploader, ensure_newest_local
+from tpud.paths import Paths
+
+
+class CheckpointTiers:
+    """The GCS tier of one job, when it has one: its uploader, and the download before a start."""
+
+    def __init__(self, spec: JobSpec, paths: Paths, on_upload=None):
+        """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread."""
+        self.local_job_dir = Path(spec.checkpoint.dir or paths.state / "checkpoints") / spec.name
+        self.keep = spec.checkpoint.keep
+        self.tier = GcsTier.for_spec(spec)
+        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)
+                         if self.tier else None)
+
+    def prepare(self) -> None:
+        """Before a worker starts: bring the newest committed step here if only GCS has it."""
+        if self.tier:
+            self.local_job_dir.mkdir(parents=True, exist_ok=True)
+            ensure_newest_local(self.tier, self.local_job_dir)
+            self.uploader.start()
+
+    def close(self) -> bool:
+        """Wait for pending uploads; True when everything committed locally is also remote."""
+        return self.uploader.close(timeout=None) if self.uploader else True

@@ -1,0 +1,5 @@
+import sys
+
+from tpud.worker.entry import main
+
+sys.exit(main())
