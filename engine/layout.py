@@ -1,4 +1,12 @@
-"""How tpud writes its small files to disk: durably and all at once. Torch-free.
+"""Where a job's files live in the state directory, and how the small ones are written. Torch-free.
+
+    <state>/jobs/<job>/job.json          the daemon's record of the job (restarts, goodput, history)
+    <state>/jobs/<job>/spec.json         the validated spec a worker trains
+    <state>/jobs/<job>/data_skips.json   micro-batches skipped after non-finite losses
+    <state>/jobs/<job>/xla_cache/        torch_xla's compilation cache
+    <checkpoint.dir or <state>/checkpoints>/<job>/step_*/   the local checkpoint tier
+
+The worker, the daemon and `tpud checkpoints` all find these through `StateLayout`.
 
 Every record a crash must not tear (job.json, spec.json, data_skips.json, a checkpoint's
 manifest, fault markers, metrics.addr) goes through `atomic_write`: a reader sees the old
@@ -9,9 +17,34 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["atomic_write", "fsync_path"]
+__all__ = ["StateLayout", "atomic_write", "fsync_path"]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    state: Path
+
+    def job_dir(self, job: str) -> Path:
+        return self.state / "jobs" / job
+
+    def record_file(self, job: str) -> Path:
+        return self.job_dir(job) / "job.json"
+
+    def spec_file(self, job: str) -> Path:
+        return self.job_dir(job) / "spec.json"
+
+    def skips_file(self, job: str) -> Path:
+        return self.job_dir(job) / "data_skips.json"
+
+    def xla_cache(self, job: str) -> Path:
+        return self.job_dir(job) / "xla_cache"
+
+    def checkpoints(self, job: str, override: str | os.PathLike[str] | None = None) -> Path:
+        """The job's local checkpoint tier; `override` is the spec's checkpoint.dir."""
+        return Path(override or self.state / "checkpoints") / job
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:

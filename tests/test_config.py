@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,15 +10,10 @@ import pytest
 
 from engine.spec.loader import OVERRIDE_FILE, Problem, SpecError, dump_schema, load_job, load_spec
 from tpud.cli import main
+from tests.helpers import write
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def write(root: Path, name: str, text: str) -> Path:
-    path = root / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text).lstrip("\n"))
-    return path
 
 
 def problems(path: Path, overrides: Sequence[str] = ()) -> list[Problem]:

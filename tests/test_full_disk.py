@@ -197,7 +197,7 @@ def test_a_checkpoint_directory_deleted_under_the_job_is_made_again(tiny_spec, t
 def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, small_fs):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.test_daemon import Daemon, job_text
+    from tests.helpers import Daemon, job_text
 
     (tmp_path / "jobs.d").mkdir()
     job_dir = small_fs.mount / "disk"

@@ -2,6 +2,7 @@
 
 import pytest
 
+from engine.events import Badput
 from tpud.job.goodput import BACKOFF, DOWN, IDLE, WORKER, Ledger
 
 
@@ -17,7 +18,7 @@ class Clock:
 
 
 def counters(startup=0.0, restore=0.0, checkpoint=0.0, data=0.0):
-    return {"startup": startup, "restore": restore, "checkpoint": checkpoint, "data": data}
+    return Badput(startup, restore, checkpoint, data)
 
 
 @pytest.fixture

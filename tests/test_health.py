@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_daemon import Daemon, children_of
-from tests.test_preemption import exits, metric
+from tests.helpers import Daemon, children_of, exits, metric
 from tests.test_tracking import history_rows, offline_runs
 
 pytestmark = pytest.mark.slow

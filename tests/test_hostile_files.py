@@ -255,7 +255,7 @@ STATUS_BOUND_S = 0.1
 @pytest.mark.slow
 def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_path):
     from tpud.control import ControlClient
-    from tests.test_daemon import Daemon, job_text
+    from tests.helpers import Daemon, job_text
 
     jobs_dir = tmp_path / "jobs.d"
     jobs_dir.mkdir()

@@ -1,16 +1,24 @@
-"""The job state machine's decisions, with an injected clock and no real worker."""
+"""The job state machine's decisions, driven through its public seams: worker events, exits and
+timer ticks, with an injected clock and stand-in worker processes."""
+
+import signal
+import socket
 
 import pytest
 
+from engine import events
 from engine.spec.schema import JobSpec
+from tpud.job import states
 from tpud.job.job import Job, State
 from tpud.paths import Paths
+from tpud.worker import channel
 
 
 class Loop:
     def watch(self, fileobj, callback): pass
     def unwatch(self, fileobj): pass
     def relay(self, output): pass
+    def post(self, fn): fn()
 
 
 class Metrics:
@@ -24,127 +32,14 @@ class Metrics:
         return lambda *args, **kwargs: None
 
 
-@pytest.fixture
-def make_job(tmp_path):
-    now = [1000.0]
+class FakeWorker:
+    """Stands in for a WorkerProcess, standby or not: records signals, releases and discards."""
 
-    def make(**restart):
-        spec = JobSpec.model_validate({"name": "j", "restart": {"max_restarts": 3, "window_seconds": 100,
-                                                                "backoff_initial_seconds": 2,
-                                                                "backoff_max_seconds": 5, "standby": False,
-                                                                **restart}})
-        job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10,
-                  clock=lambda: now[0])
-        job.starts = 0
-
-        def start():  # stands in for spawning a worker
-            job.starts += 1
-            job._set(State.STARTING)
-
-        job.start = start
-        return job
-
-    return make, now
-
-
-def test_crashes_back_off_exponentially_up_to_the_cap_then_fail(make_job):
-    make, now = make_job
-    job = make()
-    delays = []
-    for _ in range(3):
-        job._exited(1)
-        assert job.state is State.BACKOFF
-        delays.append(job.backoff_until - now[0])
-        now[0] = job.backoff_until
-        job.tick()
-        assert job.state is State.STARTING
-    assert delays == [2, 4, 5]  # doubling, capped at backoff_max_seconds
-    job._exited(137)
-    assert job.state is State.FAILED and job.starts == 3
-    assert job.metrics.restarts == ["crash", "crash", "crash"] and job.restarts_total == 3
-
-
-def test_crashes_outside_the_window_do_not_count(make_job):
-    make, now = make_job
-    job = make()
-    for _ in range(5):
-        job._exited(1)
-        now[0] += 101  # each crash falls out of the window before the next
-        job.tick()
-    assert job.state is State.STARTING and job.restarts_total == 5
-
-
-def test_backoff_does_not_start_early(make_job):
-    make, now = make_job
-    job = make()
-    job._exited(-9 + 256)
-    assert job.next_timer() == job.backoff_until
-    now[0] = job.backoff_until - 0.01
-    job.tick()
-    assert job.state is State.BACKOFF and job.starts == 0
-
-
-def test_bad_input_fails_without_restart_and_says_why(make_job):
-    make, _ = make_job
-    job = make()
-    job.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
-    job._exited(78)
-    assert job.state is State.FAILED and job.starts == 0 and "attention.kernel" in job.error
-
-
-def test_non_finite_loss_rolls_back_at_most_max_rollbacks_times(make_job):
-    make, now = make_job
-    job = make()
-    job.spec = job.spec.model_copy(update={"health": job.spec.health.model_copy(update={"max_rollbacks": 2})})
-    for attempt in (1, 2):
-        job.nonfinite = {"event": "nonfinite", "step": 7, "loss": "nan", "policy": "rollback"}
-        job._exited(76)
-        assert job.state is State.BACKOFF and job.rollbacks == attempt
-        job.tick()  # a rollback restarts at once
-        assert job.state is State.STARTING and job.starts == attempt
-    job.nonfinite = {"event": "nonfinite", "step": 9, "loss": "inf", "policy": "rollback"}
-    job._exited(76)
-    assert job.state is State.FAILED and "step 9" in job.error and "2 rollbacks spent" in job.error
-    assert job.metrics.restarts == ["nonfinite", "nonfinite"]
-
-
-def test_non_finite_loss_with_policy_stop_fails(make_job):
-    make, _ = make_job
-    job = make()
-    job.nonfinite = {"event": "nonfinite", "step": 3, "loss": "nan", "policy": "stop"}
-    job._exited(76)
-    assert job.state is State.FAILED and job.starts == 0 and "non-finite loss (nan) at step 3" in job.error
-
-
-def test_a_crash_is_classified_for_metrics_and_status(make_job):
-    make, _ = make_job
-    job = make()
-    job.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
-                     "    boom()", "RuntimeError: injected crash after step 4"])
-    job._exited(1)
-    assert job.metrics.restarts == ["exception"] and job.state is State.BACKOFF
-    assert job.error.startswith("RuntimeError: injected crash after step 4")
-    job.tail.clear()  # as at the next spawn
-    job._exited(128 + 11)
-    assert job.metrics.restarts == ["exception", "signal"] and "SIGSEGV" in job.error
-
-
-def test_the_restart_budget_fails_the_job_with_the_last_reason(make_job):
-    make, now = make_job
-    job = make(max_restarts=1)
-    job._exited(139)
-    now[0] = job.backoff_until
-    job.tick()
-    job._exited(139)
-    assert job.state is State.FAILED
-    assert "restart budget spent" in job.history[-1]["reason"] and "SIGSEGV" in job.history[-1]["reason"]
-
-
-class Worker:
-    """Stands in for a live worker: records signals."""
-
-    def __init__(self, stopped=False):
-        self.signals, self.stdout, self.pid, self.is_stopped = [], None, 4242, stopped
+    def __init__(self, made, spec, extra_env, standby):
+        self.spec, self.extra_env, self.standby = spec, extra_env, standby
+        self.signals, self.stdout, self.is_stopped = [], None, False
+        self.released = self.discarded = False
+        self.pid = 5000 + len(made)
 
     def signal(self, signum):
         self.signals.append(signum)
@@ -152,45 +47,194 @@ class Worker:
     def stopped(self):
         return self.is_stopped
 
+    def release(self, spec):
+        self.released = True
+        return True
 
-def running(job, now, step_time=0.5):
-    job.worker = Worker()
-    job._set(State.RUNNING)
-    job.last_heard = now[0]
-    job._on_message({"type": "event", "event": "started", "step": 0, "badput": {}})
-    for step in range(1, 11):
-        job._on_message({"type": "event", "event": "step", "step": step, "step_time_s": step_time, "badput": {}})
+    def discard(self):
+        self.discarded = True
+
+
+class Workers:
+    """The job's spawn function: every worker it started, in order."""
+
+    def __init__(self):
+        self.made: list[FakeWorker] = []
+
+    def __call__(self, spec, paths, log_format, extra_env=None, *, standby=False):
+        worker = FakeWorker(self.made, spec, extra_env, standby)
+        self.made.append(worker)
+        return worker
+
+    @property
+    def cold(self) -> list[FakeWorker]:
+        return [w for w in self.made if not w.standby]
+
+
+def step(n, step_time=0.5, **badput):
+    return events.Step(step=n, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=100.0, step_time_s=step_time,
+                       badput=events.Badput(**badput))
+
+
+@pytest.fixture
+def make_job(tmp_path):
+    now = [1000.0]
+
+    def make(restart=None, health=None, workers=None):
+        spec = JobSpec.model_validate({
+            "name": "j", "health": health or {},
+            "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
+                        "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
+        job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10,
+                  clock=lambda: now[0], spawn=workers or Workers())
+        job.workers = job._spawn_worker
+        return job
+
+    return make, now
+
+
+def crash(job, now, status=1):
+    """The current worker (started if there is none) exits with `status`."""
+    if job.worker is None:
+        job.start()
+    job.worker_exited(status)
+
+
+def test_crashes_back_off_exponentially_up_to_the_cap_then_fail(make_job):
+    make, now = make_job
+    job = make()
+    delays = []
+    for _ in range(3):
+        crash(job, now)
+        assert job.state is State.BACKOFF and job.worker is None
+        delays.append(job.backoff_until - now[0])
+        now[0] = job.backoff_until
+        job.tick()
+        assert job.state is State.STARTING and job.worker is not None
+    assert delays == [2, 4, 5]  # doubling, capped at backoff_max_seconds
+    job.worker_exited(137)
+    assert job.state is State.FAILED and len(job.workers.cold) == 4
+    assert job.metrics.restarts == ["crash", "crash", "crash"] and job.restarts.total == 3
+
+
+def test_crashes_outside_the_window_do_not_count(make_job):
+    make, now = make_job
+    job = make()
+    for _ in range(5):
+        crash(job, now)
+        now[0] += 101  # each crash falls out of the window before the next
+        job.tick()
+    assert job.state is State.STARTING and job.restarts.total == 5
+
+
+def test_backoff_does_not_start_early(make_job):
+    make, now = make_job
+    job = make()
+    crash(job, now, 128 + 9)
+    assert job.next_timer() == job.backoff_until
+    now[0] = job.backoff_until - 0.01
+    job.tick()
+    assert job.state is State.BACKOFF and len(job.workers.cold) == 1
+
+
+def test_bad_input_fails_without_restart_and_says_why(make_job):
+    make, now = make_job
+    job = make()
+    job.start()
+    job.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
+    job.worker_exited(78)
+    assert job.state is State.FAILED and len(job.workers.cold) == 1 and "attention.kernel" in job.error
+
+
+def nonfinite(step_n, loss, policy):
+    return events.NonFinite(step=step_n, loss=loss, grad_norm=None, policy=policy)
+
+
+def test_non_finite_loss_rolls_back_at_most_max_rollbacks_times(make_job):
+    make, now = make_job
+    job = make(health={"max_rollbacks": 2})
+    job.start()
+    for attempt in (1, 2):
+        job.handle(nonfinite(7, float("nan"), "rollback"))
+        job.worker_exited(76)
+        assert job.state is State.BACKOFF and job.restarts.rollbacks == attempt
+        job.tick()  # a rollback restarts at once
+        assert job.state is State.STARTING and len(job.workers.cold) == attempt + 1
+    job.handle(nonfinite(9, float("inf"), "rollback"))
+    job.worker_exited(76)
+    assert job.state is State.FAILED and "step 9" in job.error and "2 rollbacks spent" in job.error
+    assert job.metrics.restarts == ["nonfinite", "nonfinite"]
+
+
+def test_non_finite_loss_with_policy_stop_fails(make_job):
+    make, _ = make_job
+    job = make()
+    job.start()
+    job.handle(nonfinite(3, float("nan"), "stop"))
+    job.worker_exited(76)
+    assert job.state is State.FAILED and len(job.workers.cold) == 1
+    assert "non-finite loss (nan) at step 3" in job.error
+
+
+def test_a_crash_is_classified_for_metrics_and_status(make_job):
+    make, now = make_job
+    job = make()
+    job.start()
+    job.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
+                     "    boom()", "RuntimeError: injected crash after step 4"])
+    job.worker_exited(1)
+    assert job.metrics.restarts == ["exception"] and job.state is State.BACKOFF
+    assert job.error.startswith("RuntimeError: injected crash after step 4")
+    now[0] = job.backoff_until
+    job.tick()  # the next worker's output starts afresh
+    job.worker_exited(128 + 11)
+    assert job.metrics.restarts == ["exception", "signal"] and "SIGSEGV" in job.error
+
+
+def test_the_restart_budget_fails_the_job_with_the_last_reason(make_job):
+    make, now = make_job
+    job = make(restart={"max_restarts": 1})
+    crash(job, now, 139)
+    now[0] = job.backoff_until
+    job.tick()
+    job.worker_exited(139)
+    assert job.state is State.FAILED
+    assert "restart budget spent" in job.record.history[-1]["reason"] and "SIGSEGV" in job.record.history[-1]["reason"]
+
+
+def running(job, step_time=0.5):
+    job.start()
+    job.handle(events.Started(step=0))
+    for n in range(1, 11):
+        job.handle(step(n, step_time))
+    assert job.state is State.RUNNING
 
 
 def test_a_silent_worker_is_hung_after_the_bound_then_terminated_and_killed(make_job):
-    import signal
-
     make, now = make_job
     job = make()
-    running(job, now, step_time=10.0)  # slow steps: the bound is 10 x the median, not the 60 s floor
-    assert job.hang_bound() == 100.0
+    running(job, step_time=10.0)  # slow steps: the bound is 10 x the median, not the 60 s floor
+    worker = job.worker
+    assert job.watch.bound() == 100.0
     assert job.next_timer() == now[0] + 100.0  # the daemon's loop wakes then, not at its next tick
     now[0] += 99
     job.tick()
-    assert job.hang is None and job.worker.signals == []
+    assert job.hang is None and worker.signals == []
     now[0] += 2
     job.tick()
-    assert "no heartbeat for 101s" in job.hang and job.worker.signals == [signal.SIGTERM]
+    assert "no heartbeat for 101s" in job.hang and worker.signals == [signal.SIGTERM]
     assert job.next_timer() == job.kill_at == now[0] + job.spec.health.kill_grace_seconds
     now[0] += job.spec.health.kill_grace_seconds
     job.tick()
-    assert job.worker.signals == [signal.SIGTERM, signal.SIGKILL]
-    job.worker = None
-    job._exited(137)
+    assert worker.signals == [signal.SIGTERM, signal.SIGKILL]
+    job.worker_exited(137)
     assert job.state is State.BACKOFF and job.metrics.restarts == ["hang"] and job.error.startswith("hung")
 
 
 def test_a_stopped_worker_is_killed_at_once_since_it_cannot_act_on_sigterm(make_job):
-    import signal
-
     make, now = make_job
     job = make()
-    running(job, now, step_time=10.0)
+    running(job, step_time=10.0)
     job.worker.is_stopped = True  # SIGSTOP: SIGTERM would stay pending until a SIGCONT
     now[0] += 101
     job.tick()
@@ -201,89 +245,116 @@ def test_a_stopped_worker_is_killed_at_once_since_it_cannot_act_on_sigterm(make_
 def test_startup_and_checkpoints_get_longer_allowances(make_job):
     make, now = make_job
     job = make()
-    job.worker = Worker()
+    job.start()
     health = job.spec.health
-    assert job.hang_bound() == health.startup_timeout_seconds  # restoring and compiling
-    job._on_message({"type": "event", "event": "started", "step": 40, "badput": {}})
-    job._on_message({"type": "event", "event": "step", "step": 41, "step_time_s": 0.1, "badput": {}})
-    assert job.hang_bound() == health.startup_timeout_seconds  # the first steps compile
-    job._on_message({"type": "event", "event": "step", "step": 42, "step_time_s": 0.1, "badput": {}})
-    assert job.hang_bound() == health.heartbeat_timeout_seconds
-    job._on_message({"type": "event", "event": "checkpoint_started", "step": 42})
-    assert job.hang_bound() == health.checkpoint_timeout_seconds
-    job._on_message({"type": "event", "event": "checkpoint_committed", "step": 42, "path": "/x", "seconds": 4.0})
-    assert job.hang_bound() == health.heartbeat_timeout_seconds
-    job._on_message({"type": "event", "event": "checkpoint_started", "step": 43})
-    job._on_message({"type": "heartbeat", "step": 43, "micro_step": 0})  # an async save: the loop runs on
-    assert job.hang_bound() == health.heartbeat_timeout_seconds
+    assert job.watch.bound() == health.startup_timeout_seconds  # restoring and compiling
+    job.handle(events.Started(step=40))
+    job.handle(step(41, 0.1))
+    assert job.watch.bound() == health.startup_timeout_seconds  # the first steps compile
+    job.handle(step(42, 0.1))
+    assert job.watch.bound() == health.heartbeat_timeout_seconds
+    job.handle(events.CheckpointStarted(42, 0, "interval"))
+    assert job.watch.bound() == health.checkpoint_timeout_seconds
+    job.handle(events.CheckpointCommitted(42, 0, "interval", "/x", seconds=4.0))
+    assert job.watch.bound() == health.heartbeat_timeout_seconds
+    job.handle(events.CheckpointStarted(43, 0, "interval"))
+    job.handle(events.Heartbeat(43, 0))  # an async save: the loop runs on
+    assert job.watch.bound() == health.heartbeat_timeout_seconds
+
+
+def connect(job) -> channel.Connection:
+    """A real channel between the job and a stand-in worker: the worker's end."""
+    ours, theirs = socket.socketpair()
+    job.connection = channel.Connection(ours)
+    return channel.Connection(theirs)
 
 
 def test_a_preemption_checkpoints_within_the_deadline_and_ends_preempted(make_job):
     make, now = make_job
     job = make()
-    running(job, now)
-    job.save_seconds = 4.0  # the last checkpoint took 4 s to write
-    sent = []
-    job._request = lambda action, deadline_s, fallback: sent.append((action, deadline_s))
+    running(job)
+    job.handle(events.CheckpointCommitted(10, 0, "interval", "/c/step_10", seconds=4.0))  # saves take 4 s
+    worker_end = connect(job)
     job.preempt(30.0)
-    assert job.state is State.STOPPING and sent == [("checkpoint_and_exit", 30.0 - 6.0 - 1.0)]
+    assert job.state is State.STOPPING
+    assert worker_end.receive() == [events.CheckpointRequest(events.Action.CHECKPOINT_AND_EXIT, 30.0 - 6.0 - 1.0)]
     assert job.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
-    job.worker = None
-    job._exited(75)
-    assert job.state is State.PREEMPTED and job.starts == 0
+    job.worker_exited(75)
+    assert job.state is State.PREEMPTED and len(job.workers.cold) == 1
     job.notice_cleared()  # the maintenance is over: run again
-    assert job.state is State.STARTING and job.starts == 1
+    assert job.state is State.STARTING and len(job.workers.cold) == 2
+
+
+def test_without_a_channel_requests_fall_back_to_signals(make_job):
+    make, _ = make_job
+    job = make()
+    running(job)
+    job.checkpoint_now(deadline_s=None)
+    job.stop("stop")
+    assert job.worker.signals == [signal.SIGUSR1, signal.SIGTERM]
 
 
 def test_a_preemption_keeps_a_waiting_job_from_starting(make_job):
     make, now = make_job
     job = make()
-    job._exited(1)
+    crash(job, now)
     assert job.state is State.BACKOFF
     job.preempt(30.0)
     now[0] = job.backoff_until + 1
     job.tick()
-    assert job.state is State.PREEMPTED and job.starts == 0
+    assert job.state is State.PREEMPTED and len(job.workers.cold) == 1
 
 
 def test_goodput_is_in_status_and_survives_a_daemon_restart(make_job):
     make, now = make_job
     job = make()
-    job.worker = Worker()
-    job.ledger.enter("worker")
+    job.start()
     now[0] += 3
-    job._on_message({"type": "event", "event": "started", "step": 0, "badput": {"startup": 1.0, "restore": 0.5}})
+    job.handle(events.Started(step=0, badput=events.Badput(startup=1.0, restore=0.5)))
     now[0] += 10
-    job._on_message({"type": "event", "event": "step", "step": 10, "step_time_s": 1, "badput": {"checkpoint": 1.0}})
+    job.handle(step(10, 1, checkpoint=1.0))
     snap = job.snapshot()["goodput"]
     assert snap["ratio"] == pytest.approx(9 / 13, abs=1e-4)
     assert snap["badput_seconds"]["startup"] == 2.5 and snap["badput_seconds"]["restore"] == 0.5
-    job._save()
+    job.save()
     assert make().ledger.productive == pytest.approx(9)
 
 
 def test_exit_codes_with_and_without_a_stop_request(make_job):
     make, _ = make_job
     job = make()
-    job._exited(0)
+    job.start()
+    job.worker_exited(0)
     assert job.state is State.SUCCEEDED
-    job.stop_reason = "removed"
-    job._exited(75)
+    job.start()
+    job.stop("removed")
+    job.worker_exited(75)
     assert job.state is State.STOPPED
-    job.stop_reason = None
-    job._exited(75)  # stopped by someone else's SIGTERM: resume at once, not a crash
-    assert job.state is State.STARTING and job.restarts_total == 0
+    job.start()
+    job.worker_exited(75)  # stopped by someone else's SIGTERM: resume at once, not a crash
+    assert job.state is State.STARTING and job.restarts.total == 0 and len(job.workers.cold) == 4
 
 
 def test_restart_counts_and_hold_survive_a_daemon_restart(make_job):
-    make, _ = make_job
+    make, now = make_job
     job = make()
-    job._exited(1)
+    crash(job, now)
     job.held = True
-    job._save()
+    job.save()
     again = make()
-    assert again.restarts_total == 1 and again.held
-    assert [h["to"] for h in again.history] == ["BACKOFF"]
+    assert again.restarts.total == 1 and again.held
+    assert [h["to"] for h in again.record.history] == ["STARTING", "BACKOFF"]
+
+
+def test_a_damaged_job_record_starts_afresh(make_job, tmp_path):
+    make, _ = make_job
+    record = Paths.resolve(tmp_path).job_dir("j") / "job.json"
+    record.parent.mkdir(parents=True)
+    for text in ("{not json", "[1, 2]", '{"restarts_total": "many", "held": 1}'):
+        record.write_text(text)
+        job = make()
+        assert job.state is State.PENDING
+        job.save()  # and the next record is whole
 
 
 def test_workers_never_inherit_the_service_managers_sockets(monkeypatch):
@@ -302,58 +373,75 @@ def test_the_backoff_starts_over_once_a_worker_commits_a_checkpoint(make_job):
     job = make()
     delays = []
     for committed in (False, True, False):
-        job._exited(1)
+        crash(job, now)
         delays.append(job.backoff_until - now[0])
         now[0] = job.backoff_until
         job.tick()
         if committed:  # this worker made progress: its crash is not part of a loop
-            job._on_message({"type": "event", "event": "checkpoint_committed", "step": 5, "path": "/c/step_5"})
+            job.handle(events.CheckpointCommitted(5, 0, "interval", "/c/step_5"))
     assert delays == [2, 4, 2]
-    job._exited(1)
+    job.worker_exited(1)
     assert job.state is State.FAILED  # the restart budget still counts every crash in the window
 
 
-class Spare(Worker):
-    """Stands in for a WorkerProcess, standby or not: records releases and discards."""
-
-    made = []
-
-    def __init__(self, spec, paths, log_format, extra_env=None, *, standby=False):
-        super().__init__()
-        self.standby, self.extra_env, self.released, self.discarded = standby, extra_env, False, False
-        self.pid = 5000 + len(Spare.made)
-        Spare.made.append(self)
-
-    def release(self, spec):
-        self.released = True
-        return True
-
-    def discard(self):
-        self.discarded = True
-
-
-def test_spares_start_beside_a_cold_worker_and_before_a_restart_and_go_with_the_spec(tmp_path, monkeypatch):
-    import tpud.job.job
-
-    monkeypatch.setattr(tpud.job.job, "WorkerProcess", Spare)
-    Spare.made = []
-    spec = JobSpec.model_validate({"name": "j", "restart": {"backoff_initial_seconds": 0}})
-    job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10)
+def test_spares_start_beside_a_cold_worker_and_before_a_restart_and_go_with_the_spec(make_job, tmp_path):
+    make, now = make_job
+    workers = Workers()
+    job = make(restart={"backoff_initial_seconds": 0, "standby": True}, workers=workers)
     job.start()
-    cold, spare = Spare.made
-    assert job.worker is cold and not cold.standby and job.standbys == [spare] and spare.standby
-    job._release()
-    job._exited(137)  # a crash: the restart will take `spare`, whose successor starts now
-    assert job.state is State.BACKOFF and len(job.standbys) == 2
-    successor = job.standbys[1]
+    cold, spare = workers.made
+    assert job.worker is cold and not cold.standby and job.standbys.spares == [spare] and spare.standby
+    job.worker_exited(137)  # a crash: the restart will take `spare`, whose successor starts now
+    assert job.state is State.BACKOFF and len(job.standbys.spares) == 2
+    successor = job.standbys.spares[1]
     job.tick()
-    assert job.worker is spare and spare.released and job.standbys == [successor]
+    assert job.worker is spare and spare.released and job.standbys.spares == [successor]
+    spec = job.spec
     job.replace_spec(spec.model_copy(update={"restart": spec.restart.model_copy(update={"max_restarts": 9})}),
                      tmp_path / "j.yaml")
-    job._release()
-    job._exited(75)  # checkpointed for the reload: the spare warmed up for the old spec goes
-    assert successor.discarded and not job.worker.standby and job.standbys == [Spare.made[-1]]
+    job.worker_exited(75)  # checkpointed for the reload: the spare warmed up for the old spec goes
+    assert successor.discarded and not job.worker.standby and job.standbys.spares == [workers.made[-1]]
     job.stop("stop")
-    job._release()
-    job._exited(75)
-    assert job.state is State.STOPPED and Spare.made[-1].discarded and job.standbys == []
+    job.worker_exited(75)
+    assert job.state is State.STOPPED and workers.made[-1].discarded and job.standbys.spares == []
+
+
+def test_unknown_events_and_events_of_a_newer_worker_are_ignored(make_job):
+    make, _ = make_job
+    job = make()
+    running(job)
+    job.handle(events.CheckpointRequest(events.Action.STOP))  # not something a worker sends
+    assert job.state is State.RUNNING and job.snapshot()["step"] == 10
+
+
+# --- the transition table ---
+
+
+def test_every_transition_a_job_makes_is_in_the_table(make_job):
+    """A walk through the lifecycle: each move is checked against states.TRANSITIONS as it happens."""
+    make, now = make_job
+    job = make()
+    running(job)
+    job.checkpoint_now(deadline_s=None)
+    job.handle(events.CheckpointCommitted(10, 0, "request", "/c/step_10"))
+    job.stop("reload")
+    job.worker_exited(75)
+    job.stop("preempted")
+    job.worker_exited(75)
+    job.start()
+    job.worker_exited(0)
+    seen = [(h["from"], h["to"]) for h in job.record.history]
+    assert seen == [("PENDING", "STARTING"), ("STARTING", "RUNNING"), ("RUNNING", "CHECKPOINTING"),
+                    ("CHECKPOINTING", "RUNNING"), ("RUNNING", "STOPPING"), ("STOPPING", "STARTING"),
+                    ("STARTING", "STOPPING"), ("STOPPING", "PREEMPTED"), ("PREEMPTED", "STARTING"),
+                    ("STARTING", "SUCCEEDED")]
+
+
+def test_a_transition_outside_the_table_is_refused():
+    with pytest.raises(states.InvalidTransition, match="STOPPED -> RUNNING"):
+        states.check(State.STOPPED, State.RUNNING)
+    with pytest.raises(states.InvalidTransition):
+        states.check(State.PENDING, State.SUCCEEDED)
+    assert set(states.TRANSITIONS) == set(State)
+    for groups in (states.ACTIVE, states.ENDED, states.WAITING):
+        assert groups <= set(State)

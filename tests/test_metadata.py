@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from structlog.testing import capture_logs
 
+from tests.helpers import wait_until as wait
 from tests.metadata_server import MetadataServer
 from tpud.metadata import OFF_CLOUD_MESSAGE, MetadataWatcher, Notice, resolve_host
 
@@ -45,12 +46,8 @@ class Notices:
         raise AssertionError(f"unexpected notice {extra}")
 
 
-def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(interval)
+def wait_until(predicate, timeout: float = 3.0) -> None:
+    wait(predicate, timeout=timeout, interval=0.01)
 
 
 @pytest.fixture

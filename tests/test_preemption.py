@@ -5,19 +5,16 @@ bit where an uninterrupted run ends."""
 from __future__ import annotations
 
 import random
-import re
 import signal
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO, python_env
 from tests.states import assert_same_state, checkpoint_state
-from tests.test_daemon import Daemon
-from tpud.paths import Paths
+from tests.helpers import Daemon, exits, metric
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 60
@@ -53,18 +50,6 @@ def committed(home):
 def newest(home):
     steps = committed(home)
     return steps[-1][2] if steps else None
-
-
-def metric(home, name, **labels) -> float | None:
-    address = (Paths.resolve(home).runtime / "metrics.addr").read_text().strip()
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    match = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
-
-
-def exits(daemon):
-    return [r["status"] for r in daemon.events("worker exited")]
 
 
 def stop(daemon):

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import manifest as mf
 from tests.conftest import REPO
+from tests.helpers import committed, wait_until
 from tpud.paths import Paths
 from tpud.worker.process import WorkerProcess, process_stopped
+
+pytestmark = pytest.mark.slow  # real worker processes importing torch
 
 
 def nice_values(pid: int) -> list[int]:
@@ -28,15 +30,6 @@ def nice_values(pid: int) -> list[int]:
     return values
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := predicate()):
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def standby(tiny_spec, tmp_path):
     spec = tiny_spec("train.max_steps=3", "scheduler.warmup_steps=1", "checkpoint.interval_steps=3")
@@ -46,19 +39,15 @@ def standby(tiny_spec, tmp_path):
     worker.discard()
 
 
-def committed(paths: Paths, spec) -> list[int]:
-    return [step for step, _, _ in mf.committed_steps(paths.state / "checkpoints" / spec.name)]
-
-
 def test_a_standby_warms_up_at_the_lowest_priority_and_trains_only_once_released(standby):
     spec, paths, worker = standby
     # The imports run on a thread at nice 19, so a spare never slows the worker it stands in for.
     wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=10)
     time.sleep(1.0)
-    assert worker.proc.poll() is None and committed(paths, spec) == []  # waiting, not training
+    assert worker.proc.poll() is None and committed(paths.layout.checkpoints(spec.name)) == []  # waiting, not training
     assert worker.release(spec)
     assert worker.proc.wait(timeout=120) == 0, worker.stdout.read().decode(errors="replace")[-3000:]
-    assert committed(paths, spec) == [3]
+    assert committed(paths.layout.checkpoints(spec.name)) == [(3, 0)]
 
 
 def test_a_released_standby_trains_at_normal_priority(standby, tiny_spec):
@@ -79,14 +68,14 @@ def test_a_discarded_standby_leaves_no_process_and_trains_nothing(standby):
     worker.discard()
     assert worker.proc.returncode == -signal.SIGKILL
     assert not Path(f"/proc/{pid}").exists()
-    assert committed(paths, spec) == []
+    assert committed(paths.layout.checkpoints(spec.name)) == []
 
 
 def test_a_standby_whose_stdin_closes_exits_quietly(standby):
     spec, paths, worker = standby
     worker.proc.stdin.close()
     assert worker.proc.wait(timeout=60) == 0
-    assert committed(paths, spec) == []
+    assert committed(paths.layout.checkpoints(spec.name)) == []
     assert not worker.release(spec)  # a spare that is gone cannot be released: the daemon spawns afresh
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -15,14 +14,10 @@ import pytest
 import tpud.jobfiles.reading as reading
 from tpud.jobfiles.reading import JobFile, is_job_file, scan
 from tpud.jobfiles.watcher import Watcher
+from tests.helpers import write
 
 pytestmark = pytest.mark.timeout(60)
 
-
-def write(root: Path, name: str, text: str) -> Path:
-    path = root / name
-    path.write_text(textwrap.dedent(text).lstrip("\n"))
-    return path
 
 
 class Calls:

@@ -167,8 +167,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return EXIT_FAILED
     now = time.time()
-    root = Path(spec.checkpoint.dir or Paths.resolve(args.home).state / "checkpoints")  # as the engine's Checkpointer
-    job_dir = root / spec.name
+    job_dir = Paths.resolve(args.home).layout.checkpoints(spec.name, spec.checkpoint.dir)
     tiers: dict[str, list[dict]] = {"local": []}
     errors: dict[str, str] = {}
     for step, directory, manifest in committed_steps(job_dir):

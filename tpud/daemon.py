@@ -284,7 +284,10 @@ class Daemon:
             log.exception("internal error handled; the daemon carries on", job=job.name if job else None,
                           error=repr(e))
             if job is not None:
-                job.fail(f"internal error: {e!r}")
+                try:
+                    job.fail(f"internal error: {e!r}")
+                except Exception:  # the job's own recovery failed too: it stays as it is, the daemon runs on
+                    log.exception("cannot fail the job after an internal error", job=job.name)
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread soon (from any thread, without waiting)."""

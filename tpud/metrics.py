@@ -32,13 +32,11 @@ from prometheus_client.exposition import start_http_server
 
 from engine.layout import atomic_write
 from tpud import __version__
+from tpud.job.states import State
 
 DEFAULT_ADDRESS = "127.0.0.1:9477"
 
-JOB_STATES = (
-    "PENDING", "STARTING", "RUNNING", "CHECKPOINTING", "STOPPING", "STOPPED", "PREEMPTED",
-    "BACKOFF", "SUCCEEDED", "FAILED",
-)
+JOB_STATES = tuple(state.value for state in State)
 
 # A checkpoint takes from a fraction of a second (a small local save) to tens of minutes
 # (a large model to GCS): 0.1 s .. 30 min, then +Inf.

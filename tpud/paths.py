@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.layout import StateLayout
+
 
 @dataclass(frozen=True)
 class Paths:
@@ -22,8 +24,16 @@ class Paths:
     def jobs_dir(self) -> Path:
         return self.config / "jobs.d"
 
+    @property
+    def layout(self) -> StateLayout:
+        """Where each job's files are in the state directory (engine/layout.py)."""
+        return StateLayout(self.state)
+
     def job_dir(self, job: str) -> Path:
-        return self.state / "jobs" / job
+        return self.layout.job_dir(job)
+
+    def channel(self, job: str) -> Path:
+        return self.runtime / "jobs" / f"{job}.sock"
 
     @classmethod
     def resolve(cls, home: str | os.PathLike | None = None) -> Paths:

@@ -27,10 +27,13 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from engine import events
 
 if TYPE_CHECKING:
     from engine.spec.schema import WandbConfig
@@ -247,3 +250,50 @@ class WandbRun:
         with self._cond:
             self._closing = True
             self._rows.clear()
+
+
+class JobTracker:
+    """The wandb side of one job: one run whatever restarts, whose steps never go back.
+
+    The run id is created once per job and kept in job.json and in every checkpoint manifest,
+    so a restart, a daemon restart or another host continues the same run. Only the host of
+    rank 0 logs.
+    """
+
+    def __init__(self, cfg: WandbConfig | None, *, job: str, directory: Path, saved: dict,
+                 newest_run_id: Callable[[], str | None]):
+        """saved: the job record's {run_id, step}; newest_run_id(): the run id in the newest local checkpoint."""
+        self.cfg, self.job, self.directory = cfg, job, directory
+        self._run_id: str | None = saved.get("run_id")
+        self.step: int = saved.get("step", 0)
+        self._newest_run_id = newest_run_id
+        self.run: WandbRun | None = None
+
+    def run_id(self) -> str:
+        if self._run_id is None:
+            self._run_id = self._newest_run_id() or new_run_id()
+        return self._run_id
+
+    def log(self, event: events.Step, config: Callable[[], dict]) -> None:
+        """A step event; config() is the job's spec as plain data, for a run that starts now."""
+        if self.cfg is None:
+            return
+        if self.run is None:
+            self.run = WandbRun(self.cfg, job=self.job, run_id=self.run_id(), directory=self.directory,
+                                config=config(), last_step=self.step)
+        self.run.log({k: getattr(event, k) for k in events.STEP_SCALARS}, step=event.step)
+        self.step = self.run.last_step
+
+    def finish_in_background(self) -> None:
+        """The job ended: finish the run without waiting (a restart resumes it)."""
+        if self.run is not None:
+            threading.Thread(target=self.run.close, name=f"wandb-{self.job}", daemon=True).start()
+            self.run = None
+
+    def close(self, timeout: float) -> None:
+        if self.run is not None:
+            self.run.close(timeout)
+            self.run = None
+
+    def to_dict(self) -> dict:
+        return {"run_id": self._run_id, "step": self.step}

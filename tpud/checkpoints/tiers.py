@@ -5,8 +5,6 @@ It lives in the daemon rather than in the worker so that an upload outlives a wo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.gcs import GcsTier
 from tpud.checkpoints.uploader import Uploader, ensure_newest_local
@@ -18,7 +16,7 @@ class CheckpointTiers:
 
     def __init__(self, spec: JobSpec, paths: Paths, on_upload=None):
         """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread."""
-        self.local_job_dir = Path(spec.checkpoint.dir or paths.state / "checkpoints") / spec.name
+        self.local_job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
         self.keep = spec.checkpoint.keep
         self.tier = GcsTier.for_spec(spec)
         self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)

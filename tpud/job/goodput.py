@@ -18,11 +18,14 @@ it waits for a host (preempted, or tpud itself not running) is `down`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
-KINDS = ("startup", "restore", "checkpoint", "data", "lost", "backoff", "down")
-WORKER_KINDS = ("startup", "restore", "checkpoint", "data")  # what the engine reports
+from engine import events
+
+WORKER_KINDS = events.BADPUT_KINDS  # what the worker reports
+KINDS = (*WORKER_KINDS, "lost", "backoff", "down")
 
 # Phases, each with the bucket its time goes to; "worker" is split by the worker's reports.
 IDLE, WORKER, BACKOFF, DOWN = "idle", "worker", "backoff", "down"
@@ -54,10 +57,11 @@ class Ledger:
             self._worker = {"counters": None, "start_step": None, "productive": 0.0, "started": False}
         self.phase = phase
 
-    def worker_started(self, step: int, counters: dict) -> None:
+    def worker_started(self, step: int, badput: events.Badput) -> None:
         """The worker's loop began at `step`: before this it was starting up."""
         if self._worker is None:
             return
+        counters = dataclasses.asdict(badput)
         elapsed = self._elapsed()
         restore = float(counters.get("restore", 0.0))
         self._add("restore", restore)
@@ -68,11 +72,12 @@ class Ledger:
             self._lose((self._steps_reached - step) * self._per_step)
         self._steps_reached = step
 
-    def worker_report(self, step: int, counters: dict) -> None:
+    def worker_report(self, step: int, badput: events.Badput) -> None:
         """A `step` event: the worker's cumulative badput counters at `step`."""
         w = self._worker
         if w is None or not w["started"]:
             return
+        counters = dataclasses.asdict(badput)
         elapsed = self._elapsed()
         spent = 0.0
         for kind in WORKER_KINDS:

@@ -1,29 +1,22 @@
 """One job under supervision: an explicit state machine around its worker process.
 
-    PENDING -> STARTING -> RUNNING -> SUCCEEDED
-                             |  |--> CHECKPOINTING -> RUNNING
-                             |  |--> STOPPING -> STOPPED        (tpud stop, file removed, shutdown)
-                             |  |--> STOPPING -> PREEMPTED      (preemption notice; waits for the host)
-                             |  '--> BACKOFF -> STARTING        (crash, hang, non-finite loss rollback)
-                             '--> FAILED                         (restart budget spent, exit 76/78)
-
-Everything here runs on the daemon's main loop thread: the loop hands a job its worker's
-output, channel messages, exit status and timer ticks, and the job decides. The worker's
-exit code says what happened (engine/exit_codes.py, DESIGN.md); a worker that stops
-heartbeating for longer than its health bound is hung, and is killed and restarted.
-Restart counts, goodput and history persist in <state>/jobs/<job>/job.json, so a
-restarted daemon carries on.
+The states and the transitions allowed between them are in states.py. Everything here runs on
+the daemon's main loop thread: the loop hands a job its worker's output, channel events, exit
+status and timer ticks, and the job decides. The worker's exit code says what happened
+(engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
+the restart budget and backoff (restarts.py), the hang bound (hang.py), the warm spares
+(standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
+wandb (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import signal
-import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,42 +24,29 @@ from typing import Protocol
 
 import structlog
 
-from engine import exit_codes
-from engine.backoff import Backoff
+from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
+from engine.hooks import Action, Request
 from engine.spec.schema import JobSpec
-from engine.layout import atomic_write
-from tpud.job import crashes, goodput
-from tpud.paths import Paths
-from tpud.job.save_failures import SaveFailures
 from tpud.checkpoints.tiers import CheckpointTiers
+from tpud.job import crashes, goodput, states
+from tpud.job.hang import HangWatch
+from tpud.job.record import JobRecord
+from tpud.job.restarts import Restarts
+from tpud.job.save_failures import SaveFailures
+from tpud.job.standby import StandbyPool
+from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
+from tpud.paths import Paths
+from tpud.tracking import JobTracker
 from tpud.worker import channel
 from tpud.worker.process import WorkerProcess
-from tpud.tracking import WandbRun, new_run_id
 
 log = structlog.get_logger()
 
-
-class State(str, enum.Enum):
-    PENDING = "PENDING"
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    CHECKPOINTING = "CHECKPOINTING"
-    STOPPING = "STOPPING"
-    STOPPED = "STOPPED"
-    PREEMPTED = "PREEMPTED"
-    BACKOFF = "BACKOFF"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-
-ACTIVE = {State.STARTING, State.RUNNING, State.CHECKPOINTING, State.STOPPING}
-ENDED = {State.STOPPED, State.PREEMPTED, State.SUCCEEDED, State.FAILED}  # no worker, none coming by itself
 # Where the goodput ledger books the time a job spends in a state without a worker.
 _LEDGER_PHASE = {State.BACKOFF: goodput.BACKOFF, State.PREEMPTED: goodput.DOWN}
-# Host-side scalars of a `step` event that go to wandb.
-WANDB_SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "rss_bytes", "device_memory_bytes")
 SAVE_EVERY_S = 10.0  # job.json between state changes, for the goodput ledger
+TAIL_LINES = 100  # the worker's last output lines, for crash reports
 
 
 class Loop(Protocol):
@@ -107,105 +87,100 @@ class Waiter:
     since: float = field(default_factory=time.monotonic)
 
 
+Spawn = Callable[..., WorkerProcess]  # (spec, paths, log_format, extra_env, *, standby) -> a started worker
+
+
 class Job:
     def __init__(self, spec: JobSpec, file: Path, paths: Paths, loop: Loop, metrics: MetricsSink,
-                 *, stop_timeout: float, log_format: str = "json", clock=time.monotonic):
+                 *, stop_timeout: float, log_format: str = "json", clock=time.monotonic,
+                 spawn: Spawn = WorkerProcess):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
         self.clock, self.stop_timeout, self.log_format = clock, stop_timeout, log_format
-        self.last_status: int | None = None  # the last worker's exit status
         self.name = spec.name
         self.state = State.PENDING
+        self.digest: str | None = None  # of the job file this spec came from
         self.error: str | None = None
-        self.progress: dict = {}
+        self.error_detail: list[str] = []
+        self.progress: events.Step | None = None  # the latest step event, for status
+        self.restored_step: int | None = None  # status's step before the first step event
         self.last_checkpoint: Checkpoint | None = None
         self.save_failures = SaveFailures()
-        self.worker: WorkerProcess | None = None
-        self.standbys: list[WorkerProcess] = []  # warm spares for the next starts (restart.standby)
-        self.listener: channel.Listener | None = None
-        self.connection: channel.Connection | None = None
-        self.tiers = CheckpointTiers(spec, paths, self._uploaded)
+        self.save_seconds = 0.0  # how long the last local checkpoint took, for preemption deadlines
         self.waiters: list[Waiter] = []
-        self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown
+        self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
         self.backoff_until = 0.0
         self.kill_at: float | None = None
-        self._partial = b""
-        self.tail: deque[str] = deque(maxlen=100)  # the worker's last output lines, for crash reports
-        self.error_detail: list[str] = []
-        self._state_file = paths.job_dir(self.name) / "job.json"
-        persisted = self._load()
-        self.restarts_total: int = persisted.get("restarts_total", 0)
-        self.rollbacks: int = persisted.get("rollbacks", 0)
-        self.crash_times: deque[float] = deque()  # monotonic, within the restart window
-        self.crash_streak = 0  # crashes since a worker last committed a checkpoint: the backoff's exponent
-        self.first_started: float | None = persisted.get("first_started")
-        self.history: list[dict] = persisted.get("history", [])
-        # An operator's `tpud stop` holds the job stopped until `tpud start`, across daemon restarts.
-        self.held: bool = persisted.get("held", False)
-        self.digest: str | None = None  # of the job file this spec came from
-        self.heartbeat_step = 0  # the step of the worker's latest heartbeat
-        self._preparing = False  # a thread is fetching the newest checkpoint from GCS
-        # Health: when we last heard from the worker, and what is normal for it.
-        self.last_heard = self.clock()
-        self.started_step: int | None = None  # where the current worker's loop began
-        self.step_times: deque[float] = deque(maxlen=64)
-        self.saving_since: float | None = None  # a checkpoint is being written
-        self.save_seconds = 0.0  # how long the last local checkpoint took, for preemption deadlines
-        self.hang: str | None = None  # why the current worker was judged hung
-        self.nonfinite: dict | None = None  # the current worker's `nonfinite` event
-        self._oom_kills: int | None = None
+        # The current worker and what it told us.
+        self._spawn_worker = spawn
+        self.worker: WorkerProcess | None = None
+        self.listener: channel.Listener | None = None
+        self.connection: channel.Connection | None = None
         self.rank = 0
-        # Goodput: every second since the first start, productive or badput by kind.
-        self.ledger = goodput.Ledger(persisted.get("goodput"), clock=clock,
+        self.hang: str | None = None  # why the current worker was judged hung
+        self.watch = HangWatch(spec.health, clock())
+        self.nonfinite: events.NonFinite | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._partial = b""
+        self._oom_kills: int | None = None
+        self._preparing = False  # a thread is fetching the newest checkpoint from GCS
+        # What it owns.
+        self.tiers = CheckpointTiers(spec, paths, self._uploaded)
+        self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
+                                    self.name)
+        self._record_path = paths.layout.record_file(self.name)
+        self.record = JobRecord.load(self._record_path)
+        self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
+        self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
                                      on_badput=lambda kind, seconds: self.metrics.badput(self.name, kind, seconds))
         for kind, seconds in self.ledger.badput.items():
             self.metrics.badput(self.name, kind, seconds)
+        self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
+                                  saved=self.record.wandb, newest_run_id=self._newest_run_id)
         self._saved_at = self.clock()
-        # wandb: one run per job, whatever restarts; its steps never go back.
-        wandb = persisted.get("wandb", {})
-        self.wandb_run_id: str | None = wandb.get("run_id")
-        self.wandb_step: int = wandb.get("step", 0)
-        self.wandb: WandbRun | None = None
+        self._handlers: dict[type[events.Event], Callable] = {
+            events.Hello: self._hello, events.Heartbeat: self._heartbeat, events.Started: self._started,
+            events.Step: self._step, events.CheckpointStarted: self._checkpoint_started,
+            events.CheckpointCommitted: self._committed, events.CheckpointFailed: self._checkpoint_failed,
+            events.CheckpointRestored: self._restored, events.NonFinite: self._nonfinite,
+        }
         self.metrics.job_state(self.name, self.state.value)
 
-    # --- persistence ---
+    # --- the record ---
 
-    def _load(self) -> dict:
-        try:
-            return json.loads(self._state_file.read_text())
-        except (OSError, ValueError):
-            return {}
+    @property
+    def held(self) -> bool:
+        return self.record.held
 
-    def _save(self) -> None:
+    @held.setter
+    def held(self, held: bool) -> None:
+        self.record.held = held
+
+    def save(self) -> None:
+        """Write job.json now (it is also written at every state change)."""
         self._saved_at = self.clock()
-        try:
-            atomic_write(self._state_file, json.dumps({
-                "restarts_total": self.restarts_total, "rollbacks": self.rollbacks,
-                "first_started": self.first_started, "held": self.held, "goodput": self.ledger.to_dict(),
-                "wandb": {"run_id": self.wandb_run_id, "step": self.wandb_step}, "history": self.history[-50:]},
-                indent=1))
-        except OSError as e:  # a full or read-only disk must not stop the job; the previous record stays
-            log.warning("cannot write the job record; keeping the previous one", job=self.name,
-                        path=str(self._state_file), error=str(e))
+        r = self.record
+        r.restarts_total, r.rollbacks = self.restarts.total, self.restarts.rollbacks
+        r.goodput, r.wandb = self.ledger.to_dict(), self.tracker.to_dict()
+        r.save(self._record_path, self.name)
 
     def _set(self, state: State, reason: str = "") -> None:
         if state is self.state:
             return
+        states.check(self.state, state)
         log.info("job state", job=self.name, state=state.value, previous=self.state.value, reason=reason or None)
-        self.history.append({"at": time.time(), "from": self.state.value, "to": state.value, "reason": reason})
+        self.record.history.append({"at": time.time(), "from": self.state.value, "to": state.value, "reason": reason})
         self.state = state
         self.metrics.job_state(self.name, state.value)
         if state in ENDED:
-            self._discard_standbys()
-        elif state is State.BACKOFF and self.standbys:  # a restart will take a spare: start its successor
-            self._ensure_standbys(self.standbys[0].extra_env, 2)
-        if state in ENDED and self.wandb is not None:  # finish the run; a restart resumes it
-            threading.Thread(target=self.wandb.close, name=f"wandb-{self.name}", daemon=True).start()
-            self.wandb = None
+            self.standbys.discard()
+            self.tracker.finish_in_background()
+        elif state is State.BACKOFF:  # a restart will take a spare: start its successor now
+            self.standbys.keep(self.spec, None, 2)
         if self.worker is None and not self._preparing:
             waiting = state is State.STOPPED and self.stop_reason == "shutdown"  # resumes when tpud is back
             self.ledger.enter(goodput.DOWN if waiting else _LEDGER_PHASE.get(state, goodput.IDLE))
-        self._save()
+        self.save()
 
     # --- commands (from the daemon loop) ---
 
@@ -246,51 +221,24 @@ class Job:
             self._spawn()
 
     def _spawn(self) -> None:
-        env = {"TPUD_CHANNEL": str(self.paths.runtime / "jobs" / f"{self.name}.sock")}
+        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name))}
         if self.spec.logging.wandb is not None:
-            env["TPUD_WANDB_RUN_ID"] = self._wandb_run_id()
+            env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
         self.listener = channel.Listener(Path(env["TPUD_CHANNEL"]))
         self.loop.watch(self.listener, self._on_accept)
         self._oom_kills = crashes.oom_kill_count()
         self.tail.clear()
-        self.hang, self.nonfinite, self.started_step, self.saving_since = None, None, None, None
-        self.last_heard = self.clock()
-        self.worker, warm = self._take_standby(env), True
+        self.hang, self.nonfinite = None, None
+        self.watch.new_worker(self.spec.health, self.clock())
+        self.worker, warm = self.standbys.take(self.spec, env), True
         if self.worker is None:
-            self.worker, warm = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env), False
+            self.worker, warm = self._spawn_worker(self.spec, self.paths, self.log_format, env), False
         self.loop.watch(self.worker.stdout, self._on_output)
         log.info("worker started", job=self.name, pid=self.worker.pid, standby=warm)
-        self._ensure_standbys(env, 1)
-        if self.first_started is None:
-            self.first_started = time.time()
+        self.standbys.keep(self.spec, env, 1)
+        if self.record.first_started is None:
+            self.record.first_started = time.time()
         self._set(State.STARTING, f"pid {self.worker.pid}")
-
-    # --- the warm spare ---
-
-    def _take_standby(self, env: dict[str, str]) -> WorkerProcess | None:
-        while self.standbys:
-            standby = self.standbys.pop(0)
-            if standby.extra_env == env and standby.release(self.spec):
-                return standby
-            standby.discard()
-        return None
-
-    def _ensure_standbys(self, env: dict[str, str], count: int) -> None:
-        """Keep `count` warm spares, so restarts skip the imports.
-
-        One starts beside a cold worker: the two import side by side (an import uses one core).
-        When a restart is due, the spare it will take gets a successor at once, whose imports
-        (at the lowest CPU priority) then overlap the backoff and the restore, not only training.
-        """
-        while self.spec.restart.standby and len(self.standbys) < count:
-            standby = WorkerProcess(self.spec, self.paths, self.log_format, extra_env=env, standby=True)
-            self.standbys.append(standby)
-            log.info("standby worker started", job=self.name, pid=standby.pid)
-
-    def _discard_standbys(self) -> None:
-        for standby in self.standbys:
-            standby.discard()
-        self.standbys.clear()
 
     def stop(self, reason: str, deadline_s: float | None = None) -> None:
         """Checkpoint and stop; a worker that does not stop in time is killed.
@@ -301,15 +249,16 @@ class Job:
         self.stop_reason = reason
         if self._preparing:
             return  # _prepared() sees the stop
-        if self.state in (State.STARTING, State.RUNNING, State.CHECKPOINTING):
+        if self.state in (State.STARTING, *TRAINING):
             if deadline_s is None:
-                self._request("checkpoint_and_exit", deadline_s=None, fallback=signal.SIGTERM)
+                self._request(Request(Action.CHECKPOINT_AND_EXIT), fallback=signal.SIGTERM)
                 self.kill_at = self.clock() + self.stop_timeout
             else:
-                self._request("checkpoint_and_exit", deadline_s=self._step_budget(deadline_s), fallback=signal.SIGTERM)
+                self._request(Request(Action.CHECKPOINT_AND_EXIT, self._step_budget(deadline_s)),
+                              fallback=signal.SIGTERM)
                 self.kill_at = self.clock() + deadline_s + self.spec.health.kill_grace_seconds
             self._set(State.STOPPING, reason)
-        elif self.state in (State.PENDING, State.BACKOFF):
+        elif self.state in WAITING:
             self._set(State.PREEMPTED if reason == "preempted" else State.STOPPED, reason)
 
     def _step_budget(self, deadline_s: float) -> float:
@@ -318,7 +267,7 @@ class Job:
 
     def preempt(self, deadline_s: float) -> None:
         """A preemption or TERMINATE notice: commit a checkpoint within the deadline, exit 75, PREEMPTED."""
-        if self.state in ACTIVE or self.state in (State.PENDING, State.BACKOFF):
+        if self.state in ACTIVE or self.state in WAITING:
             self.stop("preempted", deadline_s=deadline_s)
 
     def notice_cleared(self) -> None:
@@ -341,7 +290,8 @@ class Job:
     def _adopt(self, spec: JobSpec) -> None:
         old_remote = self.spec.checkpoint.remote
         self.spec, self.next_spec = spec, None
-        self._discard_standbys()  # it warmed up for the old spec (another backend, perhaps)
+        self.standbys.discard()  # they warmed up for the old spec (another backend, perhaps)
+        self.tracker.cfg = spec.logging.wandb
         if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
             # The old uploader finishes its upload in flight in the background, then stops.
             threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
@@ -349,22 +299,19 @@ class Job:
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
-        waiter = Waiter(Future(), after_step=self.heartbeat_step)
-        if self.state not in (State.RUNNING, State.CHECKPOINTING):
+        waiter = Waiter(Future(), after_step=self.watch.step)
+        if self.state not in TRAINING:
             waiter.future.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
             return waiter.future
         self.waiters.append(waiter)
-        self._request("checkpoint", deadline_s=deadline_s, fallback=signal.SIGUSR1)
+        self._request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
         self._set(State.CHECKPOINTING, "requested")
         return waiter.future
 
-    def _request(self, action: str, deadline_s: float | None, fallback: int) -> None:
-        sent = self.connection is not None and self.connection.send(
-            {"type": "request", "action": action, "deadline_s": deadline_s})
+    def _request(self, request: Request, fallback: int) -> None:
+        sent = self.connection is not None and self.connection.send(events.CheckpointRequest.of(request))
         if not sent and self.worker is not None:
             self.worker.signal(fallback)  # the signal fallback: same meaning, next boundary
-
-    # --- what the loop hands us ---
 
     def fail(self, error: str) -> None:
         """An internal error while handling this job: treat it as a crash of its worker."""
@@ -373,6 +320,8 @@ class Job:
             self.worker.signal(signal.SIGKILL)  # its exit is then handled as a crash
         else:
             self._crashed(error, "internal")
+
+    # --- the worker's channel ---
 
     def _on_accept(self) -> None:
         if self.listener is None:
@@ -389,103 +338,98 @@ class Job:
     def _on_channel(self) -> None:
         if self.connection is None:
             return
-        messages = self.connection.receive()
-        if messages is None:
+        received = self.connection.receive()
+        if received is None:
             self.loop.unwatch(self.connection)
             self.connection.close()
             self.connection = None
             return
-        for message in messages:
-            self._on_message(message)
+        for event in received:
+            self.handle(event)
 
-    def _on_message(self, message: dict) -> None:
-        kind = message.get("type")
-        self.last_heard = self.clock()
-        if kind in ("hello", "heartbeat"):
-            self.metrics.heartbeat(self.name, self.clock())
-            if isinstance(message.get("step"), int):
-                self.heartbeat_step = message["step"]
-            self.saving_since = None  # the loop runs on: an async save needs no allowance
-        if kind == "hello" and isinstance(message.get("rank"), int):
-            self.rank = message["rank"]
-        if kind == "heartbeat" and self.state is State.STARTING:
+    def handle(self, event: events.Event) -> None:
+        """An event from the current worker (engine/events.py)."""
+        self.watch.heard(self.clock())
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _hello(self, event: events.Hello) -> None:
+        self.rank = event.rank
+        self._alive(None)
+
+    def _heartbeat(self, event: events.Heartbeat) -> None:
+        self._alive(event.step)
+        if self.state is State.STARTING:
             self._set(State.RUNNING)  # the loop is running: restore and compilation are behind it
-        if kind != "event":
-            return
-        event = message.get("event")
-        if event == "started":
-            self._started(message)
-        elif event == "step":
-            self._step(message)
-        elif event == "checkpoint_started":
-            self.saving_since = self.clock()
-        elif event == "checkpoint_committed":
-            self.saving_since = None
-            self._committed(message)
-        elif event == "checkpoint_restored":
-            self.progress.setdefault("step", message.get("step"))
-        elif event == "nonfinite":
-            self.nonfinite = message
-        elif event == "checkpoint_failed":
-            self.saving_since = None
-            self.metrics.checkpoint_failure(self.name, "local")
-            step = message.get("step")
-            self.save_failures.failed("local", str(message.get("error") or "unknown error"),
-                                      step if isinstance(step, int) else None)
-            for waiter in self.waiters:
-                waiter.future.set_exception(RuntimeError(message.get("error", "checkpoint failed")))
-            self.waiters.clear()
-            if self.state is State.CHECKPOINTING:
-                self._set(State.RUNNING, "checkpoint failed")
 
-    def _started(self, message: dict) -> None:
-        step = message.get("step") if isinstance(message.get("step"), int) else 0
-        self.started_step = self.heartbeat_step = step
-        self.ledger.worker_started(step, _counters(message))
+    def _alive(self, step: int | None) -> None:
+        self.metrics.heartbeat(self.name, self.clock())
+        self.watch.heard(self.clock(), step)
+        self.watch.saving(None)  # the loop runs on: an async save needs no allowance
+
+    def _started(self, event: events.Started) -> None:
+        self.watch.loop_started(event.step)
+        self.ledger.worker_started(event.step, event.badput)
         if self.state is State.STARTING:
             self._set(State.RUNNING)
 
-    def _step(self, message: dict) -> None:
-        step = message.get("step")
-        if not isinstance(step, int):
-            return
-        self.heartbeat_step = step
+    def _step(self, event: events.Step) -> None:
+        self.watch.stepped(event.step, event.step_time_s)
+        self.progress = event
         self.metrics.heartbeat(self.name, self.clock())
-        self.progress = {k: message.get(k) for k in ("step", "loss", "tokens_per_s", "mfu")}
-        self.metrics.job_progress(self.name, step=step, loss=message.get("loss"),
-                                  tokens_per_second=message.get("tokens_per_s"), mfu=message.get("mfu"))
-        if isinstance(message.get("step_time_s"), (int, float)):
-            self.step_times.append(float(message["step_time_s"]))
-        self.ledger.worker_report(step, _counters(message))
+        self.metrics.job_progress(self.name, step=event.step, loss=event.loss,
+                                  tokens_per_second=event.tokens_per_s, mfu=event.mfu)
+        self.ledger.worker_report(event.step, event.badput)
         if self.ledger.ratio is not None:
             self.metrics.goodput(self.name, self.ledger.ratio)
-        self._track(step, message)
+        if self.rank == 0:  # one wandb logger per job: the host of rank 0
+            self.tracker.log(event, lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
         if self.clock() - self._saved_at >= SAVE_EVERY_S:
-            self._save()
+            self.save()
 
-    def _committed(self, message: dict) -> None:
-        if not isinstance(message.get("step"), int) or not isinstance(message.get("path"), str):
-            return  # not something our worker sends
-        if isinstance(message.get("seconds"), (int, float)) and message["seconds"] > 0:
-            self.save_seconds = float(message["seconds"])
-        checkpoint = Checkpoint(message["step"], message.get("micro_step", 0), "local", message["path"], time.time())
+    def _checkpoint_started(self, event: events.CheckpointStarted) -> None:
+        self.watch.saving(self.clock())
+
+    def _restored(self, event: events.CheckpointRestored) -> None:
+        self.restored_step = event.step
+
+    def _nonfinite(self, event: events.NonFinite) -> None:
+        self.nonfinite = event
+
+    def _committed(self, event: events.CheckpointCommitted) -> None:
+        self.watch.saving(None)
+        if event.seconds > 0:
+            self.save_seconds = event.seconds
+        checkpoint = Checkpoint(event.step, event.micro_step, "local", event.path, time.time())
         self.last_checkpoint = checkpoint
         self.save_failures.committed("local")
-        self.crash_streak = 0  # it made progress: not a crash loop
-        self.metrics.checkpoint(self.name, tier="local", reason=message.get("reason", ""),
-                                seconds=message.get("seconds", 0.0), bytes=message.get("bytes", 0),
-                                step=checkpoint.step)
+        self.restarts.progressed()  # it made progress: not a crash loop
+        self.metrics.checkpoint(self.name, tier="local", reason=event.reason, seconds=event.seconds,
+                                bytes=event.bytes, step=event.step)
         if self.tiers.uploader is not None:
-            self.tiers.uploader.submit(Path(checkpoint.path))
-        result = {"job": self.name, "ok": True, "step": checkpoint.step, "micro_step": checkpoint.micro_step,
-                  "tier": "local", "path": checkpoint.path, "seconds": message.get("seconds")}
+            self.tiers.uploader.submit(Path(event.path))
+        result = {"job": self.name, "ok": True, "step": event.step, "micro_step": event.micro_step,
+                  "tier": "local", "path": event.path}
         # An older save still being written when the request came does not answer it.
-        answered = [w for w in self.waiters if checkpoint.step >= w.after_step]
+        answered = [w for w in self.waiters if event.step >= w.after_step]
         for waiter in answered:
             waiter.future.set_result({**result, "seconds": round(time.monotonic() - waiter.since, 3)})
         self.waiters = [w for w in self.waiters if w not in answered]
         if self.state is State.CHECKPOINTING and not self.waiters:
-            self._set(State.RUNNING, f"checkpoint at step {checkpoint.step}")
+            self._set(State.RUNNING, f"checkpoint at step {event.step}")
+
+    def _checkpoint_failed(self, event: events.CheckpointFailed) -> None:
+        self.watch.saving(None)
+        self.metrics.checkpoint_failure(self.name, "local")
+        self.save_failures.failed("local", event.error, event.step)
+        for waiter in self.waiters:
+            waiter.future.set_exception(RuntimeError(event.error))
+        self.waiters.clear()
+        if self.state is State.CHECKPOINTING:
+            self._set(State.RUNNING, "checkpoint failed")
+
+    # --- the GCS tier (the uploader's thread) ---
 
     def _uploaded(self, key: tuple[int, int], transfer) -> None:
         """From the uploader's thread: the GCS tier's metrics, and status's newest checkpoint."""
@@ -505,10 +449,12 @@ class Job:
         if last is None or (key[0], key[1]) >= (last.step, last.micro_step):
             self.last_checkpoint = Checkpoint(key[0], key[1], "gcs", "", time.time())
 
+    # --- the worker's output and exit ---
+
     def _on_output(self) -> None:
         chunk = self.worker.stdout.read(65536)
         if chunk:
-            # Relay the worker's log (JSON lines) to ours; remember its last error for status.
+            # Relay the worker's log (JSON lines) to ours; remember its last lines for crash reports.
             self.loop.relay(chunk)
             *lines, self._partial = (self._partial + chunk).split(b"\n")
             self._partial = self._partial[-65536:]  # a worker printing without newlines
@@ -518,7 +464,7 @@ class Job:
             self.tail.append(self._partial.decode(errors="replace")[-2000:])
             self._partial = b""
         self.loop.unwatch(self.worker.stdout)
-        self._exited(self.worker.wait())
+        self.worker_exited(self.worker.wait())
 
     def _release(self) -> None:
         if self.connection is not None:
@@ -531,9 +477,9 @@ class Job:
             self.listener = None
         self.worker, self.kill_at = None, None
 
-    def _exited(self, status: int) -> None:
+    def worker_exited(self, status: int) -> None:
+        """The current worker exited with `status` (a shell-style status: 128 + N for signal N)."""
         self._release()
-        self.last_status = status
         for waiter in self.waiters:
             waiter.future.set_exception(RuntimeError(f"worker exited ({status}) before the checkpoint"))
         self.waiters.clear()
@@ -565,37 +511,32 @@ class Job:
 
     def _nonfinite_exit(self) -> None:
         """Exit 76: roll back to the newest checkpoint (the worker recorded the batches to skip), or fail."""
-        event = self.nonfinite or {}
-        what = f"non-finite loss ({event.get('loss')}) at step {event.get('step', '?')}"
-        health = self.spec.health
-        if event.get("policy") == "rollback" and self.rollbacks < health.max_rollbacks:
-            self.rollbacks += 1
-            self.restarts_total += 1
+        event = self.nonfinite
+        what = (f"non-finite loss ({event.loss}) at step {event.step}" if event is not None
+                else "non-finite loss (the worker's report was lost)")
+        rollback = event is not None and event.policy == "rollback"
+        max_rollbacks = self.spec.health.max_rollbacks
+        if rollback and self.restarts.rollback(self.spec):
             self.metrics.restart(self.name, "nonfinite")
             self.error = what
             self.backoff_until = self.clock()
-            self._set(State.BACKOFF, f"{what}; rollback {self.rollbacks} of {health.max_rollbacks}")
+            self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {max_rollbacks}")
             return
-        spent = f"; {self.rollbacks} rollbacks spent" if event.get("policy") == "rollback" else ""
+        spent = f"; {self.restarts.rollbacks} rollbacks spent" if rollback else ""
         self.error = what + spent
         self._set(State.FAILED, f"exit 76: {what}{spent}")
 
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error
-        policy, now = self.spec.restart, self.clock()
-        while self.crash_times and now - self.crash_times[0] > policy.window_seconds:
-            self.crash_times.popleft()
-        if len(self.crash_times) >= policy.max_restarts:
-            self._set(State.FAILED, f"restart budget spent ({len(self.crash_times)} restarts within "
-                                    f"{policy.window_seconds:.0f}s); last: {reason}: {error}")
+        delay = self.restarts.crashed(self.spec, self.clock())
+        if delay is None:
+            self._set(State.FAILED, f"{self.restarts.budget_spent_reason(self.spec)}; last: {reason}: {error}")
             return
-        self.crash_times.append(now)
-        self.restarts_total += 1
         self.metrics.restart(self.name, reason)
-        delay = Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds).delay(self.crash_streak + 1)
-        self.crash_streak += 1
-        self.backoff_until = now + delay
+        self.backoff_until = self.clock() + delay
         self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")
+
+    # --- timers ---
 
     def tick(self) -> None:
         """Timers: backoff expiry, hang detection, and killing a worker that ignored a stop."""
@@ -607,12 +548,10 @@ class Job:
             self.worker.signal(signal.SIGKILL)
             self.kill_at = None
         if self.worker is not None and self.hang is None and self.kill_at is None:
-            silent, bound = now - self.last_heard, self.hang_bound()
-            if silent > bound:
-                self.hang = (f"hung: no heartbeat for {silent:.0f}s (bound {bound:.0f}s) "
-                             f"after step {self.heartbeat_step}")
-                log.error("worker hung; terminating it", job=self.name, silent_s=round(silent, 3),
-                          bound_s=round(bound, 1), step=self.heartbeat_step)
+            self.hang = self.watch.verdict(now)
+            if self.hang is not None:
+                log.error("worker hung; terminating it", job=self.name, silent_s=round(now - self.watch.last_heard, 3),
+                          bound_s=round(self.watch.bound(), 1), step=self.watch.step)
                 if self.worker.stopped():  # SIGTERM would wait for a SIGCONT: no grace to give
                     self.worker.signal(signal.SIGKILL)
                 else:
@@ -625,78 +564,41 @@ class Job:
         if self.state is State.BACKOFF:
             timers.append(self.backoff_until)
         if self.worker is not None and self.hang is None and self.kill_at is None:
-            timers.append(self.last_heard + self.hang_bound())
+            timers.append(self.watch.deadline())
         return min((t for t in timers if t is not None), default=None)
 
-    def hang_bound(self) -> float:
-        """Seconds of silence after which the worker counts as hung."""
-        health = self.spec.health
-        if self.started_step is None or self.heartbeat_step < self.started_step + health.startup_steps:
-            return health.startup_timeout_seconds  # restore and compilation
-        bound = health.heartbeat_timeout_seconds
-        if self.step_times:
-            bound = max(bound, health.hang_step_multiple * statistics.median(self.step_times))
-        if self.saving_since is not None:
-            bound = max(bound, health.checkpoint_timeout_seconds)
-        return bound
+    # --- reading ---
 
-    # --- wandb ---
-
-    def _wandb_run_id(self) -> str:
-        """Created once per job: kept in job.json and every manifest, so another host continues the run."""
-        if self.wandb_run_id is None:
-            newest = mf.committed_steps(self.tiers.local_job_dir)
-            self.wandb_run_id = (newest[-1][2].wandb_run_id if newest else None) or new_run_id()
-            self._save()
-        return self.wandb_run_id
-
-    def _track(self, step: int, message: dict) -> None:
-        cfg = self.spec.logging.wandb
-        if cfg is None or self.rank != 0:  # one logger per job: the host of rank 0
-            return
-        if self.wandb is None:
-            self.wandb = WandbRun(cfg, job=self.name, run_id=self._wandb_run_id(),
-                                  directory=self.paths.job_dir(self.name),
-                                  config=json.loads(self.spec.model_dump_json(by_alias=True)),
-                                  last_step=self.wandb_step)
-        self.wandb.log({k: message.get(k) for k in WANDB_SCALARS}, step=step)
-        self.wandb_step = self.wandb.last_step
+    def _newest_run_id(self) -> str | None:
+        newest = mf.committed_steps(self.tiers.local_job_dir)
+        return newest[-1][2].wandb_run_id if newest else None
 
     def close(self, timeout: float = 30.0) -> None:
         """The daemon is exiting: flush what is buffered for this job."""
-        self._discard_standbys()
-        if self.wandb is not None:
-            self.wandb.close(timeout)
-            self.wandb = None
-        self._save()
+        self.standbys.discard()
+        self.tracker.close(timeout)
+        self.save()
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
 
     def snapshot(self) -> dict:
-        last = self.last_checkpoint
+        last, progress, first = self.last_checkpoint, self.progress, self.record.first_started
         return {
             "name": self.name, "state": self.state.value, "file": str(self.file),
             "pid": None if self.worker is None else self.worker.pid,
-            "step": self.progress.get("step"), "max_steps": self.spec.train.max_steps,
-            "loss": self.progress.get("loss"), "tokens_per_second": self.progress.get("tokens_per_s"),
-            "mfu": self.progress.get("mfu"), "restarts": self.restarts_total,
+            "step": self.restored_step if progress is None else progress.step, "max_steps": self.spec.train.max_steps,
+            "loss": None if progress is None else progress.loss,
+            "tokens_per_second": None if progress is None else progress.tokens_per_s,
+            "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
             "last_checkpoint": None if last is None else {"step": last.step, "tier": last.tier,
                                                           "age_seconds": round(time.time() - last.at, 1)},
             "error": self.error, "error_detail": self.error_detail,
             "warnings": self.save_failures.warnings(), "checkpoint_failures": self.save_failures.snapshot(),
-            "age_seconds": None if self.first_started is None else round(time.time() - self.first_started, 1),
+            "age_seconds": None if first is None else round(time.time() - first, 1),
             "goodput": self.ledger.snapshot(),
         }
-
-
-def _counters(message: dict) -> dict:
-    """The worker's cumulative badput counters from a `started` or `step` event."""
-    counters = message.get("badput")
-    if not isinstance(counters, dict):
-        return {}
-    return {k: float(v) for k, v in counters.items() if k in goodput.WORKER_KINDS and isinstance(v, (int, float))}
 
 
 def _last_error(tail) -> str | None:

@@ -74,7 +74,7 @@ class WorkerProcess:
 
     def __init__(self, spec: JobSpec, paths: Paths, log_format: str, extra_env: dict[str, str] | None = None,
                  *, standby: bool = False):
-        self.spec_file = paths.job_dir(spec.name) / "spec.json"
+        self.spec_file = paths.layout.spec_file(spec.name)
         self.write_spec(spec)
         self.extra_env = extra_env or {}
         self.proc = subprocess.Popen(

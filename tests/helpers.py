@@ -1,0 +1,122 @@
+"""What many tests share: a real daemon to drive, waiting on conditions, reading checkpoints,
+writing job files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+from engine.checkpoint import manifest as mf
+from tests.conftest import PYTHON, REPO, python_env
+from tpud.paths import Paths
+
+
+def wait_until(predicate, what: str = "the condition", timeout: float = 60.0, interval: float = 0.05):
+    """Poll `predicate` until it returns something true, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if (value := predicate()):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def committed(checkpoints: Path) -> list[tuple[int, int]]:
+    """(step, micro_step) of every committed checkpoint in a job's local tier, oldest first."""
+    return [(step, m.micro_step) for step, _, m in mf.committed_steps(checkpoints)]
+
+
+def write(root: Path, name: str, text: str) -> Path:
+    """A job (or included) file, dedented; its directory is created."""
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+JOB = """\
+name: {name}
+include: {repo}/configs/jobs/tiny-cpu.yaml
+data: {{corpus_bytes: 400000, seq_len: 64, micro_batch_size: 4}}
+train: {{max_steps: {max_steps}, log_interval: 1}}
+scheduler: {{warmup_steps: 1}}
+checkpoint: {{interval_steps: 0}}
+"""
+
+
+def job_text(name: str, max_steps: int = 100000) -> str:
+    return JOB.format(name=name, repo=REPO, max_steps=max_steps)
+
+
+class Daemon:
+    def __init__(self, home: Path, env: dict | None = None):
+        self.home = home
+        self.log = open(home / "daemon.log", "ab")
+        self.proc = subprocess.Popen([PYTHON, "-m", "tpud", "daemon", "--home", str(home), "--metrics-addr",
+                                      "127.0.0.1:0"], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=python_env(**(env or {})))
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, "-m", "tpud", *args, "--home", str(self.home)], capture_output=True,
+                              text=True, env=python_env(), timeout=120)
+
+    def status(self) -> dict[str, dict]:
+        out = self.cli("status", "-o", "json")
+        if out.returncode:
+            return {}
+        return {job["name"]: job for job in json.loads(out.stdout)["jobs"]}
+
+    def wait_for(self, predicate, what: str, timeout: float = 120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            jobs = self.status()
+            if jobs and predicate(jobs):
+                return jobs
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}; status: {self.status()}\n{self.tail()}")
+
+    def tail(self) -> str:
+        return (self.home / "daemon.log").read_text()[-4000:]
+
+    def events(self, event: str) -> list[dict]:
+        records = []
+        for line in (self.home / "daemon.log").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == event:
+                records.append(record)
+        return records
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+
+def metric(home, name, **labels) -> float | None:
+    address = (Paths.resolve(home).runtime / "metrics.addr").read_text().strip()
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    match = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def exits(daemon):
+    return [r["status"] for r in daemon.events("worker exited")]

@@ -1,0 +1,51 @@
+"""When a crashed job may start again: its restart budget, and the backoff before each restart.
+
+A job may crash at most restart.max_restarts times within restart.window_seconds; past that it
+fails. Each restart waits an exponential backoff whose exponent is the crash streak: the crashes
+since a worker last committed a checkpoint, so a job that makes progress between rare crashes
+never backs off for long. Non-finite-loss rollbacks have their own budget (health.max_rollbacks)
+and restart at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.backoff import Backoff
+from engine.spec.schema import JobSpec
+
+
+@dataclass
+class Restarts:
+    total: int = 0      # every restart, crash or rollback: persisted (job.json), shown in status
+    rollbacks: int = 0  # non-finite-loss rollbacks: persisted, their budget never resets
+    crash_times: deque[float] = field(default_factory=deque)  # clock times, within the window
+    streak: int = 0     # crashes since a worker last committed a checkpoint: the backoff's exponent
+
+    def crashed(self, spec: JobSpec, now: float) -> float | None:
+        """A crash at `now`: seconds to wait before the restart, or None when the budget is spent."""
+        policy = spec.restart
+        while self.crash_times and now - self.crash_times[0] > policy.window_seconds:
+            self.crash_times.popleft()
+        if len(self.crash_times) >= policy.max_restarts:
+            return None
+        self.crash_times.append(now)
+        self.total += 1
+        self.streak += 1
+        return Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds).delay(self.streak)
+
+    def budget_spent_reason(self, spec: JobSpec) -> str:
+        return f"restart budget spent ({len(self.crash_times)} restarts within {spec.restart.window_seconds:.0f}s)"
+
+    def rollback(self, spec: JobSpec) -> bool:
+        """A non-finite loss: whether a rollback is left (and, if so, it is counted)."""
+        if self.rollbacks >= spec.health.max_rollbacks:
+            return False
+        self.rollbacks += 1
+        self.total += 1
+        return True
+
+    def progressed(self) -> None:
+        """A worker committed a checkpoint: its crashes are not a crash loop."""
+        self.streak = 0
