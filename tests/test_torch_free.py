@@ -17,7 +17,7 @@ ENGINE_SIDE = ["engine.spec.schema", "engine.spec.loader", "engine.events", "eng
 
 
 def daemon_modules() -> list[str]:
-    tpud_modules = [m.name for m in pkgutil.walk_packages(tpud.__path__, "tpud.") if m.name != "tpud.__main__"]
+    tpud_modules = [m.name for m in pkgutil.walk_packages(tpud.__path__, "tpud.") if not m.name.endswith("__main__")]
     return ["tpud", *tpud_modules, *ENGINE_SIDE]
 
 

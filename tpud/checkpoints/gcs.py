@@ -270,11 +270,6 @@ class GcsTier:
                                     blob.time_created, tuple(issues)))
         return found
 
-    def newest_step(self) -> RemoteStep | None:
-        """The newest committed and complete remote step."""
-        complete = [s for s in self.committed_steps() if s.complete]
-        return complete[-1] if complete else None
-
     # -- upload ---------------------------------------------------------------------------
 
     def _pause_before_retry(self, verb: str, name: str, where: str, failing: int, error: Exception, attempt: int,

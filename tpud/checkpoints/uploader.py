@@ -119,10 +119,6 @@ class Uploader:
     def is_protected(self, step: int) -> bool:
         return step in self.protected_steps()
 
-    def idle(self) -> bool:
-        with self._cond:
-            return self._uploading is None and self._queued is None
-
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or uploading; True if so, False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout

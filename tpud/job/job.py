@@ -18,7 +18,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -30,10 +29,10 @@ from engine.hooks import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
 from tpud.job import crashes, goodput, states
+from tpud.job.checkpoints import JobCheckpoints
 from tpud.job.hang import HangWatch
 from tpud.job.record import JobRecord
 from tpud.job.restarts import Restarts
-from tpud.job.save_failures import SaveFailures
 from tpud.job.standby import StandbyPool
 from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
@@ -69,24 +68,6 @@ class MetricsSink(Protocol):
     def badput(self, job: str, kind: str, seconds: float) -> None: ...
 
 
-@dataclass
-class Checkpoint:
-    step: int
-    micro_step: int
-    tier: str
-    path: str
-    at: float  # wall time
-
-
-@dataclass
-class Waiter:
-    """A `tpud checkpoint-now` caller waiting for the next local commit."""
-
-    future: Future
-    after_step: int = 0  # only a checkpoint of this step or later answers the request
-    since: float = field(default_factory=time.monotonic)
-
-
 Spawn = Callable[..., WorkerProcess]  # (spec, paths, log_format, extra_env, *, standby) -> a started worker
 
 
@@ -103,10 +84,7 @@ class Job:
         self.error_detail: list[str] = []
         self.progress: events.Step | None = None  # the latest step event, for status
         self.restored_step: int | None = None  # status's step before the first step event
-        self.last_checkpoint: Checkpoint | None = None
-        self.save_failures = SaveFailures()
-        self.save_seconds = 0.0  # how long the last local checkpoint took, for preemption deadlines
-        self.waiters: list[Waiter] = []
+        self.checkpoints = JobCheckpoints(self.name)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
         self.backoff_until = 0.0
@@ -114,8 +92,7 @@ class Job:
         # The current worker and what it told us.
         self._spawn_worker = spawn
         self.worker: WorkerProcess | None = None
-        self.listener: channel.Listener | None = None
-        self.connection: channel.Connection | None = None
+        self.link: channel.Link | None = None
         self.rank = 0
         self.hang: str | None = None  # why the current worker was judged hung
         self.watch = HangWatch(spec.health, clock())
@@ -224,8 +201,7 @@ class Job:
         env = {"TPUD_CHANNEL": str(self.paths.channel(self.name))}
         if self.spec.logging.wandb is not None:
             env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
-        self.listener = channel.Listener(Path(env["TPUD_CHANNEL"]))
-        self.loop.watch(self.listener, self._on_accept)
+        self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
         self._oom_kills = crashes.oom_kill_count()
         self.tail.clear()
         self.hang, self.nonfinite = None, None
@@ -254,16 +230,12 @@ class Job:
                 self._request(Request(Action.CHECKPOINT_AND_EXIT), fallback=signal.SIGTERM)
                 self.kill_at = self.clock() + self.stop_timeout
             else:
-                self._request(Request(Action.CHECKPOINT_AND_EXIT, self._step_budget(deadline_s)),
+                self._request(Request(Action.CHECKPOINT_AND_EXIT, self.checkpoints.step_budget(deadline_s)),
                               fallback=signal.SIGTERM)
                 self.kill_at = self.clock() + deadline_s + self.spec.health.kill_grace_seconds
             self._set(State.STOPPING, reason)
         elif self.state in WAITING:
             self._set(State.PREEMPTED if reason == "preempted" else State.STOPPED, reason)
-
-    def _step_budget(self, deadline_s: float) -> float:
-        """Of `deadline_s`, the time the worker may spend finishing its step: the rest writes the checkpoint."""
-        return max(0.0, deadline_s - 1.5 * self.save_seconds - 1.0)
 
     def preempt(self, deadline_s: float) -> None:
         """A preemption or TERMINATE notice: commit a checkpoint within the deadline, exit 75, PREEMPTED."""
@@ -299,17 +271,17 @@ class Job:
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
-        waiter = Waiter(Future(), after_step=self.watch.step)
         if self.state not in TRAINING:
-            waiter.future.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
-            return waiter.future
-        self.waiters.append(waiter)
+            refused: Future = Future()
+            refused.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
+            return refused
+        future = self.checkpoints.wait_for_next(after_step=self.watch.step)
         self._request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
         self._set(State.CHECKPOINTING, "requested")
-        return waiter.future
+        return future
 
     def _request(self, request: Request, fallback: int) -> None:
-        sent = self.connection is not None and self.connection.send(events.CheckpointRequest.of(request))
+        sent = self.link is not None and self.link.send(events.CheckpointRequest.of(request))
         if not sent and self.worker is not None:
             self.worker.signal(fallback)  # the signal fallback: same meaning, next boundary
 
@@ -321,31 +293,7 @@ class Job:
         else:
             self._crashed(error, "internal")
 
-    # --- the worker's channel ---
-
-    def _on_accept(self) -> None:
-        if self.listener is None:
-            return
-        connection = self.listener.accept()
-        if connection is None:
-            return
-        if self.connection is not None:
-            self.loop.unwatch(self.connection)
-            self.connection.close()
-        self.connection = connection
-        self.loop.watch(connection, self._on_channel)
-
-    def _on_channel(self) -> None:
-        if self.connection is None:
-            return
-        received = self.connection.receive()
-        if received is None:
-            self.loop.unwatch(self.connection)
-            self.connection.close()
-            self.connection = None
-            return
-        for event in received:
-            self.handle(event)
+    # --- the worker's events ---
 
     def handle(self, event: events.Event) -> None:
         """An event from the current worker (engine/events.py)."""
@@ -399,33 +347,19 @@ class Job:
 
     def _committed(self, event: events.CheckpointCommitted) -> None:
         self.watch.saving(None)
-        if event.seconds > 0:
-            self.save_seconds = event.seconds
-        checkpoint = Checkpoint(event.step, event.micro_step, "local", event.path, time.time())
-        self.last_checkpoint = checkpoint
-        self.save_failures.committed("local")
+        self.checkpoints.committed(event)
         self.restarts.progressed()  # it made progress: not a crash loop
         self.metrics.checkpoint(self.name, tier="local", reason=event.reason, seconds=event.seconds,
                                 bytes=event.bytes, step=event.step)
         if self.tiers.uploader is not None:
             self.tiers.uploader.submit(Path(event.path))
-        result = {"job": self.name, "ok": True, "step": event.step, "micro_step": event.micro_step,
-                  "tier": "local", "path": event.path}
-        # An older save still being written when the request came does not answer it.
-        answered = [w for w in self.waiters if event.step >= w.after_step]
-        for waiter in answered:
-            waiter.future.set_result({**result, "seconds": round(time.monotonic() - waiter.since, 3)})
-        self.waiters = [w for w in self.waiters if w not in answered]
-        if self.state is State.CHECKPOINTING and not self.waiters:
+        if self.state is State.CHECKPOINTING and not self.checkpoints.waiters:
             self._set(State.RUNNING, f"checkpoint at step {event.step}")
 
     def _checkpoint_failed(self, event: events.CheckpointFailed) -> None:
         self.watch.saving(None)
         self.metrics.checkpoint_failure(self.name, "local")
-        self.save_failures.failed("local", event.error, event.step)
-        for waiter in self.waiters:
-            waiter.future.set_exception(RuntimeError(event.error))
-        self.waiters.clear()
+        self.checkpoints.failed(event)
         if self.state is State.CHECKPOINTING:
             self._set(State.RUNNING, "checkpoint failed")
 
@@ -437,17 +371,11 @@ class Job:
             self.metrics.checkpoint_failure(self.name, "gcs")
             uploader = self.tiers.uploader
             error = (uploader.stats().last_error if uploader is not None else None) or "upload failed"
-            self.loop.post(lambda: self.save_failures.failed("gcs", error, key[0]))
+            self.loop.post(lambda: self.checkpoints.failures.failed("gcs", error, key[0]))
             return
         self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
                                 bytes=transfer.bytes, step=key[0])
-        self.loop.post(lambda: self._uploaded_on_loop(key))
-
-    def _uploaded_on_loop(self, key: tuple[int, int]) -> None:
-        self.save_failures.committed("gcs")
-        last = self.last_checkpoint
-        if last is None or (key[0], key[1]) >= (last.step, last.micro_step):
-            self.last_checkpoint = Checkpoint(key[0], key[1], "gcs", "", time.time())
+        self.loop.post(lambda: self.checkpoints.uploaded(*key))
 
     # --- the worker's output and exit ---
 
@@ -467,22 +395,15 @@ class Job:
         self.worker_exited(self.worker.wait())
 
     def _release(self) -> None:
-        if self.connection is not None:
-            self.loop.unwatch(self.connection)
-            self.connection.close()
-            self.connection = None
-        if self.listener is not None:
-            self.loop.unwatch(self.listener)
-            self.listener.close()
-            self.listener = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
         self.worker, self.kill_at = None, None
 
     def worker_exited(self, status: int) -> None:
         """The current worker exited with `status` (a shell-style status: 128 + N for signal N)."""
         self._release()
-        for waiter in self.waiters:
-            waiter.future.set_exception(RuntimeError(f"worker exited ({status}) before the checkpoint"))
-        self.waiters.clear()
+        self.checkpoints.fail_waiters(f"worker exited ({status}) before the checkpoint")
         log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
         self.ledger.worker_exited(lost_work=status not in (exit_codes.OK, exit_codes.STOPPED))
         if status == exit_codes.OK:
@@ -584,7 +505,7 @@ class Job:
         return self.state in ACTIVE
 
     def snapshot(self) -> dict:
-        last, progress, first = self.last_checkpoint, self.progress, self.record.first_started
+        progress, first = self.progress, self.record.first_started
         return {
             "name": self.name, "state": self.state.value, "file": str(self.file),
             "pid": None if self.worker is None else self.worker.pid,
@@ -592,10 +513,7 @@ class Job:
             "loss": None if progress is None else progress.loss,
             "tokens_per_second": None if progress is None else progress.tokens_per_s,
             "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
-            "last_checkpoint": None if last is None else {"step": last.step, "tier": last.tier,
-                                                          "age_seconds": round(time.time() - last.at, 1)},
-            "error": self.error, "error_detail": self.error_detail,
-            "warnings": self.save_failures.warnings(), "checkpoint_failures": self.save_failures.snapshot(),
+            "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
             "age_seconds": None if first is None else round(time.time() - first, 1),
             "goodput": self.ledger.snapshot(),
         }

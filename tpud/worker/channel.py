@@ -126,3 +126,50 @@ class HeartbeatClock:
             self._last = now
             return True
         return False
+
+
+class Link:
+    """The daemon's end of one worker's channel, on its event loop: listens, accepts the
+    worker's connection (a newer one replaces an older), hands each event on, sends requests."""
+
+    def __init__(self, path: Path, loop, on_event):
+        """loop: watch(fileobj, callback) / unwatch(fileobj); on_event(event) for each event received."""
+        self.loop, self.on_event = loop, on_event
+        self.listener: Listener | None = Listener(path)
+        self.connection: Connection | None = None
+        loop.watch(self.listener, self._accept)
+
+    def send(self, message: events.Event) -> bool:
+        return self.connection is not None and self.connection.send(message)
+
+    def _accept(self) -> None:
+        connection = self.listener.accept() if self.listener is not None else None
+        if connection is None:
+            return
+        self._drop_connection()
+        self.connection = connection
+        self.loop.watch(connection, self._receive)
+
+    def _receive(self) -> None:
+        if self.connection is None:
+            return
+        received = self.connection.receive()
+        if received is None:
+            self._drop_connection()
+            return
+        for event in received:
+            self.on_event(event)
+
+    def _drop_connection(self) -> None:
+        if self.connection is not None:
+            self.loop.unwatch(self.connection)
+            self.connection.close()
+            self.connection = None
+
+    def close(self) -> None:
+        self._drop_connection()
+        if self.listener is not None:
+            self.loop.unwatch(self.listener)
+            self.listener.close()
+            self.listener = None
+

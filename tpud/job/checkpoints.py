@@ -1,0 +1,83 @@
+"""What a job knows of its checkpoints: the newest committed one on any tier, the callers of
+`tpud checkpoint-now` waiting for the next local commit, the tiers' failure streaks, and how
+long a local save takes (which sets how much of a preemption deadline the step may use)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from engine import events
+from tpud.job.save_failures import SaveFailures
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    micro_step: int
+    tier: str
+    path: str
+    at: float  # wall time
+
+
+@dataclass
+class Waiter:
+    """A `tpud checkpoint-now` caller waiting for the next local commit."""
+
+    future: Future
+    after_step: int = 0  # only a checkpoint of this step or later answers the request
+    since: float = field(default_factory=time.monotonic)
+
+
+class JobCheckpoints:
+    def __init__(self, job: str):
+        self.job = job
+        self.last: Checkpoint | None = None
+        self.waiters: list[Waiter] = []
+        self.failures = SaveFailures()
+        self.save_seconds = 0.0  # how long the last local save took
+
+    def wait_for_next(self, after_step: int) -> Future:
+        """A future resolved with the next local commit of `after_step` or later."""
+        waiter = Waiter(Future(), after_step=after_step)
+        self.waiters.append(waiter)
+        return waiter.future
+
+    def fail_waiters(self, error: str) -> None:
+        for waiter in self.waiters:
+            waiter.future.set_exception(RuntimeError(error))
+        self.waiters.clear()
+
+    def committed(self, event: events.CheckpointCommitted) -> None:
+        """A local commit: the newest checkpoint, and the answer to the waiters it satisfies."""
+        if event.seconds > 0:
+            self.save_seconds = event.seconds
+        self.last = Checkpoint(event.step, event.micro_step, "local", event.path, time.time())
+        self.failures.committed("local")
+        result = {"job": self.job, "ok": True, "step": event.step, "micro_step": event.micro_step,
+                  "tier": "local", "path": event.path}
+        # An older save still being written when the request came does not answer it.
+        answered = [w for w in self.waiters if event.step >= w.after_step]
+        for waiter in answered:
+            waiter.future.set_result({**result, "seconds": round(time.monotonic() - waiter.since, 3)})
+        self.waiters = [w for w in self.waiters if w not in answered]
+
+    def failed(self, event: events.CheckpointFailed) -> None:
+        self.failures.failed("local", event.error, event.step)
+        self.fail_waiters(event.error)
+
+    def uploaded(self, step: int, micro_step: int) -> None:
+        self.failures.committed("gcs")
+        if self.last is None or (step, micro_step) >= (self.last.step, self.last.micro_step):
+            self.last = Checkpoint(step, micro_step, "gcs", "", time.time())
+
+    def step_budget(self, deadline_s: float) -> float:
+        """Of `deadline_s`, the time the worker may spend finishing its step: the rest writes the checkpoint."""
+        return max(0.0, deadline_s - 1.5 * self.save_seconds - 1.0)
+
+    def snapshot(self) -> dict:
+        last = self.last
+        return {"last_checkpoint": None if last is None else {"step": last.step, "tier": last.tier,
+                                                              "age_seconds": round(time.time() - last.at, 1)},
+                "warnings": self.failures.warnings(), "checkpoint_failures": self.failures.snapshot()}
