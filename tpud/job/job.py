@@ -92,6 +92,7 @@ class Job:
         # The current worker and what it told us.
         self._spawn_worker = spawn
         self.worker: WorkerProcess | None = None
+        self.last_status: int | None = None  # the last worker's exit status (`tpud run` exits with it)
         self.link: channel.Link | None = None
         self.rank = 0
         self.hang: str | None = None  # why the current worker was judged hung
@@ -403,6 +404,7 @@ class Job:
     def worker_exited(self, status: int) -> None:
         """The current worker exited with `status` (a shell-style status: 128 + N for signal N)."""
         self._release()
+        self.last_status = status
         self.checkpoints.fail_waiters(f"worker exited ({status}) before the checkpoint")
         log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
         self.ledger.worker_exited(lost_work=status not in (exit_codes.OK, exit_codes.STOPPED))
