@@ -248,12 +248,10 @@ def main() -> None:
     try:
         model, optimizer = build_state()
         backend = TorchBackend("cpu")
-        events: list[tuple[str, dict]] = []
 
         def checkpointer(job: str, async_: bool) -> Checkpointer:
             cfg = CheckpointConfig.model_validate({"dir": str(work), "async": async_, "keep": 2})
-            return Checkpointer(cfg, job, work, "bench", backend, model, optimizer, {},
-                                lambda event, **f: events.append((event, f)))
+            return Checkpointer(cfg, job, work / job, "bench", backend, model, optimizer, {}, lambda event: None)
 
         sync_ck, async_ck = checkpointer("sync", False), checkpointer("async", True)
         n_params = sum(p.numel() for p in model.parameters())

@@ -15,6 +15,8 @@ is made durable before the fault fires, and a worker started after it exists doe
 that fault again. With `repeat` every run fires it (a deterministic fault). The markers are
 read once, at start-up, so that all ranks sharing a state directory decide alike however
 their timing differs. Step 0 of hang and crash means before the first step of a fresh run.
+
+A job without `debug.inject` gets `NoFaults`, which never fires: the loop asks either alike.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ from engine.layout import atomic_write
 log = structlog.get_logger()
 
 HANG, CRASH, NAN = "hang", "crash", "nan"
+
+
+class NoFaults:
+    """No faults injected (a job without debug.inject)."""
+
+    def poisons(self, index: int) -> bool:
+        return False
+
+    def at_step_boundary(self, step: int) -> None:
+        pass
 
 
 class Faults:

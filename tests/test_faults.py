@@ -15,7 +15,7 @@ import pytest
 from engine import exit_codes
 from engine.spec.schema import InjectConfig
 from engine.data.loader import AccumSchedule
-from engine.faults import Faults
+from engine.faults import Faults, NoFaults
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
 from tests.recorders import Recorder
@@ -68,7 +68,7 @@ def test_nan_once_is_gone_after_a_restart_and_repeat_comes_back(tiny_spec, tmp_p
 
 def test_no_faults_no_cost(tiny_spec, tmp_path):
     trainer = Trainer(tiny_spec(*ARGS), tmp_path)
-    assert trainer.faults is None
+    assert isinstance(trainer.faults, NoFaults)
 
 
 # --- real processes ---

@@ -85,7 +85,7 @@ def test_a_full_disk_fails_the_save_and_training_goes_on_until_space_is_freed(ti
     def free_after_two_failures(fields):
         if len(hooks.of(events.CheckpointFailed)) == 2:
             small_fs.make_room()
-            freed.append(fields["step"])
+            freed.append(fields.step)
 
     hooks = Recorder({(5, 0): lambda: small_fs.leave(ckpt_bytes(job_dir) // 2)},  # room for half a checkpoint
                    {events.CheckpointFailed: free_after_two_failures})
@@ -178,7 +178,7 @@ def test_a_read_only_file_system_fails_saves_until_it_is_writable_again(tiny_spe
 
     assert code == exit_codes.OK
     (failed,) = hooks.of(events.CheckpointFailed)
-    assert failed["step"] == 8 and "(EROFS)" in failed["error"]
+    assert failed.step == 8 and "(EROFS)" in failed.error
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [4, 12]
     assert tmp_dirs(job_dir) == []
 

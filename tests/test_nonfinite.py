@@ -15,7 +15,8 @@ from engine.backends.base import DataPosition
 from engine.checkpoint import manifest as mf
 from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips, write_skips
 from engine.hooks import Action, Boundary, Request
-from engine.train import SKIPS_FILE, Trainer
+from engine.layout import StateLayout
+from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
 from tests.recorders import Recorder
 
@@ -88,13 +89,13 @@ def test_rollbacks_in_any_order_drop_exactly_the_bad_steps_batches(seed):
 
 
 def test_skips_persist_atomically_and_merge(tmp_path):
-    path = tmp_path / "jobs" / "j" / SKIPS_FILE
+    path = StateLayout(tmp_path).skips_file("j")
     assert read_skips(path) == ()
     write_skips(path, ((9, 2), (4, 1)))
     assert json.loads(path.read_text()) == {"format": 1, "skips": [[9, 2], [4, 1]]}
     assert read_skips(path) == ((4, 1), (9, 2))
     assert merge_skips([(4, 1)], [[9, 2], [4, 1]]) == ((4, 1), (9, 2))
-    assert [p.name for p in path.parent.iterdir()] == [SKIPS_FILE]  # no temporary left behind
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
     with pytest.raises(ValueError):
         merge_skips([(3, 0)])
 
@@ -118,7 +119,7 @@ def test_rollback_skips_the_bad_steps_batches_and_finishes_finite(tiny_spec, tmp
     (event,) = script.of(events.NonFinite)
     assert event.step == 3 and math.isnan(event.loss) and event.policy == "rollback"
     assert event.skip == (4, 2)  # step 3 (index 2): micro-batches 4 and 5
-    assert json.loads((home / "jobs" / "tiny-cpu" / SKIPS_FILE).read_text())["skips"] == [[4, 2]]
+    assert json.loads(StateLayout(home).skips_file("tiny-cpu").read_text())["skips"] == [[4, 2]]
     assert 3 not in script.losses
 
     second = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, resumed := Recorder())
@@ -131,7 +132,7 @@ def test_rollback_skips_the_bad_steps_batches_and_finishes_finite(tiny_spec, tmp
     # whose data skips micro-batches 4-5 from the start.
     Trainer(tiny_spec(*QUICK), tmp_path / "whole", whole := Recorder()).run()
     skipping_home = tmp_path / "skipping"
-    write_skips(skipping_home / "jobs" / "tiny-cpu" / SKIPS_FILE, ((4, 2),))
+    write_skips(StateLayout(skipping_home).skips_file("tiny-cpu"), ((4, 2),))
     Trainer(tiny_spec(*QUICK), skipping_home, skipping := Recorder()).run()
     assert {s: script.losses[s] for s in (1, 2)} == {s: whole.losses[s] for s in (1, 2)}
     assert losses[3] != whole.losses[3]
@@ -139,7 +140,7 @@ def test_rollback_skips_the_bad_steps_batches_and_finishes_finite(tiny_spec, tmp
 
     # Every later checkpoint carries the skips: a host without the state file still skips.
     assert mf.committed_steps(home / "checkpoints" / "tiny-cpu")[-1][2].data_skips == ((4, 2),)
-    (home / "jobs" / "tiny-cpu" / SKIPS_FILE).unlink()
+    StateLayout(home).skips_file("tiny-cpu").unlink()
     assert Trainer(tiny_spec(*QUICK, "train.max_steps=10"), home, Recorder()).loader.skips == ((4, 2),)
 
 
@@ -152,7 +153,7 @@ def test_a_partial_step_checkpoint_is_refused_when_its_accumulated_loss_is_nan(t
     assert committed(tmp_path) == [(2, 0)]
     (event,) = script.of(events.NonFinite)
     assert event.step == 3 and event.policy == "stop" and event.skip is None
-    assert not (tmp_path / "jobs" / "tiny-cpu" / SKIPS_FILE).exists()
+    assert not StateLayout(tmp_path).skips_file("tiny-cpu").exists()
 
 
 def test_an_infinite_grad_norm_counts_as_non_finite(tiny_spec, tmp_path, monkeypatch):
@@ -186,7 +187,7 @@ def test_nan_with_policy_stop_exits_76_without_checkpointing_the_bad_step(tmp_pa
     (error,) = [r for r in records if r["event"] == "nonfinite"]
     assert error["level"] == "error" and error["step"] == 3 and error["policy"] == "stop"
     assert committed(tmp_path) == [(2, 0)]
-    assert not (tmp_path / "jobs" / "tiny-cpu" / SKIPS_FILE).exists()
+    assert not StateLayout(tmp_path).skips_file("tiny-cpu").exists()
 
 
 @pytest.mark.slow
@@ -205,7 +206,7 @@ def test_under_xla_the_asynchronous_reads_are_checked_before_a_save_and_the_roll
     first = train()
     assert first.returncode == exit_codes.NONFINITE_LOSS, first.stdout[-3000:] + first.stderr[-3000:]
     assert committed(tmp_path) == [(2, 0)]
-    assert read_skips(tmp_path / "jobs" / "tiny-cpu" / SKIPS_FILE) == ((4, 2),)
+    assert read_skips(StateLayout(tmp_path).skips_file("tiny-cpu")) == ((4, 2),)
     second = train()
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     records = [json.loads(line) for line in second.stdout.splitlines()]

@@ -33,7 +33,7 @@ def loss_of(model: Transformer, step: int) -> torch.Tensor:
 
 
 def train_step(model, optimizer, step: int, factor: float = 1.0) -> None:
-    """What engine.train.Trainer.train_step does around the optimizer."""
+    """What the training loop does around the optimizer in one step (engine/train.py)."""
     for group in optimizer.param_groups:
         group["lr"] = group["base_lr"] * factor
     loss_of(model, step).backward()

@@ -8,10 +8,12 @@ from pydantic import ValidationError
 from engine.backends.base import DataPosition
 from engine.spec.schema import SchedulerConfig, TrainConfig
 from engine.data.loader import AccumSchedule, PackedLoader
-from engine.hooks import Boundary, Hooks
+from engine import events
+from engine.hooks import Boundary
 from engine.optim.schedule import decay_start, lr_factor
 from engine.spec.loader import SpecError, load_spec
 from engine.train import Trainer
+from tests.recorders import Recorder
 
 
 def factors(cfg, max_steps):
@@ -228,17 +230,6 @@ def test_ramp_errors_are_located_in_the_job_file(tiny_spec):
     assert [p.key for p in info.value.problems] == ["train.batch_ramp.0.grad_accum_steps"]  # required
 
 
-class Recorder(Hooks):
-    def __init__(self):
-        self.boundaries, self.events = [], []
-
-    def poll(self, at):
-        self.boundaries.append(at)
-
-    def emit(self, event, **fields):
-        self.events.append((event, fields))
-
-
 def test_trainer_runs_each_steps_micro_batches_under_a_ramp(tiny_spec, tmp_path):
     spec = tiny_spec("train.max_steps=5", "scheduler.warmup_steps=1", "train.log_interval=5",
                      "data.seq_len=32", "data.micro_batch_size=2", "train.grad_accum_steps=3",
@@ -246,14 +237,14 @@ def test_trainer_runs_each_steps_micro_batches_under_a_ramp(tiny_spec, tmp_path)
     hooks = Recorder()
     trainer = Trainer(spec, tmp_path, hooks)
     seconds = []
-    real_report = trainer._report
-    trainer._report = lambda pending, s: (seconds.append(s), real_report(pending, s))
+    real_report = trainer.reporter.report
+    trainer.reporter.report = lambda pending, s: (seconds.append(s), real_report(pending, s))
     assert trainer.run() == 0 and trainer.step == 5
     assert hooks.boundaries == [Boundary(s, m) for s, n in enumerate([1, 1, 2, 3, 3]) for m in range(n)]
-    steps = [f for e, f in hooks.events if e == "step"]
-    assert [f["step"] for f in steps] == [1, 2, 3, 4, 5]
+    steps = hooks.of(events.Step)
+    assert [e.step for e in steps] == [1, 2, 3, 4, 5]
     # One report for all five steps: 10 micro-batches of 2 x 32 tokens in the interval.
-    assert steps[0]["tokens_per_s"] == pytest.approx(10 * 2 * 32 / seconds[0], rel=1e-3)
+    assert steps[0].tokens_per_s == pytest.approx(10 * 2 * 32 / seconds[0], rel=1e-3)
 
 
 def test_wsd_decay_longer_than_the_steps_after_warmup_is_an_error(tmp_path):

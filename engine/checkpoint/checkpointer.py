@@ -10,7 +10,8 @@ A save stages the state to host memory on the training thread (the only part the
 waits for when async) and writes it from a background thread: DCP files into a
 temporary directory, then manifest.json with sizes and CRC32C, then an atomic rename to
 step_N. At most one save is in flight. Local retention never deletes the newest step or
-one the supervisor has pinned while uploading it.
+one the supervisor has pinned while uploading it. An interval save is due every
+interval_steps steps, and once interval_seconds have passed since the last save (`due`).
 
 A save that fails (a full disk, an I/O error, a read-only or vanished directory, any DCP
 error) is not fatal: its temporary directory is removed at once (it would hold the very
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from engine import events
 from engine.backends.base import Backend
 from engine.checkpoint import manifest as mf
+from engine.hooks import Action, Request
 from engine.spec.schema import CheckpointConfig
 from engine.layout import fsync_path
 
@@ -80,10 +82,10 @@ def _version() -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, job: str, root: Path, spec_hash: str, backend: Backend,
+    def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, spec_hash: str, backend: Backend,
                  model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit):
         self.cfg, self.job, self.spec_hash = cfg, job, spec_hash
-        self.job_dir = Path(cfg.dir or root) / job
+        self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
         self.backend, self.model, self.optimizer = backend, model, optimizer
         self.loader_state, self._emit = loader_state, emit
         self.group = backend.checkpoint_group
@@ -125,6 +127,15 @@ class Checkpointer:
         self._emit(event)
 
     # --- saving ---
+
+    def due(self, step: int) -> bool:
+        """Whether an interval checkpoint is due now, `step` steps done; every rank gets the same answer."""
+        by_steps = self.cfg.interval_steps and step % self.cfg.interval_steps == 0
+        by_time = self.cfg.interval_seconds and time.monotonic() - self.last_save_time >= self.cfg.interval_seconds
+        if self.cfg.interval_seconds and not by_steps:
+            # Each rank reads its own clock: they agree, or one rank alone would enter the save's collectives.
+            by_time = self.backend.agree(Request(Action.CHECKPOINT) if by_time else None) is not None
+        return bool(by_steps or by_time)
 
     def _state(self, progress: Progress) -> dict:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)

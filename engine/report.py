@@ -1,0 +1,107 @@
+"""Step reports: each finished step's loss and gradient norm, with its interval's throughput.
+
+Finished steps are kept with their values still on the device, and reported together every
+log_interval steps, at the last step, and before each save: their values are read in one
+batch through the backend (on XLA by a reader thread), so the hot path never waits for the
+device. Each step passes the non-finite guard before it is emitted (`events.Step`, with the
+interval's tokens/s, step time, MFU, memory in use and the badput so far); the last one
+reported is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from engine import events
+from engine.backends.base import Backend
+from engine.badput import Badput
+from engine.data.loader import PackedLoader
+from engine.nonfinite import NonFiniteGuard
+from engine.spec.schema import TrainConfig
+
+log = structlog.get_logger()
+
+
+@dataclass
+class StepResult:
+    NAMES = ("loss", "grad_norm")
+
+    step: int              # steps completed, this one included
+    values: torch.Tensor   # NAMES, on the device, not yet read
+    lr: float
+
+
+def host_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: peak instead of current
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Reporter:
+    def __init__(self, train: TrainConfig, backend: Backend, loader: PackedLoader, flops_per_token: float,
+                 nonfinite: NonFiniteGuard, badput: Badput, emit: Callable[[events.Event], None]):
+        self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
+        self.nonfinite, self.badput, self.emit = nonfinite, badput, emit
+        self.pending: list[StepResult] = []  # finished steps whose values are not read yet
+        self._interval_start = time.monotonic()
+
+    def start(self) -> None:
+        """The loop begins: the first interval is timed from here."""
+        self._interval_start = time.monotonic()
+
+    def record(self, result: StepResult) -> None:
+        """Keep a finished step; report the kept ones every log_interval steps and at the last."""
+        self.pending.append(result)
+        if result.step % self.train.log_interval == 0 or result.step == self.train.max_steps:
+            self.report_pending()
+
+    def report_pending(self) -> None:
+        """Report the steps done since the last report (the trainer also calls this before a save)."""
+        pending, self.pending = self.pending, []
+        if pending:
+            now = time.monotonic()
+            seconds, self._interval_start = now - self._interval_start, now
+            self.report(pending, seconds)
+
+    def report(self, pending: list[StepResult], seconds: float) -> None:
+        """Emit and log the steps in `pending` once their values reach the host, checking them."""
+        # The previous interval's values first: the device finished those steps long ago, and
+        # from here on every host has seen the same values (engine.nonfinite).
+        self.nonfinite.flush()
+        # Steps pending[0].step - 1 .. pending[-1].step - 1, whose micro-batch counts may differ (batch_ramp).
+        tokens = self.loader.tokens_in_steps(pending[0].step - 1, pending[-1].step) * self.backend.data.world
+        tokens_per_s = tokens / seconds
+        peak = self.backend.peak_flops()
+        perf = {
+            "tokens_per_s": round(tokens_per_s, 1),
+            "step_time_s": round(seconds / len(pending), 4),
+            # MFU = achieved model FLOP/s / (peak FLOP/s per device x devices), FLOPs per PaLM.
+            "mfu": round(tokens_per_s * self.flops_per_token / (peak * self.backend.num_devices), 4) if peak else None,
+            "rss_bytes": host_rss_bytes(),
+            "device_memory_bytes": self.backend.memory_bytes(),
+        }
+        badput = self.badput.snapshot()
+
+        def publish(rows: list[list[float]]) -> None:
+            scalars = None
+            for result, row in zip(pending, rows):
+                if not self.nonfinite.publishable(result.step, *row):
+                    break  # this step is the first non-finite one, or trained on its weights
+                scalars = dict(zip(StepResult.NAMES, row), lr=result.lr)
+                self.emit(events.Step(step=result.step, **scalars, **perf, badput=badput))
+                logged = result.step
+            if scalars is not None:
+                log.info("step", step=logged, max_steps=self.train.max_steps,
+                         **{k: round(v, 5) for k, v in scalars.items()},
+                         **{k: v for k, v in perf.items() if v is not None})
+
+        self.backend.read_values([result.values for result in pending], publish)
