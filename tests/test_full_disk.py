@@ -21,6 +21,8 @@ from tests.recorders import Recorder
 QUICK = ("train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2", "data.seq_len=32",
          "checkpoint.interval_steps=4")
 
+pytestmark = pytest.mark.slow  # training for real on a real (tmpfs) file system, as root
+
 
 class SmallFs:
     """A tmpfs mounted for one test, with a filler file to make it as full as a test needs."""
@@ -193,7 +195,6 @@ def test_a_checkpoint_directory_deleted_under_the_job_is_made_again(tiny_spec, t
     assert [step for step, _, _ in mf.committed_steps(job_dir)] == [8]
 
 
-@pytest.mark.slow
 def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, small_fs):
     from prometheus_client.parser import text_string_to_metric_families
 

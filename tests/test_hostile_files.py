@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import exit_codes, specfile
+from engine import exit_codes
+from engine.spec import loader as specfile
 from engine.spec.loader import LIMITS, SpecError, load_spec
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 from tests.hostile import TOO_DEEP, TOO_MANY, write_corpus
