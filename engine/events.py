@@ -95,34 +95,34 @@ STEP_SCALARS = tuple(f.name for f in dataclasses.fields(Step) if f.name not in (
 
 
 @dataclass(frozen=True, config=_CONFIG)
-class CheckpointStarted(Event):
-    TYPE: ClassVar[str] = "checkpoint_started"
+class _Save(Event):
+    """A save of the state at (step, micro_step), and why it was taken (interval, request, final)."""
+
     step: int
     micro_step: int
     reason: str
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class CheckpointStarted(_Save):
+    TYPE: ClassVar[str] = "checkpoint_started"
     blocking_s: float = 0.0  # how long the loop was held for it (staging an async save)
 
 
 @dataclass(frozen=True, config=_CONFIG)
-class CheckpointCommitted(Event):
+class CheckpointCommitted(_Save):
     TYPE: ClassVar[str] = "checkpoint_committed"
-    step: int
-    micro_step: int
-    reason: str
-    path: str
+    path: str = ""
     bytes: int = 0
     seconds: float = 0.0
 
 
 @dataclass(frozen=True, config=_CONFIG)
-class CheckpointFailed(Event):
+class CheckpointFailed(_Save):
     TYPE: ClassVar[str] = "checkpoint_failed"
-    step: int
-    micro_step: int
-    reason: str
-    error: str
-    failures: int  # in a row, this one included
-    path: str
+    error: str = ""
+    failures: int = 1  # in a row, this one included
+    path: str = ""
 
 
 @dataclass(frozen=True, config=_CONFIG)
