@@ -85,9 +85,10 @@ def make_job(tmp_path):
             "name": "j", "health": health or {},
             "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
                         "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
+        workers = workers or Workers()
         job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10,
-                  clock=lambda: now[0], spawn=workers or Workers())
-        job.workers = job._spawn_worker
+                  clock=lambda: now[0], spawn=workers)
+        job.workers = workers  # for the test to look at
         return job
 
     return make, now
