@@ -179,7 +179,8 @@ def decode(message: object) -> Event | None:
     """A channel message as its type; None when it is not one this version knows (or is malformed)."""
     if not isinstance(message, dict):
         return None
-    cls = _BY_TYPE.get(message.get("type"))  # type: ignore[arg-type]
+    kind = message.get("type")
+    cls = _BY_TYPE.get(kind) if isinstance(kind, str) else None  # a list or a dict would not even hash
     if cls is None:
         return None
     try:

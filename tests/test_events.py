@@ -55,10 +55,18 @@ def test_every_message_arrives_as_its_own_type(pair):
 def test_unknown_malformed_and_newer_messages(pair):
     worker, daemon = pair
     lines = [b"not json", b"[1, 2]", b'{"type": "finished", "step": 3}', b'{"type": "step", "step": "seven"}',
+             b'{"type": ["heartbeat"], "step": 1}', b'{"type": {"a": 1}}', b"[" * 100_000 + b"]" * 100_000,
              b'{"type": "heartbeat"}',  # a required field missing
              b'{"type": "heartbeat", "step": 5, "micro_step": 1, "added_in_v2": true}']
-    worker.sock.sendall(b"\n".join(lines) + b"\n")
-    assert daemon.receive() == [events.Heartbeat(step=5, micro_step=1)]
+    data = b"\n".join(lines) + b"\n"
+    sender = threading.Thread(target=worker.sock.sendall, args=(data,), daemon=True)
+    worker.sock.setblocking(True)
+    sender.start()
+    received = []
+    while not received:  # the bracket line takes several reads
+        select.select([daemon], [], [], 5)
+        received += daemon.receive()
+    assert received == [events.Heartbeat(step=5, micro_step=1)]
 
 
 def test_a_line_split_across_reads_arrives_whole(pair):

@@ -348,14 +348,16 @@ def test_restart_counts_and_hold_survive_a_daemon_restart(make_job):
 
 
 def test_a_damaged_job_record_starts_afresh(make_job, tmp_path):
-    make, _ = make_job
+    make, now = make_job
     record = Paths.resolve(tmp_path).job_dir("j") / "job.json"
     record.parent.mkdir(parents=True)
-    for text in ("{not json", "[1, 2]", '{"restarts_total": "many", "held": 1}'):
+    for text in ("{not json", "[1, 2]", '{"restarts_total": "many", "held": true}', '{"history": 7}'):
         record.write_text(text)
         job = make()
-        assert job.state is State.PENDING
-        job.save()  # and the next record is whole
+        assert not job.held and job.record.history == []
+        crash(job, now)  # counting on from the record works
+        assert job.state is State.BACKOFF and job.restarts.total == 1
+        assert make().restarts.total == 1  # and the next record is whole
 
 
 def test_workers_never_inherit_the_service_managers_sockets(monkeypatch):
@@ -407,7 +409,7 @@ def test_spares_start_beside_a_cold_worker_and_before_a_restart_and_go_with_the_
     assert job.state is State.STOPPED and workers.made[-1].discarded and job.standbys.spares == []
 
 
-def test_unknown_events_and_events_of_a_newer_worker_are_ignored(make_job):
+def test_an_event_a_worker_never_sends_is_ignored(make_job):
     make, _ = make_job
     job = make()
     running(job)

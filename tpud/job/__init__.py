@@ -5,5 +5,6 @@ restarts.py the restart budget and the backoff between restarts
 hang.py     when a silent worker counts as hung
 standby.py  the warm spare workers
 record.py   job.json: what survives a daemon restart
+checkpoints.py the newest checkpoint, `tpud checkpoint-now` waiters, failing tiers
 goodput.py  the goodput ledger; crashes.py: why a worker died; save_failures.py: failing tiers
 """

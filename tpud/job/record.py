@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import structlog
+from pydantic import TypeAdapter, ValidationError
 
 from engine.layout import atomic_write
 
@@ -37,10 +38,10 @@ class JobRecord:
             return cls()
         if not isinstance(data, dict):
             return cls()
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        try:
-            return cls(**known)
-        except TypeError:
+        try:  # typed: a record whose counts are not numbers must not break the job later
+            return TypeAdapter(cls).validate_python(data)
+        except ValidationError as e:
+            log.warning("the job record is damaged; starting it afresh", path=str(path), error=str(e).splitlines()[0])
             return cls()
 
     def save(self, path: Path, job: str) -> None:

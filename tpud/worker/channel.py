@@ -51,7 +51,7 @@ class Connection:
         for line in lines:
             try:
                 message = events.decode(json.loads(line))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a line of 100,000 nested brackets
                 continue
             if message is not None:
                 messages.append(message)
