@@ -31,6 +31,7 @@ class Badput:
     restore: float = 0.0     # loading and verifying the checkpoint resumed from
     checkpoint: float = 0.0  # the loop blocked by saves (all of a sync save, staging of an async one)
     data: float = 0.0        # fetching batches on the host and moving them to the device
+    eval: float = 0.0        # validation loss (eval.batches micro-batches without gradients)
 
 
 BADPUT_KINDS = tuple(f.name for f in dataclasses.fields(Badput))
@@ -132,6 +133,17 @@ class CheckpointRestored(Event):
     micro_step: int
     path: str
     seconds: float = 0.0
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class Eval(Event):
+    """The validation loss after `step`: the mean over the same eval.batches micro-batches every time."""
+
+    TYPE: ClassVar[str] = "eval"
+    step: int
+    loss: float
+    perplexity: float
+    seconds: float
 
 
 @dataclass(frozen=True, config=_CONFIG)

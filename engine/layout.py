@@ -5,6 +5,7 @@
     <state>/jobs/<job>/data_skips.json   micro-batches skipped after non-finite losses
     <state>/jobs/<job>/xla_cache/        torch_xla's compilation cache
     <checkpoint.dir or <state>/checkpoints>/<job>/step_*/   the local checkpoint tier
+    <state>/datasets/<key>/              gs:// datasets fetched to this host, shared by its jobs
 
 The worker, the daemon and `tpud checkpoints` all find these through `StateLayout`.
 
@@ -41,6 +42,9 @@ class StateLayout:
 
     def xla_cache(self, job: str) -> Path:
         return self.job_dir(job) / "xla_cache"
+
+    def datasets(self) -> Path:
+        return self.state / "datasets"
 
     def checkpoints(self, job: str, override: str | os.PathLike[str] | None = None) -> Path:
         """The job's local checkpoint tier; `override` is the spec's checkpoint.dir."""

@@ -34,10 +34,11 @@ from engine.backends import build_backend
 from engine.backoff import Backoff
 from engine.badput import Badput
 from engine.spec.schema import JobSpec
-from engine.data.corpus import stdlib_corpus
+from engine.data.dataset import open_data
 from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips
 from engine.errors import ConfigError
 from engine.checkpoint.checkpointer import Checkpointer, Progress
+from engine.evaluation import Evaluator
 from engine.faults import Faults, NoFaults
 from engine.layout import StateLayout
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
@@ -86,15 +87,19 @@ class Trainer:
         self.faults = Faults(inject, self.job_dir, AccumSchedule.of(spec.train)) if inject is not None else NoFaults()
         self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss, spec.model)))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
-        tokens = stdlib_corpus(spec.data.corpus_bytes)
-        if int(tokens.max()) >= spec.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"{spec.model.vocab_size} is below the corpus's largest token id")
+        data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size)
         skips_path = layout.skips_file(spec.name)
-        self.loader = PackedLoader(tokens, spec.data.seq_len, spec.data.micro_batch_size,
-                                   AccumSchedule.of(spec.train), spec.train.seed, self.backend.data,
-                                   read_skips(skips_path))
+        self.loader = PackedLoader(data.train, spec.data.micro_batch_size, AccumSchedule.of(spec.train),
+                                   spec.train.seed, self.backend.data, read_skips(skips_path), data.identity)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
+        self.evaluator = None
+        if spec.eval is not None:
+            if data.val is None:
+                raise ConfigError("eval", "the dataset has no validation split: prepare it with --val-fraction "
+                                  "or --val-docs")
+            self.evaluator = Evaluator(spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module,
+                                       self.bf16, self.badput, self.hooks.emit)
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, layout.checkpoints(spec.name, spec.checkpoint.dir),
                                          spec_hash(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
@@ -102,6 +107,7 @@ class Trainer:
         with self.badput.timing("restore"):
             self.progress = self.checkpointer.restore() or Progress()
         if self.checkpointer.restored is not None:
+            self._check_same_data(self.checkpointer.restored_loader)
             # A checkpoint made on another host carries skips that this host's state file lacks.
             self.loader.skips = merge_skips(self.loader.skips, self.checkpointer.restored.data_skips)
         self.checkpointer.data_skips = self.loader.skips
@@ -114,13 +120,24 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
                  loss=resolve_loss_name(spec.loss, spec.model), resumed_at=self.progress.step,
-                 precision="bf16" if self.bf16 else "fp32", corpus_tokens=len(tokens),
+                 precision="bf16" if self.bf16 else "fp32", **data.description,
                  data_skips=[list(s) for s in self.loader.skips], **self.backend.describe())
         self.badput.startup_ends()
 
     @property
     def step(self) -> int:
         return self.progress.step
+
+    def _check_same_data(self, saved: dict) -> None:
+        """A resume on different data is an error, unless the job says data.allow_change."""
+        before, now = saved.get("data", "stdlib"), self.loader.identity
+        if before == now:
+            return
+        if not self.spec.data.allow_change:
+            key = "data.mixture" if self.spec.data.mixture else "data.dataset"
+            raise ConfigError(key, f"the checkpoint at step {self.step} was trained on other data ({before}, now "
+                              f"{now}); set data.allow_change: true to continue on the new data")
+        log.warning("resuming on other data (data.allow_change)", saved=before, now=now)
 
     # --- the loop ---
 
@@ -143,8 +160,12 @@ class Trainer:
                 if self.nonfinite.found is not None:
                     return self.nonfinite.exit()
                 self.faults.at_step_boundary(p.step)
+                if self.evaluator is not None and self.evaluator.due(p.step, max_steps):
+                    self.evaluator.run(p.step)
                 if (code := self._save_if_due()) is not None:
                     return code
+            if self.evaluator is not None and self.evaluator.last_step != p.step:
+                self.evaluator.run(p.step)
             return self._final_save()
         finally:
             self.backend.flush()

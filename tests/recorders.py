@@ -46,3 +46,14 @@ class StepLosses(Recorder):
     @property
     def losses(self) -> list[float]:
         return [e.loss for e in self.of(events.Step)]
+
+
+def array_loader(tokens, seq_len, micro_batch_size, accum=1, seed=0, position=None, skips=()):
+    """A PackedLoader over tokens held in memory, shuffled like the built-in corpus."""
+    from engine.backends.base import DataPosition
+    from engine.data.dataset import Shuffled, Windows
+    from engine.data.loader import PackedLoader
+    from engine.data.shards import ArrayStream
+
+    samples = Shuffled(Windows(ArrayStream(tokens), seq_len + 1, "test"), seed)
+    return PackedLoader(samples, micro_batch_size, accum, seed, position or DataPosition(), skips)

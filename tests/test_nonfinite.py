@@ -13,7 +13,8 @@ import torch
 from engine import events, exit_codes
 from engine.backends.base import DataPosition
 from engine.checkpoint import manifest as mf
-from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips, write_skips
+from engine.data.loader import AccumSchedule, merge_skips, read_skips, write_skips
+from tests.recorders import array_loader
 from engine.hooks import Action, Boundary, Request
 from engine.layout import StateLayout
 from engine.train import Trainer
@@ -27,7 +28,7 @@ RAMP = AccumSchedule(3, ((2, 1), (4, 2)))
 
 
 def loader(accum=1, skips=(), mb=1, rank=0, world=1):
-    return PackedLoader(TOKENS, seq_len=7, micro_batch_size=mb, accum=accum, seed=0,
+    return array_loader(TOKENS, seq_len=7, micro_batch_size=mb, accum=accum, seed=0,
                         position=DataPosition(rank, world), skips=skips)
 
 

@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from engine.backends.base import DataPosition
 from engine.spec.schema import SchedulerConfig, TrainConfig
-from engine.data.loader import AccumSchedule, PackedLoader
+from engine.data.loader import AccumSchedule
+from tests.recorders import array_loader
 from engine import events
 from engine.hooks import Boundary
 from engine.optim.schedule import decay_start, lr_factor
@@ -161,8 +162,8 @@ def window_ids(batch):
 
 
 def test_loader_positions_are_contiguous_across_a_ramp_change():
-    loader = PackedLoader(TOKENS, seq_len=7, micro_batch_size=3, accum=RAMP, seed=0)
-    flat = PackedLoader(TOKENS, seq_len=7, micro_batch_size=3, accum=1, seed=0)
+    loader = array_loader(TOKENS, seq_len=7, micro_batch_size=3, accum=RAMP, seed=0)
+    flat = array_loader(TOKENS, seq_len=7, micro_batch_size=3, accum=1, seed=0)
     # Every micro-batch of the ramped run, in order, is the next micro-batch of one flat stream.
     ramped = [loader.batch(step, m) for step in range(12) for m in range(RAMP.at(step))]
     assert len(ramped) == RAMP.before(12) == 3 + 4 + 3 + 6 * 4
@@ -177,8 +178,8 @@ def test_loader_positions_are_contiguous_across_a_ramp_change():
 
 def test_ranks_and_micro_batches_partition_the_global_batch_under_a_ramp():
     ramp = AccumSchedule(2, ((2, 1),))
-    one = PackedLoader(TOKENS, 7, 1, 1, seed=3)  # sample g of the run is one.batch(g, 0)
-    ranks = [PackedLoader(TOKENS, 7, 2, ramp, 3, DataPosition(rank=r, world=2)) for r in range(2)]
+    one = array_loader(TOKENS, 7, 1, 1, seed=3)  # sample g of the run is one.batch(g, 0)
+    ranks = [array_loader(TOKENS, 7, 2, ramp, 3, DataPosition(rank=r, world=2)) for r in range(2)]
     for step in range(5):
         # The step's global batch: micro-batches x ranks x 2 samples, right after the previous step's.
         first, n = ramp.before(step) * 2 * 2, ramp.at(step) * 2 * 2
@@ -188,7 +189,7 @@ def test_ranks_and_micro_batches_partition_the_global_batch_under_a_ramp():
 
 
 def test_tokens_in_steps_counts_each_steps_micro_batches():
-    loader = PackedLoader(TOKENS, seq_len=7, micro_batch_size=3, accum=RAMP, seed=0)
+    loader = array_loader(TOKENS, seq_len=7, micro_batch_size=3, accum=RAMP, seed=0)
     assert loader.tokens_in_steps(0, 3) == 3 * 1 * 3 * 7
     assert loader.tokens_in_steps(2, 7) == (1 + 2 + 2 + 3 + 4) * 3 * 7
     assert loader.tokens_in_steps(4, 4) == 0

@@ -35,15 +35,22 @@ Subparsers = argparse._SubParsersAction  # what add_subparsers() returns
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from engine.data.manifest import local_problems
+
     status = EXIT_OK
     for path in args.files:
         try:
-            spec = load_spec(path, args.overrides)
+            loaded = load_job(path, args.overrides)
+            data = loaded.spec.data
+            problems = [loaded.problem(key, message) for key, message in
+                        local_problems(data.datasets, bool(data.mixture), loaded.spec.model.vocab_size)]
+            if problems:
+                raise SpecError(problems)
         except SpecError as e:
             print(e, file=sys.stderr)
             status = EXIT_FAILED
         else:
-            print(f"{path}: ok (job {spec.name})")
+            print(f"{path}: ok (job {loaded.spec.name})")
     return status
 
 
@@ -65,6 +72,16 @@ def _add_validate(subparsers: Subparsers) -> None:
     )
     _add_home(parser)  # accepted like every command's, unused: validation needs no daemon
     parser.set_defaults(func=_validate)
+
+
+def _add_prepare(subparsers: Subparsers) -> None:
+    from engine.data import prepare
+
+    parser = subparsers.add_parser("prepare", help="tokenize texts into a dataset jobs train on",
+                                   description=prepare.DESCRIPTION)
+    prepare.add_arguments(parser)
+    _add_home(parser)  # accepted like every command's, unused: preparing needs no daemon
+    parser.set_defaults(func=prepare.run)
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -417,7 +434,7 @@ def _add_daemon(subparsers: Subparsers) -> None:
 
 
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (
-    _add_daemon, _add_run, _add_validate, _add_schema, _add_checkpoints,
+    _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints,
     _add_status, _add_checkpoint_now, _add_stop, _add_start,
 )
 

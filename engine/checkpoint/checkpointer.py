@@ -96,6 +96,7 @@ class Checkpointer:
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
         self.wandb_run_id = os.environ.get("TPUD_WANDB_RUN_ID") or None
         self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
+        self.restored_loader: dict | None = None  # and the loader state it was saved with
         self.failures = 0  # saves that failed since the last commit
         self.last_saved_step: int | None = None
         self.last_save_time = time.monotonic()
@@ -330,7 +331,7 @@ class Checkpointer:
             for name, param in self.model.named_parameters():
                 param.grad = template["partial"]["grads"][name]
             progress.loss_sum = template["partial"]["loss_sum"]
-        self.last_saved_step, self.restored = progress.step, manifest
+        self.last_saved_step, self.restored, self.restored_loader = progress.step, manifest, dict(template["loader"])
         self.emit(events.CheckpointRestored(progress.step, progress.micro_step, str(path),
                                             seconds=round(time.monotonic() - started, 3)))
         return progress

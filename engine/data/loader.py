@@ -1,9 +1,11 @@
 """Packed-token batches whose content is a pure function of (seed, step, micro-step, rank).
 
-The token stream is cut into non-overlapping windows of seq_len + 1 tokens; each epoch
-visits every window once, in an order drawn from (seed, epoch). Sample g of the run is
-window perm[epoch][g mod n] with epoch = g div n, so the loader has no state to save:
-resuming at a step reproduces exactly the batches an uninterrupted run would have seen.
+The samples come from a stream (engine.data.dataset: the built-in corpus or prepared
+datasets, shuffled or blended) that maps the run's sample index g to a window of seq_len + 1
+tokens, so the loader has no state to save: resuming at a step reproduces exactly the
+batches an uninterrupted run would have seen. Micro-batch i of the run is global samples
+i x world x micro_batch_size onwards, and each rank reads its slice of it: the sequence of
+global batches depends on the global batch size only, not on how many ranks share it.
 
 The number of micro-batches per step may grow on a step schedule (a batch-size ramp, see
 `AccumSchedule`); micro-batch g of the run is then the micro-step of its step plus the
@@ -25,6 +27,8 @@ import numpy as np
 import torch
 
 from engine.backends.base import DataPosition
+from engine.data.dataset import Samples
+from engine.errors import ConfigError
 from engine.spec.schema import TrainConfig
 from engine.layout import atomic_write
 
@@ -90,18 +94,18 @@ def write_skips(path: Path, skips: Skips) -> None:
 
 
 class PackedLoader:
-    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, accum: AccumSchedule | int,
-                 seed: int, position: DataPosition = DataPosition(), skips: Iterable[Iterable[int]] = ()):
-        self.window = seq_len + 1  # inputs and targets overlap by one shifted token
-        self.n_windows = len(tokens) // self.window
+    def __init__(self, samples: Samples, micro_batch_size: int, accum: AccumSchedule | int,
+                 seed: int = 0, position: DataPosition = DataPosition(), skips: Iterable[Iterable[int]] = (),
+                 identity: str = ""):
+        self.samples, self.window = samples, samples.window
+        self.n_windows = samples.n
         if self.n_windows < micro_batch_size:
-            raise ValueError(f"corpus of {len(tokens)} tokens holds only {self.n_windows} windows of {self.window}")
-        self.tokens = tokens[: self.n_windows * self.window].reshape(self.n_windows, self.window)
+            raise ConfigError("data.micro_batch_size", f"{micro_batch_size} sequences, but the data holds only "
+                              f"{self.n_windows} windows of data.seq_len + 1 = {self.window} tokens")
         self.micro_batch_size = micro_batch_size
         self.accum = accum if isinstance(accum, AccumSchedule) else AccumSchedule(accum)
-        self.seed, self.position = seed, position
+        self.seed, self.position, self.identity = seed, position, identity
         self.skips = skips
-        self._perm_epoch, self._perm = -1, None
 
     @property
     def skips(self) -> Skips:
@@ -134,29 +138,24 @@ class PackedLoader:
         """Tokens this process feeds the model in steps start .. stop - 1."""
         return (self.accum.before(stop) - self.accum.before(start)) * self.micro_batch_size * (self.window - 1)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return self._perm
-
     def batch(self, step: int, micro_step: int) -> torch.Tensor:
         """int64 [micro_batch_size, seq_len + 1] for this process's slice of the global batch."""
-        pos = self.position
         if not 0 <= micro_step < self.accum.at(step):
             raise IndexError(f"step {step} has {self.accum.at(step)} micro-batches, not a micro-step {micro_step}")
         # A skipped micro-batch index is skipped on every rank: ranks share the global index.
-        first = (self.index(step, micro_step) * pos.world + pos.rank) * self.micro_batch_size
-        rows = []
-        for g in range(first, first + self.micro_batch_size):
-            epoch, i = divmod(g, self.n_windows)
-            rows.append(self.tokens[self._order(epoch)[i]])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return self.rows(self.index(step, micro_step))
+
+    def rows(self, index: int) -> torch.Tensor:
+        """This rank's slice of global micro-batch `index` of the stream."""
+        pos = self.position
+        first = (index * pos.world + pos.rank) * self.micro_batch_size
+        rows = self.samples.rows(np.arange(first, first + self.micro_batch_size))
+        return torch.from_numpy(rows.astype(np.int64))
 
     def state_dict(self) -> dict:
-        # Position is a function of the step; the seed and geometry guard against resuming
-        # with a different data order. Skips are not here: they only grow during a job, and
+        # Position is a function of the step; the data's identity (seed included) and geometry
+        # guard against resuming with a different data order. Skips are not here: they only grow during a job, and
         # checkpoints carry them in the manifest (data_skips), read before the state is loaded.
-        return {"seed": self.seed, "window": self.window, "n_windows": self.n_windows,
+        return {"data": self.identity, "seed": self.seed, "window": self.window, "n_windows": self.n_windows,
                 "micro_batch_size": self.micro_batch_size, "rank": self.position.rank, "world": self.position.world,
                 "accum": {"final": self.accum.final, "stages": [list(s) for s in self.accum.stages]}}

@@ -161,13 +161,31 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits
         data["name"] = Path(file).stem.lower()
         origins["name"] = Origin(file, None, "the name defaults to the file name")
     try:
-        return LoadedSpec(JobSpec.model_validate(data), origins)
+        return LoadedSpec(_with_absolute_datasets(JobSpec.model_validate(data), origins), origins)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         problems = [_problem(error, origins) for error in errors[:MAX_PROBLEMS]]
         if len(errors) > MAX_PROBLEMS:
             problems.append(Problem(file, None, "", f"... and {len(errors) - MAX_PROBLEMS} more problems"))
         raise SpecError(problems) from None
+
+
+def _with_absolute_datasets(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
+    """Relative dataset paths are relative to the file that names them, as includes are (an
+    override's, to the working directory): the worker, started elsewhere, gets absolute ones."""
+    def absolute(path: str, key: str) -> str:
+        path = path if path.startswith("gs://") else os.path.expanduser(path)
+        if path.startswith("gs://") or os.path.isabs(path):
+            return path
+        origin = origins.get(key)
+        base = Path(origin.file).parent if origin is not None and os.path.isfile(origin.file) else Path.cwd()
+        return str((base / path).absolute())
+
+    if spec.data.dataset is not None:
+        spec.data.dataset = absolute(spec.data.dataset, "data.dataset")
+    for i, entry in enumerate(spec.data.mixture):
+        entry.dataset = absolute(entry.dataset, f"data.mixture.{i}.dataset")
+    return spec
 
 
 def load_mapping(path: str | os.PathLike[str], limits: Limits = LIMITS) -> dict[str, Any]:

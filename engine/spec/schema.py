@@ -102,13 +102,54 @@ class AttentionConfig(Section):
     splash: SplashBlocks = SplashBlocks()
 
 
+class MixtureEntry(Section):
+    dataset: str = Field(description="A prepared dataset (tpud prepare): a directory or gs://bucket/prefix.")
+    weight: float = Field(gt=0, description="Its share of the training samples, relative to the other entries.")
+
+
 class DataConfig(Section):
+    dataset: str | None = Field(
+        None, description="A prepared dataset (tpud prepare): a directory or gs://bucket/prefix. The vocabulary "
+        "and special tokens come from its manifest. Default: the built-in corpus.")
+    mixture: list[MixtureEntry] = Field(
+        [], description="Several prepared datasets blended in these proportions, deterministically; instead of "
+        "dataset.")
+    allow_change: bool = Field(
+        False, description="Resume a checkpoint trained on other data (a different dataset identity or mixture); "
+        "by default that is an error.")
     corpus: Literal["stdlib"] = Field(
-        "stdlib", description="stdlib: the Python standard library's source, byte-tokenized; present everywhere."
-    )
-    corpus_bytes: PositiveInt = Field(8_000_000, description="Upper bound on corpus size.")
+        "stdlib", description="Without dataset or mixture: stdlib, the Python standard library's source, "
+        "byte-tokenized; present everywhere (the demo).")
+    corpus_bytes: PositiveInt = Field(8_000_000, description="Upper bound on the built-in corpus's size.")
     seq_len: PositiveInt = 256
     micro_batch_size: PositiveInt = Field(16, description="Sequences per micro-batch per data-parallel rank.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.dataset is not None and self.mixture:
+            raise ValueError("give data.dataset or data.mixture, not both")
+        total = sum(entry.weight for entry in self.mixture)
+        _located(type(self).__name__, [
+            (("mixture", i, "weight"), entry.weight, "is {share:.2%} of the mixture, below the 0.1% that "
+             "deterministic blending resolves", {"share": entry.weight / total})
+            for i, entry in enumerate(self.mixture) if entry.weight / total < 0.001])
+        return self
+
+    @property
+    def datasets(self) -> list[tuple[str, float]]:
+        """(dataset, weight) of every prepared dataset the job reads; empty for the built-in corpus."""
+        if self.dataset is not None:
+            return [(self.dataset, 1.0)]
+        return [(entry.dataset, entry.weight) for entry in self.mixture]
+
+
+class EvalConfig(Section):
+    """Validation loss on the dataset's held-out split (tpud prepare --val-fraction or --val-docs)."""
+
+    interval_steps: NonNegativeInt = Field(
+        0, description="Evaluate every N steps; 0: only at the end of training (which always evaluates).")
+    batches: PositiveInt = Field(
+        8, description="Micro-batches per evaluation: the same ones every time, so the values compare.")
 
 
 def _located(model: str, problems: list[tuple[tuple[str | int, ...], object, str, dict[str, object]]]) -> None:
@@ -451,6 +492,7 @@ class JobSpec(Section):
     restart: RestartConfig = RestartConfig()
     health: HealthConfig = HealthConfig()
     logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig | None = Field(None, description="Off unless set.")
     debug: DebugConfig = DebugConfig()
 
     @model_validator(mode="after")
@@ -469,6 +511,9 @@ class JobSpec(Section):
                 ("data", "seq_len"), self.data.seq_len,
                 "must not exceed model.max_seq_len ({max_seq_len})", max_seq_len=self.model.max_seq_len,
             )
+        if self.eval is not None and not self.data.datasets:
+            problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
+                    "validation split")
         if self.scheduler.warmup_steps >= self.train.max_steps:
             problem(
                 ("scheduler", "warmup_steps"), self.scheduler.warmup_steps,

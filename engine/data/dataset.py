@@ -1,0 +1,171 @@
+"""What a job trains on, as sample streams: sample g of the run -> one window of seq_len + 1 tokens.
+
+A split's token stream (memory-mapped shards, or the built-in corpus in memory) is cut into
+fixed windows; nothing else is precomputed, so opening a dataset costs the same at 1 GB and
+at 50 TB. Three ways to turn samples into windows:
+
+    Shuffled  epoch g div n visits every window once, in a permutation keyed by (seed, epoch)
+    InOrder   window g mod n: the fixed validation batches
+    Mixed     several sources blended in fixed proportions (engine.data.order.Blend)
+
+Every stream is a pure function of the sample index, so the loader above it has no state to
+save and a resume at step 10^9 costs what a resume at step 10 does. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from engine.data import manifest as mf
+from engine.data import order
+from engine.data.shards import ArrayStream, TokenStream
+from engine.errors import ConfigError
+from engine.spec.schema import DataConfig
+
+SHUFFLE_KEY = 0x5348_5546
+
+
+class Samples(Protocol):
+    n: int  # windows in one pass over the data
+    window: int
+
+    def rows(self, samples: np.ndarray) -> np.ndarray:
+        """[len(samples), window] tokens: the window of each global sample index."""
+
+
+class Windows:
+    """Non-overlapping windows of `window` tokens; a trailing partial window is dropped."""
+
+    def __init__(self, stream: TokenStream | ArrayStream, window: int, name: str):
+        self.stream, self.window, self.name = stream, window, name
+        self.n = stream.n_tokens // window
+
+    def rows(self, windows: np.ndarray) -> np.ndarray:
+        return np.stack([self.stream.read(int(w) * self.window, (int(w) + 1) * self.window) for w in windows])
+
+
+class Shuffled:
+    def __init__(self, windows: Windows, seed: int):
+        self.windows, self.seed = windows, seed
+        self.n, self.window = windows.n, windows.window
+        self._epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> order.Permutation:
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, order.Permutation(self.n, order.key_of(SHUFFLE_KEY, self.seed, epoch))
+        return self._perm
+
+    def rows(self, samples: np.ndarray) -> np.ndarray:
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n)
+        windows = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            at = epochs == epoch
+            windows[at] = self._permutation(int(epoch))(positions[at])
+        return self.windows.rows(windows)
+
+
+class InOrder:
+    def __init__(self, windows: Windows):
+        self.windows, self.n, self.window = windows, windows.n, windows.window
+
+    def rows(self, samples: np.ndarray) -> np.ndarray:
+        return self.windows.rows(np.asarray(samples, dtype=np.int64) % self.n)
+
+
+class Mixed:
+    def __init__(self, parts: list, weights: list[float], seed: int):
+        self.parts, self.blend = parts, order.Blend(weights, order.key_of(SHUFFLE_KEY, seed, len(parts)))
+        self.n, self.window = sum(p.n for p in parts), parts[0].window
+
+    def rows(self, samples: np.ndarray) -> np.ndarray:
+        which, index = self.blend(samples)
+        out = np.empty((len(which), self.window), dtype=np.int64)
+        for i, part in enumerate(self.parts):
+            at = which == i
+            if at.any():
+                out[at] = part.rows(index[at])
+        return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared dataset on this host: its directory and manifest."""
+
+    path: Path
+    manifest: mf.Manifest
+
+    @classmethod
+    def open(cls, path: str | Path) -> Prepared:
+        return cls(Path(path), mf.read(path))
+
+    def windows(self, split: str, window: int) -> Windows | None:
+        """The split cut into windows; None when it holds less than one window."""
+        entry = self.manifest.splits.get(split)
+        if entry is None or entry.tokens < window:
+            return None
+        return Windows(TokenStream(self.path, entry), window, f"{self.path} ({split})")
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    train: Samples
+    val: Samples | None  # None: no validation split
+    identity: str  # what a checkpoint records: the datasets' identities and weights, or the corpus
+    max_token: int  # the largest token id the data may hold
+    description: dict  # for the start-up log line
+
+
+def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int) -> TrainingData:
+    """The job's training (and validation) samples; ConfigError naming the key when they cannot be."""
+    window = data.seq_len + 1
+    if not data.datasets:
+        from engine.data.corpus import stdlib_corpus
+
+        tokens = stdlib_corpus(data.corpus_bytes)
+        max_token = int(tokens.max())
+        if max_token >= vocab_size:
+            raise ConfigError("model.vocab_size", f"{vocab_size} is below the corpus's largest token id")
+        return TrainingData(Shuffled(Windows(ArrayStream(tokens), window, "stdlib"), seed), None, "stdlib",
+                            max_token, {"corpus": "stdlib", "corpus_tokens": len(tokens)})
+    mixture = bool(data.mixture)
+    keys = [f"data.mixture.{i}.dataset" if mixture else "data.dataset" for i in range(len(data.datasets))]
+    prepared = [_open(path, key, cache_root) for (path, _), key in zip(data.datasets, keys)]
+    problems = mf.check_vocab([(key, p.manifest) for key, p in zip(keys, prepared)], vocab_size)
+    if problems:
+        raise ConfigError(*problems[0])
+    trains, vals = [], []
+    for i, (dataset, key) in enumerate(zip(prepared, keys)):
+        train = dataset.windows("train", window)
+        if train is None:
+            raise ConfigError(key, f"{dataset.path}: its train split holds fewer than {window} tokens "
+                              f"(one window of data.seq_len + 1)")
+        trains.append(Shuffled(train, order.key_of(seed, i) if mixture else seed))
+        vals.append(dataset.windows("val", window))
+    weights = [weight for _, weight in data.datasets]
+    if mixture:
+        train_samples = Mixed(trains, weights, seed)
+        with_val = [(InOrder(v), w) for v, w in zip(vals, weights) if v is not None]
+        val_samples = Mixed([v for v, _ in with_val], [w for _, w in with_val], seed) if with_val else None
+    else:
+        train_samples, val_samples = trains[0], InOrder(vals[0]) if vals[0] is not None else None
+    identity = ";".join(f"{p.manifest.identity}*{w:g}" for p, w in zip(prepared, weights))
+    description = {"datasets": [str(p.path) for p in prepared], "weights": weights,
+                   "train_tokens": sum(p.manifest.splits["train"].tokens for p in prepared),
+                   "val_tokens": sum(p.manifest.splits["val"].tokens for p in prepared if "val" in p.manifest.splits)}
+    return TrainingData(train_samples, val_samples, identity,
+                        max(p.manifest.tokenizer.vocab_size for p in prepared) - 1, description)
+
+
+def _open(path: str, key: str, cache_root: Path) -> Prepared:
+    try:
+        if path.startswith("gs://"):
+            from engine.data import remote
+
+            path = remote.fetch(path, cache_root)
+        return Prepared.open(path)
+    except (mf.DatasetError, ValueError, OSError) as e:
+        raise ConfigError(key, str(e)) from None

@@ -1,0 +1,152 @@
+"""A prepared dataset's manifest.json: what the directory holds, written last. Torch-free.
+
+    DIR/manifest.json         this file; a directory without it is not a dataset
+    DIR/tokenizer.json        the tokenizer (absent for `bytes`)
+    DIR/train-00000.npy ...   token shards: the split's documents' tokens in source order,
+    DIR/val-00000.npy ...     each followed by end-of-text (and led by BOS where defined)
+    DIR/train-docs.npy        document offsets into the split's token stream (uint64, docs + 1)
+
+A split's tokens are one stream cut into shards of a fixed number of tokens, so a document
+may straddle two shards; shards are storage, documents and windows are positions in the
+stream. `identity` hashes everything that decides the tokens (the tokenizer and every data
+file's CRC32C): the same data prepared twice has the same identity, and a checkpoint
+records it to notice a resume on different data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Model):
+    path: str  # relative to the dataset directory
+    bytes: int
+    crc32c: str  # base64, as GCS reports it
+    tokens: int = 0  # a shard's token count; 0 for other files
+
+
+class Split(_Model):
+    documents: int
+    tokens: int
+    shards: list[FileEntry]
+    index: FileEntry  # the document offsets
+
+
+class Tokenizer(_Model):
+    kind: Literal["bytes", "huggingface"]
+    file: FileEntry | None  # tokenizer.json, when kind is huggingface
+    sha256: str
+    vocab_size: int
+    eos_id: int
+    bos_id: int | None
+
+
+class SourceEntry(_Model):
+    url: str
+    bytes: int
+    mtime: float
+    documents: int
+    skipped: int
+
+
+class Skips(_Model):
+    count: int = 0
+    by_reason: dict[str, int] = {}
+    examples: list[str] = Field([], description="The first few skipped records, FILE:LINE: reason.")
+
+
+class Manifest(_Model):
+    format: Literal[1] = FORMAT
+    identity: str
+    fingerprint: str = Field(description="Hash of the inputs (names, sizes, times) and options: a rerun with the "
+                             "same fingerprint has nothing to do.")
+    dtype: Literal["uint16", "uint32"]
+    tokenizer: Tokenizer
+    splits: dict[str, Split]
+    sources: list[SourceEntry]
+    skipped: Skips
+    options: dict
+
+    @property
+    def files(self) -> list[FileEntry]:
+        """Every data file, the tokenizer's included: what a copy must carry."""
+        entries = [entry for split in self.splits.values() for entry in (*split.shards, split.index)]
+        if self.tokenizer.file:
+            entries.append(self.tokenizer.file)
+        return entries
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+
+def identity(tokenizer_sha256: str, files: list[FileEntry]) -> str:
+    digest = hashlib.sha256(tokenizer_sha256.encode())
+    for entry in sorted(files, key=lambda e: e.path):
+        digest.update(f"\n{entry.path} {entry.bytes} {entry.crc32c}".encode())
+    return digest.hexdigest()[:32]
+
+
+class DatasetError(ValueError):
+    """A path that is not a usable prepared dataset."""
+
+
+def read(directory: str | Path) -> Manifest:
+    """The manifest of a prepared dataset directory; DatasetError naming what is wrong."""
+    path = Path(directory) / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        hint = " (an interrupted `tpud prepare`? run it again)" if Path(directory).is_dir() else ""
+        raise DatasetError(f"{directory}: not a prepared dataset: no {MANIFEST}{hint}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: unreadable: {e}") from None
+    return parse(text, str(path))
+
+
+def parse(text: str, where: str) -> Manifest:
+    try:
+        return Manifest.model_validate(json.loads(text))
+    except (ValueError, RecursionError) as e:  # json and pydantic errors are ValueErrors
+        first = str(e).splitlines()[:3]
+        raise DatasetError(f"{where}: not a tpud dataset manifest (format {FORMAT}): {' '.join(first)}") from None
+
+
+def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int) -> list[tuple[str, str]]:
+    """(key, message) for each way the datasets and the model disagree about tokens."""
+    found = []
+    for key, manifest in manifests:
+        if manifest.tokenizer.vocab_size > vocab_size:
+            found.append(("model.vocab_size", f"{vocab_size} is smaller than the vocabulary of {key}'s tokenizer "
+                          f"({manifest.tokenizer.vocab_size}); set model.vocab_size to at least that"))
+    tokenizers = {m.tokenizer.sha256 for _, m in manifests}
+    if len(tokenizers) > 1:
+        found.append(("data.mixture", "its datasets were prepared with different tokenizers: "
+                      + ", ".join(f"{key} ({m.tokenizer.sha256[:12]})" for key, m in manifests)))
+    return found
+
+
+def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size: int) -> list[tuple[str, str]]:
+    """What `tpud validate` can tell without the network: local datasets exist and fit the model."""
+    found, manifests = [], []
+    for i, (path, _) in enumerate(datasets):
+        key = f"data.mixture.{i}.dataset" if mixture else "data.dataset"
+        if path.startswith("gs://"):
+            continue  # checked by the worker when it fetches the dataset
+        try:
+            manifests.append((key, read(path)))
+        except DatasetError as e:
+            found.append((key, str(e)))
+    return found + check_vocab(manifests, vocab_size)

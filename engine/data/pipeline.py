@@ -1,0 +1,357 @@
+"""The work of `tpud prepare` (engine.data.prepare): texts -> tokens -> a prepared dataset.
+
+The expensive text work happens here, once, off the accelerator hosts: reading jsonl/parquet/csv/tsv/txt (engine.data.sources), tokenizing in
+worker processes around the tokenizer's batch encode, and writing each split's token stream
+as shards with a document index (engine.data.shards) and manifest.json last
+(engine.data.manifest). Training then only memory-maps the shards.
+
+The main process reads records and writes shards; `--workers` processes tokenize, at most a
+few chunks ahead, so memory stays bounded for inputs larger than RAM. Results are taken in
+submission order, so the same inputs and options give byte-identical shards.
+
+Everything is written to DIR/.incomplete/ and moved into DIR before the manifest is
+written, so an interrupted run leaves nothing that looks complete; running it again starts
+over cleanly (the inputs are re-read), and a run whose inputs and options match an existing
+manifest has nothing to do. A gs:// output is prepared in a local work directory and
+uploaded, manifest last. Torch-free.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from engine.checkpoint.manifest import file_crc32c
+from engine.data import manifest as mf
+from engine.data import order, sources
+from engine.data import tokenizer as tk
+from engine.data.prepare import Options, PrepareError
+from engine.data.shards import SplitWriter
+from engine.layout import atomic_write, fsync_path
+
+log = structlog.get_logger()
+
+STAGING = ".incomplete"
+CHUNK_CHARS = 1 << 20  # text per task sent to a worker: large enough to amortise the pickling
+VAL_KEY = 0x5641_4C49  # the validation draw's hash key, mixed with --seed
+
+
+# --- worker processes ---
+
+_worker_tokenizer: tk.Tokenizer | None = None
+
+
+def _init_worker(tokenizer: tk.Tokenizer) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core is the parallelism
+    _worker_tokenizer = tokenizer
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+class Encoder:
+    """Chunks of texts encoded in worker processes, results in submission order, few in flight."""
+
+    def __init__(self, tokenizer: tk.Tokenizer, workers: int):
+        self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+        self.pending: collections.deque = collections.deque()
+        self.limit = 2 * workers
+
+    def submit(self, texts: list[str], tag: object) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
+        """Queue a chunk; yields the results that had to be collected to make room."""
+        self.pending.append((self.pool.apply_async(_encode, (texts,)), tag))
+        while len(self.pending) > self.limit:
+            yield self._collect()
+
+    def drain(self) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
+        while self.pending:
+            yield self._collect()
+
+    def _collect(self) -> tuple[np.ndarray, np.ndarray, object]:
+        result, tag = self.pending.popleft()
+        ids, lengths = result.get()
+        return ids, lengths, tag
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
+# --- reading, with the --on-error policy ---
+
+class Reader:
+    """Every input's records in order; problems raise (fail) or are counted (skip)."""
+
+    def __init__(self, inputs: list[sources.Source], opts: Options):
+        self.inputs, self.opts = inputs, opts
+        self.skips = mf.Skips()
+        self.per_source: dict[str, list[int]] = {s.url: [0, 0] for s in inputs}  # documents, skipped
+        self.bytes_done = 0  # input bytes of the sources finished, for progress
+
+    def records(self) -> Iterator[sources.Record]:
+        self.skips, self.bytes_done = mf.Skips(), 0
+        self.per_source = {s.url: [0, 0] for s in self.inputs}
+        by_reason: collections.Counter = collections.Counter()
+        examples: list[str] = []
+        for source in self.inputs:
+            counts = self.per_source[source.url]
+            for item in sources.read(source, self.opts.text_field):
+                if isinstance(item, sources.Problem):
+                    if self.opts.on_error == "fail":
+                        raise PrepareError(f"{item} (--on-error skip skips such records and counts them)")
+                    counts[1] += 1
+                    by_reason[item.kind] += 1
+                    if len(examples) < 20:
+                        examples.append(str(item))
+                    self.skips = mf.Skips(count=sum(by_reason.values()), by_reason=dict(by_reason), examples=examples)
+                    continue
+                counts[0] += 1
+                yield item
+            self.bytes_done += source.size
+
+    def texts(self) -> Iterator[str]:
+        return (record.text for record in self.records())
+
+
+# --- the run ---
+
+class Progress:
+    """Documents, tokens, MB/s and ETA: a tqdm bar on a terminal, a log line every 10 s otherwise."""
+
+    def __init__(self, total_bytes: int, enabled: bool | None):
+        self.total, self.started, self.last_log = max(total_bytes, 1), time.monotonic(), 0.0
+        self.docs = self.tokens = self.text_bytes = 0
+        self.bar = None
+        if enabled or (enabled is None and sys.stderr.isatty()):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
+
+    def update(self, docs: int, tokens: int, text_bytes: int, finished_bytes: int) -> None:
+        """finished_bytes: the input files read to their end; text read so far estimates the rest."""
+        self.docs, self.tokens, self.text_bytes = self.docs + docs, self.tokens + tokens, self.text_bytes + text_bytes
+        done = min(max(finished_bytes, self.text_bytes), self.total)
+        elapsed = time.monotonic() - self.started
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.set_postfix(docs=self.docs, tokens=self.tokens, refresh=False)
+            self.bar.refresh()
+        elif time.monotonic() - self.last_log >= 10:
+            self.last_log = time.monotonic()
+            rate = done / elapsed if elapsed else 0.0
+            log.info("preparing", documents=self.docs, tokens=self.tokens, mb_per_s=round(rate / 1e6, 2),
+                     eta_s=round((self.total - done) / rate) if rate else None)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def fingerprint(inputs: list[sources.Source], opts: Options, tokenizer_id: str) -> str:
+    what = {"format": mf.FORMAT, "inputs": [(s.url, s.size, s.mtime) for s in inputs], "tokenizer": tokenizer_id,
+            "text_field": opts.text_field, "val_fraction": opts.val_fraction, "val_docs": opts.val_docs,
+            "seed": opts.seed, "shard_tokens": opts.shard_tokens, "on_error": opts.on_error}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _tokenizer_id(spec: str) -> str:
+    if spec == "bytes" or tk.parse_spec(spec) is not None:
+        return spec
+    return tk.load(spec).sha256
+
+
+def prepare(opts: Options) -> mf.Manifest:
+    """Prepare the dataset `opts` describes; its manifest. PrepareError on bad input."""
+    try:
+        inputs = sources.discover(opts.inputs)
+        tokenizer_id = _tokenizer_id(opts.tokenizer)
+    except (sources.InputError, tk.TokenizerError) as e:
+        raise PrepareError(str(e)) from None
+    print_ = fingerprint(inputs, opts, tokenizer_id)
+    if opts.out.startswith("gs://"):
+        return _prepare_remote(inputs, opts, print_)
+    return _prepare_local(inputs, opts, print_, Path(opts.out))
+
+
+def _prepare_remote(inputs: list[sources.Source], opts: Options, print_: str) -> mf.Manifest:
+    from engine.data import remote
+
+    existing = remote.read_manifest(opts.out)
+    if existing is not None and existing.fingerprint == print_ and not opts.overwrite:
+        log.info("dataset is up to date", out=opts.out, identity=existing.identity)
+        return existing
+    if existing is not None and not opts.overwrite:
+        raise PrepareError(f"{opts.out}: already holds a dataset prepared from other inputs or options "
+                           f"(--overwrite replaces it)")
+    root = Path(opts.work_dir or tempfile.gettempdir())
+    local = root / f"tpud-prepare-{hashlib.sha256(opts.out.encode()).hexdigest()[:16]}"
+    manifest = _prepare_local(inputs, opts, print_, local)
+    log.info("uploading dataset", out=opts.out, files=len(manifest.files))
+    remote.upload(local, opts.out, manifest)
+    log.info("dataset uploaded", out=opts.out, identity=manifest.identity)
+    return manifest
+
+
+def _prepare_local(inputs: list[sources.Source], opts: Options, print_: str, out: Path) -> mf.Manifest:
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"{out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".prepare.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PrepareError(f"{out}: another tpud prepare is writing there") from None
+        if (out / mf.MANIFEST).exists():
+            try:
+                existing = mf.read(out)
+            except mf.DatasetError:
+                existing = None
+            if existing is not None and existing.fingerprint == print_ and not opts.overwrite:
+                log.info("dataset is up to date", out=str(out), identity=existing.identity)
+                return existing
+            if not opts.overwrite:
+                raise PrepareError(f"{out}: already holds a dataset prepared from other inputs or options "
+                                   f"(--overwrite replaces it)")
+            (out / mf.MANIFEST).unlink()  # from here on it is not a dataset
+            fsync_path(out)
+        _clear(out)
+        staging = out / STAGING
+        staging.mkdir()
+        manifest = _write(inputs, opts, print_, staging)
+        for entry in manifest.files:
+            os.replace(staging / entry.path, out / entry.path)
+        fsync_path(out)
+        atomic_write(out / mf.MANIFEST, manifest.to_json())
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("dataset prepared", out=str(out), identity=manifest.identity,
+             **{f"{name}_tokens": split.tokens for name, split in manifest.splits.items()},
+             documents=sum(s.documents for s in manifest.splits.values()), skipped=manifest.skipped.count)
+    return manifest
+
+
+def _ours(name: str) -> bool:
+    stem = name.removesuffix(".npy")
+    return (name == STAGING or name == "tokenizer.json" or name.startswith(".prepare")
+            or (name.endswith(".npy") and stem.split("-")[0] in mf.SPLITS))
+
+
+def _clear(out: Path) -> None:
+    """Remove an earlier, unfinished run's files; refuse a directory holding anything else."""
+    foreign = [p.name for p in out.iterdir() if not _ours(p.name)]
+    if foreign:
+        raise PrepareError(f"{out}: not empty and not a tpud dataset (holds {', '.join(sorted(foreign)[:5])}); "
+                           f"choose an empty or new directory")
+    for path in out.iterdir():
+        if path.name == STAGING:
+            shutil.rmtree(path)
+        elif not path.name.startswith(".prepare"):
+            path.unlink()
+
+
+def _write(inputs: list[sources.Source], opts: Options, print_: str, staging: Path) -> mf.Manifest:
+    reader = Reader(inputs, opts)
+    tokenizer = _resolve_tokenizer(opts.tokenizer, reader)
+    is_val = _val_selector(opts, reader)
+    workers = opts.workers or os.cpu_count() or 1
+    writers = {name: SplitWriter(staging, name, tokenizer.dtype, opts.shard_tokens) for name in mf.SPLITS}
+    progress = Progress(sum(s.size for s in inputs), opts.progress)
+    encoder = Encoder(tokenizer, workers)
+
+    def store(ids: np.ndarray, lengths: np.ndarray, tag: tuple[np.ndarray, int, int]) -> None:
+        val, text_bytes, finished_bytes = tag
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        if not val.any():
+            writers["train"].add(ids, lengths)
+        else:  # route each document; consecutive documents of one split are written together
+            for name, mask in (("train", ~val), ("val", val)):
+                if mask.any():
+                    writers[name].add(np.concatenate([ids[s:e] for s, e in zip(starts[mask], ends[mask])]),
+                                      lengths[mask])
+        progress.update(len(lengths), len(ids), text_bytes, finished_bytes)
+
+    try:
+        ordinal = 0
+        for texts, text_bytes in _chunks(reader.records()):
+            val = is_val(np.arange(ordinal, ordinal + len(texts)))
+            ordinal += len(texts)
+            for result in encoder.submit(texts, (val, text_bytes, reader.bytes_done)):
+                store(*result)
+        for result in encoder.drain():
+            store(*result)
+    finally:
+        encoder.close()
+        progress.close()
+    splits = {name: writer.close() for name, writer in writers.items()}
+    if splits["train"].documents == 0:
+        raise PrepareError("no documents to train on: every record was skipped or went to the validation split")
+    token_file = None
+    if tokenizer.json is not None:
+        (staging / "tokenizer.json").write_text(tokenizer.json)
+        token_file = mf.FileEntry(path="tokenizer.json", bytes=(staging / "tokenizer.json").stat().st_size,
+                                  crc32c=file_crc32c(staging / "tokenizer.json"))
+    entry = mf.Tokenizer(kind=tokenizer.kind, file=token_file, sha256=tokenizer.sha256,
+                         vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id)
+    files = [f for split in splits.values() for f in (*split.shards, split.index)]
+    return mf.Manifest(
+        identity=mf.identity(tokenizer.sha256, files), fingerprint=print_, dtype=tokenizer.dtype.name,
+        tokenizer=entry, splits=splits,
+        sources=[mf.SourceEntry(url=s.url, bytes=s.size, mtime=s.mtime, documents=reader.per_source[s.url][0],
+                                skipped=reader.per_source[s.url][1]) for s in inputs],
+        skipped=reader.skips,
+        options={k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "val_docs", "seed",
+                                                                "shard_tokens", "on_error", "tokenizer")})
+
+
+def _chunks(records: Iterator[sources.Record]) -> Iterator[tuple[list[str], int]]:
+    texts, size = [], 0
+    for record in records:
+        texts.append(record.text)
+        size += len(record.text)
+        if size >= CHUNK_CHARS:
+            yield texts, size
+            texts, size = [], 0
+    if texts:
+        yield texts, size
+
+
+def _resolve_tokenizer(spec: str, reader: Reader) -> tk.Tokenizer:
+    try:
+        if spec == "bytes":
+            return tk.byte_tokenizer()
+        if (vocab := tk.parse_spec(spec)) is not None:
+            log.info("training a byte-level BPE tokenizer on the inputs", vocab_size=vocab)
+            tokenizer = tk.train(reader.texts(), vocab)
+            log.info("tokenizer trained", vocab_size=tokenizer.vocab_size)
+            return tokenizer
+        return tk.load(spec)
+    except tk.TokenizerError as e:
+        raise PrepareError(str(e)) from None
+
+
+def _val_selector(opts: Options, reader: Reader) -> Callable[[np.ndarray], np.ndarray]:
+    """Which documents (by ordinal among the valid ones) form the validation split."""
+    key = order.key_of(VAL_KEY, opts.seed)
+    if opts.val_docs is None:
+        return lambda ordinals: order.unit(ordinals, key) < opts.val_fraction
+    total = sum(1 for _ in reader.records())  # the count decides which N; one extra read of the inputs
+    if opts.val_docs >= total:
+        raise PrepareError(f"--val-docs {opts.val_docs}: the inputs hold only {total} documents")
+    chosen = np.sort(np.random.default_rng(key % (1 << 63)).choice(total, opts.val_docs, replace=False))
+    return lambda ordinals: np.isin(ordinals, chosen, assume_unique=True)

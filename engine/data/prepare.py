@@ -1,0 +1,127 @@
+"""`tpud prepare INPUT... --tokenizer SPEC --out DIR|gs://...`: texts -> tokens -> a prepared dataset.
+
+Also `python -m engine.data.prepare`. This module is the command: its options, validated
+once, and its exit codes; the work is engine.data.pipeline's, imported only when it runs, so
+that building the `tpud` parser stays cheap. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+
+class PrepareError(Exception):
+    """Bad input or options; the message names the file and line, or the option."""
+
+
+@dataclass(frozen=True)
+class Options:
+    inputs: tuple[str, ...]
+    tokenizer: str
+    out: str
+    text_field: str = "text"
+    val_fraction: float = 0.0
+    val_docs: int | None = None
+    seed: int = 0
+    shard_tokens: int = 1 << 27
+    on_error: str = "fail"  # or "skip"
+    workers: int = 0  # 0: every core
+    work_dir: str | None = None  # where a gs:// output is staged
+    overwrite: bool = False
+    progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise PrepareError(f"--val-fraction {self.val_fraction}: must be in [0, 1)")
+        if self.val_docs is not None and self.val_docs < 1:
+            raise PrepareError(f"--val-docs {self.val_docs}: must be positive")
+        if self.val_docs is not None and self.val_fraction:
+            raise PrepareError("--val-fraction and --val-docs: give one of them")
+        if self.shard_tokens < 1:
+            raise PrepareError(f"--shard-tokens {self.shard_tokens}: must be positive")
+        if self.on_error not in ("fail", "skip"):
+            raise PrepareError(f"--on-error {self.on_error}: fail or skip")
+
+
+# --- command line ---
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="files, directories or globs (quote them), local or gs://: .jsonl/.json (one object "
+                        "per line), .parquet, .csv, .tsv (a header row), .txt (one document per file); each "
+                        "optionally .gz or .zst")
+    parser.add_argument("--tokenizer", required=True, metavar="SPEC",
+                        help="a tokenizer.json, a directory holding one (its tokenizer_config.json names BOS/EOS), "
+                        "train:VOCAB_SIZE (a byte-level BPE trained on the inputs, saved with the data), or bytes")
+    parser.add_argument("--out", required=True, metavar="DIR|gs://bucket/prefix",
+                        help="the dataset directory (new or empty, or an earlier run's)")
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the JSON field or parquet/csv column holding the text (default: text)")
+    val = parser.add_mutually_exclusive_group()
+    val.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                     help="hold out this fraction of documents for validation, chosen by document (default 0)")
+    val.add_argument("--val-docs", type=int, default=None, metavar="N",
+                     help="hold out exactly N documents (reads the inputs once more to count them)")
+    parser.add_argument("--seed", type=int, default=0, help="decides which documents are held out (default 0)")
+    parser.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                        help="a bad record (malformed JSON, missing or non-string text, invalid UTF-8, an empty or "
+                        "unreadable file): fail stops naming FILE:LINE (default); skip skips it and counts it in "
+                        "the manifest")
+    parser.add_argument("--workers", type=int, default=0, metavar="N",
+                        help="tokenizer processes (default: one per core)")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N",
+                        help="tokens per shard file (default 2^27: 256 MiB of uint16)")
+    parser.add_argument("--work-dir", metavar="DIR", help="where a gs:// output is staged (default: $TMPDIR)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a dataset prepared from other inputs or options")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                        help="log lines instead of a progress bar, even on a terminal")
+
+
+def options(args: argparse.Namespace) -> Options:
+    return Options(inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
+                   val_fraction=args.val_fraction, val_docs=args.val_docs, seed=args.seed,
+                   shard_tokens=args.shard_tokens, on_error=args.on_error, workers=max(0, args.workers),
+                   work_dir=args.work_dir, overwrite=args.overwrite, progress=args.progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command's handler: 0 when the dataset is ready, 1 on bad input (the message on stderr)."""
+    try:
+        from engine.data.pipeline import prepare
+
+        manifest = prepare(options(args))
+    except PrepareError as e:
+        print(f"tpud prepare: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, an unreachable bucket
+        print(f"tpud prepare: {e}", file=sys.stderr)
+        return 1
+    summary = {name: {"documents": s.documents, "tokens": s.tokens} for name, s in manifest.splits.items()}
+    print(json.dumps({"out": args.out, "identity": manifest.identity, "vocab_size": manifest.tokenizer.vocab_size,
+                      "splits": summary, "skipped": manifest.skipped.count}))
+    return 0
+
+
+DESCRIPTION = (
+    "Prepare a dataset once, off the accelerator hosts: read texts, tokenize them on every core, and write "
+    "token shards, a document index, the tokenizer and manifest.json (last) to DIR or gs://. Jobs train on it "
+    "with data.dataset: DIR. Running it again with the same inputs and options does nothing; after an "
+    "interruption it starts over cleanly.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine import logs
+
+    parser = argparse.ArgumentParser(prog="python -m engine.data.prepare", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logs.configure()
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

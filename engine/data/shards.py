@@ -1,0 +1,135 @@
+"""A split's token stream on disk: written as fixed-size .npy shards, read back memory-mapped. Torch-free.
+
+The writer appends tokens of unknown total length, so each shard's .npy header is written
+with a fixed size first and rewritten with the real length when the shard is closed; numpy
+reads the result like any .npy file. The reader maps every shard and reads any token range
+of the stream, across shard boundaries, touching only the pages it needs: its memory and
+its start-up time do not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import os
+from pathlib import Path
+
+import numpy as np
+
+from engine.checkpoint.manifest import file_crc32c
+from engine.data.manifest import FileEntry, Split
+
+_HEADER = 128  # bytes: magic, version, length, then the header dict padded with spaces
+_MAGIC = b"\x93NUMPY\x01\x00"
+
+
+def _header(dtype: np.dtype, length: int) -> bytes:
+    text = repr({"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (length,)})
+    body_len = _HEADER - len(_MAGIC) - 2
+    body = text.encode("latin1").ljust(body_len - 1) + b"\n"
+    return _MAGIC + body_len.to_bytes(2, "little") + body
+
+
+class NpyAppender:
+    """One .npy file of a 1-D array, appended to; `close()` fixes its length and makes it durable."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path, self.dtype, self.length = path, np.dtype(dtype), 0
+        self.file = open(path, "wb")
+        self.file.write(_header(self.dtype, 0))
+
+    def append(self, values: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.length += len(values)
+
+    def close(self) -> FileEntry:
+        self.file.seek(0)
+        self.file.write(_header(self.dtype, self.length))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return FileEntry(path=self.path.name, bytes=self.path.stat().st_size, crc32c=file_crc32c(self.path),
+                         tokens=self.length)
+
+
+class SplitWriter:
+    """A split's documents, in order, into shards of `shard_tokens` tokens and a document index."""
+
+    def __init__(self, directory: Path, name: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.name, self.dtype, self.shard_tokens = directory, name, dtype, shard_tokens
+        self.shards: list[FileEntry] = []
+        self.current: NpyAppender | None = None
+        self.index = NpyAppender(directory / f"{name}-docs.npy", np.uint64)
+        self.index.append(np.zeros(1, dtype=np.uint64))
+        self.tokens = self.documents = 0
+
+    def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents whose framed tokens are `ids`, `lengths` tokens each."""
+        self.index.append(self.tokens + np.cumsum(lengths, dtype=np.uint64))
+        self.tokens += len(ids)
+        self.documents += len(lengths)
+        while len(ids):
+            if self.current is None:
+                self.current = NpyAppender(self.directory / f"{self.name}-{len(self.shards):05d}.npy", self.dtype)
+            room = self.shard_tokens - self.current.length
+            self.current.append(ids[:room])
+            ids = ids[room:]
+            if self.current.length == self.shard_tokens:
+                self.shards.append(self.current.close())
+                self.current = None
+
+    def close(self) -> Split:
+        if self.current is not None:
+            self.shards.append(self.current.close())
+        return Split(documents=self.documents, tokens=self.tokens, shards=self.shards, index=self.index.close())
+
+
+def _open(path: Path, expected: FileEntry) -> np.memmap:
+    with open(path, "rb") as f:
+        head = f.read(_HEADER)
+    try:
+        if head[:6] != _MAGIC[:6]:
+            raise ValueError("not a .npy file")
+        length = int.from_bytes(head[8:10], "little")
+        header = ast.literal_eval(head[10:10 + length].decode("latin1"))
+        dtype, (count,) = np.dtype(header["descr"]), header["shape"]
+    except (ValueError, SyntaxError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: damaged shard header ({e})") from None
+    if 10 + length + count * dtype.itemsize != expected.bytes or count != expected.tokens:
+        raise ValueError(f"{path}: holds {count} tokens in {path.stat().st_size} bytes, the manifest says "
+                         f"{expected.tokens} in {expected.bytes}")
+    return np.memmap(path, dtype=dtype, mode="r", offset=10 + length, shape=(count,))
+
+
+class TokenStream:
+    """A split's tokens, read by position across its memory-mapped shards."""
+
+    def __init__(self, directory: Path, split: Split):
+        self.shards = [_open(directory / entry.path, entry) for entry in split.shards]
+        self.starts = [0]
+        for shard in self.shards:
+            self.starts.append(self.starts[-1] + len(shard))
+        self.n_tokens = self.starts[-1]
+        if self.n_tokens != split.tokens:
+            raise ValueError(f"{directory}: shards hold {self.n_tokens} tokens, the manifest says {split.tokens}")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens start .. stop - 1 of the stream (a copy)."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        parts = []
+        while start < stop:
+            shard, offset = self.shards[i], start - self.starts[i]
+            take = min(stop - start, len(shard) - offset)
+            parts.append(shard[offset:offset + take])
+            start, i = start + take, i + 1
+        return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+
+
+class ArrayStream:
+    """The same reads from tokens held in memory (the built-in corpus)."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens, self.n_tokens = tokens, len(tokens)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.array(self.tokens[start:stop])
