@@ -6,6 +6,7 @@ calls the methods below from any thread; `serve()` exposes /metrics over HTTP.
 
 Names and units are the interface (prefix tpud_, base units, counters end in _total):
 tpud_build_info{version}, tpud_job_state{job,state}, tpud_job_step{job}, tpud_job_loss{job},
+tpud_job_eval_loss{job},
 tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_restarts_total{job,reason},
 tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier,reason}
 (histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
@@ -138,6 +139,8 @@ class Metrics:
                            registry=r)
         self._loss = Gauge("tpud_job_loss", "Last training loss the job reported.", ["job"],
                            registry=r)
+        self._eval_loss = Gauge("tpud_job_eval_loss", "Last validation loss the job reported (eval section).",
+                                ["job"], registry=r)
         self._tps = Gauge("tpud_job_tokens_per_second", "Training throughput in tokens per second.",
                           ["job"], registry=r)
         self._mfu = Gauge("tpud_job_mfu_ratio", "Model FLOPs utilisation (0..1).", ["job"],
@@ -192,6 +195,10 @@ class Metrics:
                                   (self._tps, tokens_per_second), (self._mfu, mfu)):
                 if value is not None:
                     self._child(metric, job).set(float(value))
+
+    def eval_loss(self, job: str, loss: float) -> None:
+        with self._lock:
+            self._child(self._eval_loss, job).set(float(loss))
 
     def heartbeat(self, job: str, at: float) -> None:
         """Record a heartbeat at monotonic time `at` (the clock given to Metrics)."""

@@ -50,9 +50,11 @@ METRIC_NAMES = {
     "mfu": "perf/mfu",
     "rss_bytes": "memory/host_rss_bytes",
     "device_memory_bytes": "memory/device_bytes",
+    "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
 }
 ENGINE_STEP = "train/step"
-_PREFIXES = ("train/*", "perf/*", "memory/*")
+_PREFIXES = ("train/*", "perf/*", "memory/*", "eval/*")
 # Event fields that are not metrics: the step comes as log()'s own argument.
 _NOT_METRICS = frozenset({"step", "type", "event"})
 
@@ -283,6 +285,12 @@ class JobTracker:
                                 config=config(), last_step=self.step)
         self.run.log({k: getattr(event, k) for k in events.STEP_SCALARS}, step=event.step)
         self.step = self.run.last_step
+
+    def log_eval(self, event: events.Eval) -> None:
+        """A validation loss, plotted against the engine step like the step's scalars."""
+        if self.run is not None:
+            self.run.log({"eval_loss": event.loss, "eval_perplexity": event.perplexity}, step=event.step)
+            self.step = self.run.last_step
 
     def finish_in_background(self) -> None:
         """The job ended: finish the run without waiting (a restart resumes it)."""

@@ -139,12 +139,15 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int) ->
         raise ConfigError(*problems[0])
     trains, vals = [], []
     for i, (dataset, key) in enumerate(zip(prepared, keys)):
-        train = dataset.windows("train", window)
+        try:
+            train, val = dataset.windows("train", window), dataset.windows("val", window)
+        except (ValueError, OSError) as e:  # a shard missing, truncated or damaged
+            raise ConfigError(key, str(e)) from None
         if train is None:
             raise ConfigError(key, f"{dataset.path}: its train split holds fewer than {window} tokens "
                               f"(one window of data.seq_len + 1)")
         trains.append(Shuffled(train, order.key_of(seed, i) if mixture else seed))
-        vals.append(dataset.windows("val", window))
+        vals.append(val)
     weights = [weight for _, weight in data.datasets]
     if mixture:
         train_samples = Mixed(trains, weights, seed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import re
 import shutil
 import tempfile
@@ -44,16 +45,17 @@ def split(url: str) -> tuple[str, str]:
     return match["bucket"], match["prefix"] or ""
 
 
-_client = None
+_clients: dict[str | None, object] = {}
 
 
 def client():
-    global _client
-    if _client is None:
+    """One client per process and endpoint (tests point STORAGE_EMULATOR_HOST at several servers)."""
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
+    if endpoint not in _clients:
         from google.cloud import storage
 
-        _client = storage.Client()
-    return _client
+        _clients[endpoint] = storage.Client()
+    return _clients[endpoint]
 
 
 def list_objects(bucket: str, prefix: str) -> Iterator[tuple[str, int, float]]:

@@ -85,6 +85,11 @@ class SplitWriter:
 
 
 def _open(path: Path, expected: FileEntry) -> np.memmap:
+    """Map a shard after checking it against its manifest entry (sizes: a full CRC at every start
+    would read the whole dataset; fetched copies are checked in full, engine.data.remote)."""
+    size = path.stat().st_size
+    if size != expected.bytes:
+        raise ValueError(f"{path}: {size} bytes, the manifest says {expected.bytes} (damaged or truncated)")
     with open(path, "rb") as f:
         head = f.read(_HEADER)
     try:
@@ -96,7 +101,7 @@ def _open(path: Path, expected: FileEntry) -> np.memmap:
     except (ValueError, SyntaxError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: damaged shard header ({e})") from None
     if 10 + length + count * dtype.itemsize != expected.bytes or count != expected.tokens:
-        raise ValueError(f"{path}: holds {count} tokens in {path.stat().st_size} bytes, the manifest says "
+        raise ValueError(f"{path}: holds {count} tokens in {size} bytes, the manifest says "
                          f"{expected.tokens} in {expected.bytes}")
     return np.memmap(path, dtype=dtype, mode="r", offset=10 + length, shape=(count,))
 

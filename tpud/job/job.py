@@ -83,6 +83,7 @@ class Job:
         self.error: str | None = None
         self.error_detail: list[str] = []
         self.progress: events.Step | None = None  # the latest step event, for status
+        self.evaluated: events.Eval | None = None  # the latest validation loss, for status
         self.restored_step: int | None = None  # status's step before the first step event
         self.checkpoints = JobCheckpoints(self.name)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
@@ -120,7 +121,7 @@ class Job:
             events.Hello: self._hello, events.Heartbeat: self._heartbeat, events.Started: self._started,
             events.Step: self._step, events.CheckpointStarted: self._checkpoint_started,
             events.CheckpointCommitted: self._committed, events.CheckpointFailed: self._checkpoint_failed,
-            events.CheckpointRestored: self._restored, events.NonFinite: self._nonfinite,
+            events.CheckpointRestored: self._restored, events.NonFinite: self._nonfinite, events.Eval: self._eval,
         }
         self.metrics.job_state(self.name, self.state.value)
 
@@ -170,31 +171,40 @@ class Job:
             self._adopt(self.next_spec)
         self.error, self.stop_reason, self.kill_at, self.error_detail = None, None, None, []
         self.ledger.enter(goodput.WORKER)  # fetching from GCS is part of starting up
-        if self.tiers.tier is None:
+        remote_data = [url for url, _ in self.spec.data.datasets if url.startswith("gs://")]
+        if self.tiers.tier is None and not remote_data:
             self._spawn()
             return
         # Listing and downloading from GCS can take minutes: never on the loop thread.
         self._preparing = True
-        self._set(State.STARTING, "fetching the newest checkpoint from GCS")
-        threading.Thread(target=self._prepare, name=f"prepare-{self.name}", daemon=True).start()
+        self._set(State.STARTING, "fetching the newest checkpoint and the dataset from GCS")
+        threading.Thread(target=self._prepare, args=(remote_data,), name=f"prepare-{self.name}", daemon=True).start()
 
-    def _prepare(self) -> None:
+    def _prepare(self, remote_data: list[str]) -> None:
+        """The newest checkpoint, and the job's gs:// datasets (verified, shared by the host's jobs)."""
+        from engine.data import remote
+
+        error = None
         try:
             self.tiers.prepare()
         except Exception as e:  # an unreachable GCS tier: retry later, like a crash
-            error = f"cannot prepare checkpoints: {e}"
-            self.loop.post(lambda: self._prepared(error))
-        else:
-            self.loop.post(lambda: self._prepared(None))
+            error = (f"cannot prepare checkpoints: {e}", "checkpoint_tier")
+        for url in remote_data if error is None else ():
+            try:
+                remote.fetch(url, self.paths.layout.datasets())
+            except Exception as e:  # unreachable, not prepared, or corrupt in transit: retried like a crash
+                error = (f"cannot fetch the dataset {url}: {e}", "dataset")
+                break
+        self.loop.post(lambda: self._prepared(error))
 
-    def _prepared(self, error: str | None) -> None:
+    def _prepared(self, error: tuple[str, str] | None) -> None:
         self._preparing = False
         if self.stop_reason is not None:  # stopped while preparing
             self.ledger.worker_exited(lost_work=False)
             self._set(State.PREEMPTED if self.stop_reason == "preempted" else State.STOPPED, self.stop_reason)
         elif error is not None:
             self.ledger.worker_exited(lost_work=True)
-            self._crashed(error, "checkpoint_tier")
+            self._crashed(*error)
         else:
             self._spawn()
 
@@ -336,6 +346,12 @@ class Job:
             self.tracker.log(event, lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
         if self.clock() - self._saved_at >= SAVE_EVERY_S:
             self.save()
+
+    def _eval(self, event: events.Eval) -> None:
+        self.evaluated = event
+        self.metrics.eval_loss(self.name, event.loss)
+        if self.rank == 0:
+            self.tracker.log_eval(event)
 
     def _checkpoint_started(self, event: events.CheckpointStarted) -> None:
         self.watch.saving(self.clock())
@@ -515,6 +531,8 @@ class Job:
             "loss": None if progress is None else progress.loss,
             "tokens_per_second": None if progress is None else progress.tokens_per_s,
             "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
+            "eval_loss": None if self.evaluated is None else self.evaluated.loss,
+            "eval_step": None if self.evaluated is None else self.evaluated.step,
             "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
             "age_seconds": None if first is None else round(time.time() - first, 1),
             "goodput": self.ledger.snapshot(),

@@ -1,0 +1,213 @@
+"""tpud prepare: every input format, the tokenizer's exact ids, bad input, determinism, interruption, gs://."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from engine.data import manifest as mf
+from engine.data.pipeline import prepare
+from engine.data.prepare import Options, PrepareError
+from tests import corpus
+from tests.conftest import PYTHON, REPO, python_env
+
+TEXTS = corpus.docstrings(120)
+
+
+def run(out: Path, *inputs, tokenizer="bytes", **options) -> mf.Manifest:
+    return prepare(Options(inputs=tuple(map(str, inputs)), tokenizer=str(tokenizer), out=str(out), workers=1,
+                           progress=False, **options))
+
+
+def documents(out: Path, split: str = "train") -> list[list[int]]:
+    manifest = mf.read(out)
+    tokens = np.concatenate([np.load(out / s.path) for s in manifest.splits[split].shards])
+    offsets = np.load(out / manifest.splits[split].index.path)
+    return [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "tpud", "prepare", *args], cwd=REPO, env=python_env(), text=True,
+                          capture_output=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory) -> Path:
+    return corpus.make_tokenizer(tmp_path_factory.mktemp("tok"), TEXTS)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "tsv", "txt"])
+@pytest.mark.parametrize("compression", ["", ".gz", ".zst"])
+def test_every_format_holds_exactly_the_tokenizers_ids_framed(tmp_path, hf_tokenizer, fmt, compression):
+    texts = TEXTS[:9]
+    source = corpus.write(tmp_path / f"in.{fmt}", texts, fmt)
+    if compression and fmt == "txt":
+        for path in sorted(source.iterdir()):
+            corpus.compress(path, compression)
+    elif compression:
+        source = corpus.compress(source, compression)
+    manifest = run(tmp_path / "out", source, tokenizer=hf_tokenizer)
+    tok = Tokenizer.from_file(str(hf_tokenizer / "tokenizer.json"))
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    expected = [[bos, *tok.encode(t, add_special_tokens=False).ids, eos] for t in texts]
+    assert documents(tmp_path / "out") == expected
+    assert manifest.tokenizer.eos_id == eos and manifest.tokenizer.bos_id == bos and manifest.dtype == "uint16"
+    assert manifest.splits["train"].documents == len(texts) and manifest.skipped.count == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (hf_tokenizer / "tokenizer.json").read_text()
+
+
+def test_bytes_and_trained_tokenizers_and_a_large_vocabulary_in_uint32(tmp_path):
+    src = corpus.write(tmp_path / "in.jsonl", TEXTS[:20], "jsonl")
+    run(tmp_path / "b", src)
+    assert documents(tmp_path / "b")[0] == [*TEXTS[0].encode(), 256]
+    trained = run(tmp_path / "t", src, tokenizer="train:400")
+    tok = Tokenizer.from_file(str(tmp_path / "t" / "tokenizer.json"))
+    assert trained.tokenizer.vocab_size == tok.get_vocab_size() <= 400
+    assert documents(tmp_path / "t")[1] == [*tok.encode(TEXTS[1]).ids, tok.token_to_id("<|endoftext|>")]
+    # A vocabulary above 65536 needs four bytes a token.
+    big = tmp_path / "big"
+    big.mkdir()
+    vocab = {f"t{i}": i for i in range(70_000)}
+    vocab.update({"</s>": 70_000, "[UNK]": 70_001})
+    from tokenizers import models, pre_tokenizers
+
+    wide = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    wide.pre_tokenizer = pre_tokenizers.Whitespace()
+    wide.save(str(big / "tokenizer.json"))
+    words = corpus.write(tmp_path / "w.jsonl", ["t1 t69999 t5"], "jsonl")
+    manifest = run(tmp_path / "w", words, tokenizer=big)
+    assert manifest.dtype == "uint32" and documents(tmp_path / "w") == [[1, 69_999, 5, 70_000]]
+
+
+BAD = {
+    "malformed.jsonl": (b'{"text": "fine"}\n{"text": oops}\n', r"malformed.jsonl:2: malformed JSON"),
+    "missing.jsonl": (b'{"text": "fine"}\n{"body": "x"}\n', r"missing.jsonl:2: no field 'text'"),
+    "number.jsonl": (b'{"text": 3}\n', r"number.jsonl:1: field 'text' is int, not a string"),
+    "null.jsonl": (b'{"text": null}\n', r"null.jsonl:1: field 'text' is null"),
+    "utf8.jsonl": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"utf8.jsonl:2: invalid UTF-8"),
+    "utf8.txt": (b"line one\nline \xff two\n", r"utf8.txt:2: invalid UTF-8"),
+    "empty.jsonl": (b"", r"empty.jsonl: empty file"),
+    "empty.csv": (b"", r"empty.csv: empty file"),
+    "broken.parquet": (b"PAR1 this is not parquet", r"broken.parquet: not a readable parquet file"),
+    "short.csv": (b"id,text\n1,fine\n2\n", r"short.csv:3: row has 1 columns"),
+    "truncated.jsonl.gz": (b"\x1f\x8b\x08\x00\x00\x00", r"truncated.jsonl.gz: cannot read"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_names_the_file_and_line_and_skip_counts_it(tmp_path, name):
+    data, message = BAD[name]
+    bad = tmp_path / name
+    bad.write_bytes(data)
+    good = corpus.write(tmp_path / "good.jsonl", TEXTS[:3], "jsonl")
+    with pytest.raises(PrepareError, match=message):
+        run(tmp_path / "out", good, bad)
+    assert not (tmp_path / "out" / mf.MANIFEST).exists()
+    manifest = run(tmp_path / "out", good, bad, on_error="skip")
+    assert manifest.skipped.count >= 1 and any(message.split(": ", 1)[0] in e for e in manifest.skipped.examples)
+    by_source = {s.url: s for s in manifest.sources}
+    assert by_source[str(bad)].skipped >= 1 and by_source[str(good)].documents == 3
+
+
+def test_the_command_line_reports_bad_input_and_bad_arguments(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n{"text": [1]}\n')
+    done = cli(str(tmp_path / "a.jsonl"), "--tokenizer", "bytes", "--out", str(tmp_path / "o"))
+    assert done.returncode == 1 and "a.jsonl:2: field 'text' is list, not a string" in done.stderr
+    assert "--on-error skip" in done.stderr
+    for args, message in [
+        (["nowhere/*.jsonl"], "no input files there"),
+        ([str(tmp_path / "missing.jsonl")], "no such file or directory"),
+        ([str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path)], "no tokenizer.json there"),
+        ([str(tmp_path / "a.jsonl"), "--tokenizer", "train:x"], "train:VOCAB_SIZE"),
+        ([str(tmp_path / "a.jsonl"), "--val-fraction", "1.5"], "--val-fraction 1.5"),
+    ]:
+        full = [*args] if "--tokenizer" in args else [*args, "--tokenizer", "bytes"]
+        done = cli(*full, "--out", str(tmp_path / "o2"))
+        assert done.returncode == 1 and message in done.stderr, (args, done.stderr)
+    (tmp_path / "dir-out").mkdir()
+    (tmp_path / "dir-out" / "precious.txt").write_text("keep me")
+    done = cli(str(tmp_path / "a.jsonl"), "--tokenizer", "bytes", "--on-error", "skip", "--out", str(tmp_path / "dir-out"))
+    assert done.returncode == 1 and "not empty and not a tpud dataset" in done.stderr
+    assert (tmp_path / "dir-out" / "precious.txt").read_text() == "keep me"
+
+
+def test_same_inputs_same_bytes_and_a_rerun_has_nothing_to_do(tmp_path, hf_tokenizer):
+    src = corpus.write(tmp_path / "in.jsonl", TEXTS, "jsonl")
+    a = run(tmp_path / "a", src, tokenizer=hf_tokenizer, val_fraction=0.2, shard_tokens=2000)
+    b = run(tmp_path / "b", src, tokenizer=hf_tokenizer, val_fraction=0.2, shard_tokens=2000)
+    assert len(a.splits["train"].shards) > 2 and a.identity == b.identity
+    for entry in a.files:
+        assert (tmp_path / "a" / entry.path).read_bytes() == (tmp_path / "b" / entry.path).read_bytes()
+    written = (tmp_path / "a" / mf.MANIFEST).stat().st_mtime_ns
+    assert run(tmp_path / "a", src, tokenizer=hf_tokenizer, val_fraction=0.2, shard_tokens=2000) == a
+    assert (tmp_path / "a" / mf.MANIFEST).stat().st_mtime_ns == written
+    with pytest.raises(PrepareError, match="--overwrite"):
+        run(tmp_path / "a", src, tokenizer=hf_tokenizer, val_fraction=0.3, shard_tokens=2000)
+    assert run(tmp_path / "a", src, tokenizer=hf_tokenizer, val_fraction=0.3, shard_tokens=2000,
+               overwrite=True).identity != a.identity
+
+
+def test_the_validation_split_is_chosen_by_document(tmp_path):
+    src = corpus.write(tmp_path / "in.jsonl", TEXTS, "jsonl")
+    frac = run(tmp_path / "f", src, val_fraction=0.25)
+    exact = run(tmp_path / "n", src, val_docs=7)
+    assert exact.splits["val"].documents == 7 and exact.splits["train"].documents == len(TEXTS) - 7
+    assert 0.1 < frac.splits["val"].documents / len(TEXTS) < 0.4
+    everything = {bytes(d[:-1]).decode() for split in ("train", "val") for d in documents(tmp_path / "f", split)}
+    assert everything == set(TEXTS)  # every document lands in exactly one split, whole
+    with pytest.raises(PrepareError, match="only"):
+        run(tmp_path / "x", src, val_docs=len(TEXTS))
+
+
+def test_an_interrupted_prepare_leaves_no_dataset_and_a_rerun_finishes_it(tmp_path):
+    big = corpus.write(tmp_path / "big.jsonl", list(TEXTS) * 150, "jsonl")  # ~10 MB
+    out = tmp_path / "out"
+    args = [PYTHON, "-m", "engine.data.prepare", str(big), "--tokenizer", "bytes", "--out", str(out),
+            "--shard-tokens", "100000", "--workers", "1", "--no-progress"]
+    proc = subprocess.Popen(args, cwd=REPO, env=python_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list((out / ".incomplete").glob("train-0000[2-9].npy")):  # a few shards written
+        assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it could be interrupted"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with pytest.raises(mf.DatasetError, match="interrupted"):
+        mf.read(out)
+    assert subprocess.run(args, cwd=REPO, env=python_env(), capture_output=True).returncode == 0
+    clean = run(tmp_path / "clean", big, shard_tokens=100_000)
+    assert mf.read(out).identity == clean.identity
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        [e.path for e in clean.files] + [mf.MANIFEST])
+
+
+def test_gs_inputs_and_output_against_fake_gcs(tmp_path, gcs_server):
+    from engine.data import remote
+
+    bucket = gcs_server.client().bucket("tpud-test")
+    for fmt, name in (("jsonl", "raw/a.jsonl"), ("csv", "raw/b.csv")):
+        path = corpus.write(tmp_path / Path(name).name, TEXTS[:5] if fmt == "jsonl" else TEXTS[5:8], fmt)
+        bucket.blob(name).upload_from_filename(str(path))
+    manifest = run("gs://tpud-test/data/ds", "gs://tpud-test/raw", val_docs=2, work_dir=str(tmp_path / "work"))
+    assert manifest.splits["train"].documents + manifest.splits["val"].documents == 8
+    assert [s.url for s in manifest.sources] == ["gs://tpud-test/raw/a.jsonl", "gs://tpud-test/raw/b.csv"]
+    assert remote.read_manifest("gs://tpud-test/data/ds") == manifest
+    local = remote.fetch("gs://tpud-test/data/ds", tmp_path / "cache")
+    assert mf.read(local) == manifest and remote.fetch("gs://tpud-test/data/ds", tmp_path / "cache") == local
+    assert documents(local)[0] in ([*t.encode(), 256] for t in TEXTS[:8])
+    # A corrupted object never reaches the cache.
+    shard = manifest.splits["train"].shards[0].path
+    bucket.blob(f"data/ds/{shard}").upload_from_string(b"\x93NUMPY garbage")
+    with pytest.raises(remote.RemoteDataError, match="CRC32C|match"):
+        remote.fetch("gs://tpud-test/data/ds", tmp_path / "cache2")
+    assert not any((tmp_path / "cache2").glob("*/manifest.json"))
+    with pytest.raises(remote.RemoteDataError, match="not a prepared dataset"):
+        remote.fetch("gs://tpud-test/raw", tmp_path / "cache3")
