@@ -299,3 +299,32 @@ def test_tpu_examples_select_splash_on_xla_and_the_8b_preset_is_llama3():
     m = spec.model
     assert (m.dim, m.hidden_dim, m.n_layers, m.n_heads, m.kv_heads, m.vocab_size, m.rope_theta) == (
         4096, 14336, 32, 32, 8, 128256, 500000.0)
+
+
+def test_validate_checks_a_prepared_dataset_against_the_model(tmp_path, capsys):
+    from engine.data.pipeline import prepare
+    from engine.data.prepare import Options
+
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    prepare(Options(inputs=(str(tmp_path / "in.jsonl"),), tokenizer="bytes", out=str(tmp_path / "data" / "ds"),
+                    workers=1, progress=False))
+    job = write(tmp_path, "job.yaml", "name: d\ndata:\n  dataset: data/ds\nmodel:\n  vocab_size: 256\n")
+    assert main(["validate", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert f"{job}:5: model.vocab_size: 256 is smaller than the vocabulary of data.dataset's tokenizer (257)" in err
+    assert main(["validate", str(job), "--set", "model.vocab_size=320"]) == 0  # relative to the job file
+    missing = write(tmp_path, "missing.yaml", "data:\n  dataset: nowhere\n")
+    assert main(["validate", str(missing)]) == 1
+    assert f"{missing}:2: data.dataset: {tmp_path / 'nowhere'}: not a prepared dataset" in capsys.readouterr().err
+
+
+def test_data_sources_and_eval_are_checked_together(tmp_path, capsys):
+    both = write(tmp_path, "both.yaml", "data:\n  dataset: a\n  mixture: [{dataset: b, weight: 1}]\n")
+    assert main(["validate", str(both)]) == 1
+    assert "give data.dataset or data.mixture, not both" in capsys.readouterr().err
+    tiny = write(tmp_path, "tiny.yaml", "data:\n  mixture: [{dataset: a, weight: 1000}, {dataset: b, weight: 0.5}]\n")
+    assert main(["validate", str(tiny)]) == 1
+    assert "data.mixture.1.weight: is 0.05% of the mixture" in capsys.readouterr().err
+    no_val = write(tmp_path, "eval.yaml", "eval: {batches: 2}\n")
+    assert main(["validate", str(no_val)]) == 1
+    assert "eval: needs data.dataset or data.mixture" in capsys.readouterr().err

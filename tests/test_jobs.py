@@ -80,13 +80,13 @@ def step(n, step_time=0.5, **badput):
 def make_job(tmp_path):
     now = [1000.0]
 
-    def make(restart=None, health=None, workers=None):
+    def make(restart=None, health=None, workers=None, metrics=None):
         spec = JobSpec.model_validate({
             "name": "j", "health": health or {},
             "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
                         "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
         workers = workers or Workers()
-        job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), Metrics(), stop_timeout=10,
+        job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), metrics or Metrics(), stop_timeout=10,
                   clock=lambda: now[0], spawn=workers)
         job.workers = workers  # for the test to look at
         return job
@@ -448,3 +448,14 @@ def test_a_transition_outside_the_table_is_refused():
     assert set(states.TRANSITIONS) == set(State)
     for groups in (states.ACTIVE, states.ENDED, states.WAITING):
         assert groups <= set(State)
+
+
+def test_a_validation_loss_reaches_status_and_metrics(make_job):
+    from tpud.metrics import Metrics as RealMetrics
+
+    make, now = make_job
+    job = make(metrics=(metrics := RealMetrics()))
+    running(job)
+    job.handle(events.Eval(step=10, loss=1.25, perplexity=3.49, seconds=0.4))
+    assert job.snapshot()["eval_loss"] == 1.25 and job.snapshot()["eval_step"] == 10
+    assert b'tpud_job_eval_loss{job="j"} 1.25' in metrics.exposition()

@@ -13,7 +13,10 @@ import tpud
 from tests.conftest import PYTHON, python_env
 
 ENGINE_SIDE = ["engine.spec.schema", "engine.spec.loader", "engine.events", "engine.checkpoint.manifest",
-               "engine.layout", "engine.backoff", "engine.exit_codes", "engine.errors", "engine.hooks", "engine.logs"]
+               "engine.layout", "engine.backoff", "engine.exit_codes", "engine.errors", "engine.hooks", "engine.logs",
+               # tpud prepare, and the dataset fetch before a worker starts
+               "engine.data.prepare", "engine.data.pipeline", "engine.data.remote", "engine.data.manifest",
+               "engine.data.dataset"]
 
 
 def daemon_modules() -> list[str]:

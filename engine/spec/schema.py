@@ -130,8 +130,8 @@ class DataConfig(Section):
             raise ValueError("give data.dataset or data.mixture, not both")
         total = sum(entry.weight for entry in self.mixture)
         _located(type(self).__name__, [
-            (("mixture", i, "weight"), entry.weight, "is {share:.2%} of the mixture, below the 0.1% that "
-             "deterministic blending resolves", {"share": entry.weight / total})
+            (("mixture", i, "weight"), entry.weight, "is {share} of the mixture, below the 0.1% that "
+             "deterministic blending resolves", {"share": f"{entry.weight / total:.2%}"})
             for i, entry in enumerate(self.mixture) if entry.weight / total < 0.001])
         return self
 
