@@ -6,7 +6,7 @@ import pytest
 
 from tpud import cli
 
-COMMANDS = ["daemon", "run", "validate", "schema", "checkpoints", "status", "checkpoint-now", "stop", "start"]
+COMMANDS = ["daemon", "run", "validate", "prepare", "schema", "checkpoints", "status", "checkpoint-now", "stop", "start"]
 
 
 @pytest.mark.parametrize("argv", [

@@ -139,3 +139,25 @@ def test_run_uploads_each_commit_and_a_fresh_host_resumes_from_gcs(tmp_path, gcs
     restored = next(r for r in records if r["event"] == "checkpoint restored")
     assert restored["step"] == 8 and restored["path"].startswith(str(tmp_path / "host-b"))
     assert [r["step"] for r in records if r["event"] == "step"] == [9, 10]
+
+
+def test_run_trains_on_a_gs_dataset_fetched_by_the_supervisor_and_reports_eval_loss(tmp_path, gcs_server):
+    from engine.data.pipeline import prepare
+    from engine.data.prepare import Options
+    from tests import corpus
+
+    texts = corpus.docstrings(200)
+    source = corpus.write(tmp_path / "docs.jsonl", texts, "jsonl")
+    prepare(Options(inputs=(str(source),), tokenizer="bytes", out="gs://tpud-test/data/docs", val_fraction=0.1,
+                    workers=1, work_dir=str(tmp_path / "work"), progress=False))
+    proc = tpud_run(tmp_path / "home", "train.max_steps=4", "data.dataset=gs://tpud-test/data/docs",
+                    "model.vocab_size=264", "eval={interval_steps: 2, batches: 2}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    fetched = [r for r in records if r["event"] == "downloading dataset"]
+    assert len(fetched) == 1 and fetched[0]["to"].startswith(str(tmp_path / "home" / "state" / "datasets"))
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5
+    ready = next(r for r in records if r["event"] == "trainer ready")
+    assert ready["datasets"][0].startswith(str(tmp_path / "home" / "state" / "datasets"))
