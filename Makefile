@@ -23,7 +23,9 @@ test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow and not xla"
 
 bench: $(STAMP)  ## the benchmarks under bench/, results in bench/results/
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/train_overhead.py
+	$(BIN)/python bench/data.py
 
 clean:
 	rm -rf $(VENV) .tpud .pytest_cache

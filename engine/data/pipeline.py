@@ -233,7 +233,11 @@ def _prepare_local(inputs: list[sources.Source], opts: Options, print_: str, out
         _clear(out)
         staging = out / STAGING
         staging.mkdir()
-        manifest = _write(inputs, opts, print_, staging)
+        try:
+            manifest = _write(inputs, opts, print_, staging)
+        except BaseException:  # bad input, a full disk, Ctrl-C: free the space, leave no half dataset
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         for entry in manifest.files:
             os.replace(staging / entry.path, out / entry.path)
         fsync_path(out)
