@@ -14,8 +14,9 @@ import sys
 import structlog
 
 
-def configure(level: str = "info", fmt: str | None = None) -> None:
-    fmt = fmt or os.environ.get("TPUD_LOG_FORMAT") or ("console" if sys.stdout.isatty() else "json")
+def configure(level: str = "info", fmt: str | None = None, stream=None) -> None:
+    stream = stream or sys.stdout
+    fmt = fmt or os.environ.get("TPUD_LOG_FORMAT") or ("console" if stream.isatty() else "json")
     renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
@@ -26,6 +27,6 @@ def configure(level: str = "info", fmt: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )

@@ -211,3 +211,12 @@ def test_gs_inputs_and_output_against_fake_gcs(tmp_path, gcs_server):
     assert not any((tmp_path / "cache2").glob("*/manifest.json"))
     with pytest.raises(remote.RemoteDataError, match="not a prepared dataset"):
         remote.fetch("gs://tpud-test/raw", tmp_path / "cache3")
+
+
+def test_an_output_inside_an_input_directory_is_not_read_back(tmp_path):
+    corpus.write(tmp_path / "in" / "a.jsonl", TEXTS[:4], "jsonl")
+    corpus.write(tmp_path / "in" / ".hidden.jsonl", ["not this"], "jsonl")
+    first = run(tmp_path / "in" / "ds", tmp_path / "in", tokenizer="train:300")
+    assert [s.url for s in first.sources] == [str(tmp_path / "in" / "a.jsonl")]
+    again = run(tmp_path / "in" / "ds", tmp_path / "in", tokenizer="train:300")  # tokenizer.json is there now
+    assert again == first

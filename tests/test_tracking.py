@@ -220,3 +220,19 @@ def test_log_never_blocks_on_a_stuck_init(wandb_env, monkeypatch):
         assert not run._thread.is_alive()
     assert any(e["event"].startswith("wandb init failed") for e in logs), logs
     run.log({"loss": 1.0}, 101)  # after close: ignored, never raises
+
+
+def test_eval_loss_is_logged_as_eval_loss_against_the_engine_step(wandb_env):
+    from engine import events
+    from tpud.tracking import JobTracker
+
+    tracker = JobTracker(offline(), job="demo", directory=wandb_env / "job", saved={}, newest_run_id=lambda: None)
+    tracker.log(events.Step(step=4, loss=3.0, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, step_time_s=0.1), dict)
+    tracker.log_eval(events.Eval(step=4, loss=2.5, perplexity=12.18, seconds=0.3))
+    tracker.run.close(timeout=30)
+    [(_, records)] = offline_runs(wandb_env / "job")
+    rows = history_rows(records)
+    assert rows[-1]["eval/loss"] == 2.5 and rows[-1]["eval/perplexity"] == 12.18 and rows[-1]["train/step"] == 4
+    metrics = {r.metric.glob_name or r.metric.name: r.metric.step_metric
+               for r in records if r.WhichOneof("record_type") == "metric"}
+    assert metrics.get("eval/*") == "train/step"

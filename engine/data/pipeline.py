@@ -179,21 +179,21 @@ def _tokenizer_id(spec: str) -> str:
 def prepare(opts: Options) -> mf.Manifest:
     """Prepare the dataset `opts` describes; its manifest. PrepareError on bad input."""
     try:
-        inputs = sources.discover(opts.inputs)
+        inputs = sources.discover(opts.inputs, exclude=None if opts.out.startswith("gs://") else opts.out)
         tokenizer_id = _tokenizer_id(opts.tokenizer)
     except (sources.InputError, tk.TokenizerError) as e:
         raise PrepareError(str(e)) from None
-    print_ = fingerprint(inputs, opts, tokenizer_id)
+    digest = fingerprint(inputs, opts, tokenizer_id)
     if opts.out.startswith("gs://"):
-        return _prepare_remote(inputs, opts, print_)
-    return _prepare_local(inputs, opts, print_, Path(opts.out))
+        return _prepare_remote(inputs, opts, digest)
+    return _prepare_local(inputs, opts, digest, Path(opts.out))
 
 
-def _prepare_remote(inputs: list[sources.Source], opts: Options, print_: str) -> mf.Manifest:
+def _prepare_remote(inputs: list[sources.Source], opts: Options, digest: str) -> mf.Manifest:
     from engine.data import remote
 
     existing = remote.read_manifest(opts.out)
-    if existing is not None and existing.fingerprint == print_ and not opts.overwrite:
+    if existing is not None and existing.fingerprint == digest and not opts.overwrite:
         log.info("dataset is up to date", out=opts.out, identity=existing.identity)
         return existing
     if existing is not None and not opts.overwrite:
@@ -201,14 +201,14 @@ def _prepare_remote(inputs: list[sources.Source], opts: Options, print_: str) ->
                            f"(--overwrite replaces it)")
     root = Path(opts.work_dir or tempfile.gettempdir())
     local = root / f"tpud-prepare-{hashlib.sha256(opts.out.encode()).hexdigest()[:16]}"
-    manifest = _prepare_local(inputs, opts, print_, local)
+    manifest = _prepare_local(inputs, opts, digest, local)
     log.info("uploading dataset", out=opts.out, files=len(manifest.files))
     remote.upload(local, opts.out, manifest)
     log.info("dataset uploaded", out=opts.out, identity=manifest.identity)
     return manifest
 
 
-def _prepare_local(inputs: list[sources.Source], opts: Options, print_: str, out: Path) -> mf.Manifest:
+def _prepare_local(inputs: list[sources.Source], opts: Options, digest: str, out: Path) -> mf.Manifest:
     if out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +222,7 @@ def _prepare_local(inputs: list[sources.Source], opts: Options, print_: str, out
                 existing = mf.read(out)
             except mf.DatasetError:
                 existing = None
-            if existing is not None and existing.fingerprint == print_ and not opts.overwrite:
+            if existing is not None and existing.fingerprint == digest and not opts.overwrite:
                 log.info("dataset is up to date", out=str(out), identity=existing.identity)
                 return existing
             if not opts.overwrite:
@@ -234,7 +234,7 @@ def _prepare_local(inputs: list[sources.Source], opts: Options, print_: str, out
         staging = out / STAGING
         staging.mkdir()
         try:
-            manifest = _write(inputs, opts, print_, staging)
+            manifest = _write(inputs, opts, digest, staging)
         except BaseException:  # bad input, a full disk, Ctrl-C: free the space, leave no half dataset
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -268,7 +268,7 @@ def _clear(out: Path) -> None:
             path.unlink()
 
 
-def _write(inputs: list[sources.Source], opts: Options, print_: str, staging: Path) -> mf.Manifest:
+def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Path) -> mf.Manifest:
     reader = Reader(inputs, opts)
     tokenizer = _resolve_tokenizer(opts.tokenizer, reader)
     is_val = _val_selector(opts, reader)
@@ -314,7 +314,7 @@ def _write(inputs: list[sources.Source], opts: Options, print_: str, staging: Pa
                          vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id)
     files = [f for split in splits.values() for f in (*split.shards, split.index)]
     return mf.Manifest(
-        identity=mf.identity(tokenizer.sha256, files), fingerprint=print_, dtype=tokenizer.dtype.name,
+        identity=mf.identity(tokenizer.sha256, files), fingerprint=digest, dtype=tokenizer.dtype.name,
         tokenizer=entry, splits=splits,
         sources=[mf.SourceEntry(url=s.url, bytes=s.size, mtime=s.mtime, documents=reader.per_source[s.url][0],
                                 skipped=reader.per_source[s.url][1]) for s in inputs],

@@ -89,15 +89,19 @@ def options(args: argparse.Namespace) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The command's handler: 0 when the dataset is ready, 1 on bad input (the message on stderr)."""
-    try:
-        from engine.data.pipeline import prepare
+    """The command's handler: 0 when the dataset is ready, 1 on bad input (the message on stderr).
 
+    Stdout gets one JSON line describing the dataset; the log goes to stderr."""
+    from google.api_core.exceptions import GoogleAPIError
+
+    from engine import logs
+    from engine.data.manifest import DatasetError
+    from engine.data.pipeline import prepare
+
+    logs.configure(stream=sys.stderr)
+    try:
         manifest = prepare(options(args))
-    except PrepareError as e:
-        print(f"tpud prepare: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk, an unreachable bucket
+    except (PrepareError, DatasetError, OSError, GoogleAPIError) as e:  # bad input, a full disk, a bucket
         print(f"tpud prepare: {e}", file=sys.stderr)
         return 1
     summary = {name: {"documents": s.documents, "tokens": s.tokens} for name, s in manifest.splits.items()}
@@ -114,13 +118,9 @@ DESCRIPTION = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine import logs
-
     parser = argparse.ArgumentParser(prog="python -m engine.data.prepare", description=DESCRIPTION)
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    logs.configure()
-    return run(args)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

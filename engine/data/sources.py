@@ -100,16 +100,17 @@ def supported(name: str) -> bool:
     return _suffix(base) in FORMATS
 
 
-def discover(inputs: Iterable[str]) -> list[Source]:
+def discover(inputs: Iterable[str], exclude: str | None = None) -> list[Source]:
     """Every input file, in argument order, each directory's and glob's files in sorted order.
 
     An argument that names nothing, or only files of no known format, is an InputError: a
-    typo must not quietly prepare a smaller dataset.
+    typo must not quietly prepare a smaller dataset. Files under `exclude` (the output
+    directory, which may lie inside an input directory) and hidden files are left out.
     """
     found: list[Source] = []
     seen: set[str] = set()
     for arg in inputs:
-        sources = _remote_sources(arg) if arg.startswith("gs://") else _local_sources(arg)
+        sources = _remote_sources(arg) if arg.startswith("gs://") else _local_sources(arg, exclude)
         if not sources:
             raise InputError(f"{arg}: no input files there (formats: {', '.join(sorted(FORMATS))}, "
                              f"optionally {' or '.join(COMPRESSIONS)})")
@@ -120,11 +121,12 @@ def discover(inputs: Iterable[str]) -> list[Source]:
     return found
 
 
-def _local_sources(arg: str) -> list[Source]:
+def _local_sources(arg: str, exclude: str | None) -> list[Source]:
     if _GLOB.search(arg):
         paths = sorted(glob.glob(arg, recursive=True))
     elif os.path.isdir(arg):
-        paths = sorted(str(p) for p in Path(arg).rglob("*"))
+        paths = sorted(str(p) for p in Path(arg).rglob("*")
+                       if not any(part.startswith(".") for part in p.relative_to(arg).parts))
     elif os.path.lexists(arg):
         if not os.path.isfile(arg):
             raise InputError(f"{arg}: not a regular file")
@@ -135,7 +137,11 @@ def _local_sources(arg: str) -> list[Source]:
     else:
         raise InputError(f"{arg}: no such file or directory")
     sources = []
+    skip = os.path.realpath(exclude) + os.sep if exclude else None
     for path in paths:
+        inside_output = skip is not None and os.path.realpath(path).startswith(skip)
+        if inside_output or (os.path.basename(path).startswith(".") and path != arg):
+            continue
         if supported(path) and os.path.isfile(path):
             stat = os.stat(path)
             sources.append(Source(path, stat.st_size, stat.st_mtime))
