@@ -50,10 +50,11 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_spec, tmp_path):
     big, hbig, _ = run(tiny_spec(*SHORT, "train.max_steps=3", "data.micro_batch_size=4"), tmp_path / "big")
     acc, hacc, _ = run(tiny_spec(*SHORT, "train.max_steps=3", "data.micro_batch_size=2",
                                  "train.grad_accum_steps=2"), tmp_path / "acc")
-    # Same sequences per step, summed in a different order: equal up to float rounding.
+    # Same sequences per step, summed in a different order: equal up to float rounding, which
+    # after three AdamW steps reaches a few 1e-6 in a weight near zero (whose relative error is large).
     assert hacc.losses == pytest.approx(hbig.losses, rel=1e-5)
     for pa, pb in zip(big.model.parameters(), acc.model.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5)
 
 
 def test_hooks_are_polled_at_every_micro_batch_and_step_boundary(tiny_spec, tmp_path):
