@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -104,6 +106,11 @@ def test_windows_straddle_shards_and_match_the_token_stream(dataset):
 def test_a_damaged_or_missing_dataset_names_the_key(dataset, tmp_path):
     with pytest.raises(ConfigError, match="data.dataset.*not a prepared dataset"):
         open_data(spec(tmp_path).data, 0, tmp_path, 264)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "manifest.json")  # never opened: reading it would block forever
+    with pytest.raises(ConfigError, match="a FIFO, not a regular file"):
+        open_data(spec(fifo).data, 0, tmp_path, 264)
     with pytest.raises(ConfigError, match="model.vocab_size.*257"):
         open_data(spec(dataset).data, 0, tmp_path, 256)
     copy = tmp_path / "copy"

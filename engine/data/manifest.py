@@ -103,15 +103,20 @@ class DatasetError(ValueError):
     """A path that is not a usable prepared dataset."""
 
 
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists shards; millions of them would still fit
+
+
 def read(directory: str | Path) -> Manifest:
     """The manifest of a prepared dataset directory; DatasetError naming what is wrong."""
+    from engine.spec.loader import Refused, read_regular_file
+
     path = Path(directory) / MANIFEST
     try:
-        text = path.read_text()
+        text = read_regular_file(path, limit=MAX_MANIFEST_BYTES).decode("utf-8")
     except FileNotFoundError:
         hint = " (an interrupted `tpud prepare`? run it again)" if Path(directory).is_dir() else ""
         raise DatasetError(f"{directory}: not a prepared dataset: no {MANIFEST}{hint}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, Refused) as e:  # a FIFO or a device is refused unopened
         raise DatasetError(f"{path}: unreadable: {e}") from None
     return parse(text, str(path))
 
