@@ -43,6 +43,8 @@ from engine.faults import Faults, NoFaults
 from engine.layout import StateLayout
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
+from engine.checkpoint.manifest import committed_steps
+from engine.models.hf import load_weights
 from engine.models.llama import Transformer, flops_per_token
 from engine.nonfinite import NonFiniteGuard
 from engine.optim import build_optimizer
@@ -81,6 +83,9 @@ class Trainer:
         # Initialise on the host from the seed: every backend then starts from the same weights.
         torch.manual_seed(spec.train.seed)
         self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
+        checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
+        if spec.model.init_from is not None and not committed_steps(checkpoints):
+            load_weights(self.model, spec.model.init_from)  # a resume always takes the job's own checkpoint
         # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
         # state directory (torchrun on one host) reads the fault markers before any can fire one.
         inject = spec.debug.inject
@@ -100,7 +105,7 @@ class Trainer:
                                   "or --val-docs")
             self.evaluator = Evaluator(spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module,
                                        self.bf16, self.badput, self.hooks.emit)
-        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, layout.checkpoints(spec.name, spec.checkpoint.dir),
+        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints,
                                          spec_hash(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
                                          self.hooks.emit)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.spec.schema import ModelConfig
+from engine.spec.schema import ModelConfig, RopeScaling
 
 # (q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, H, T, D], causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,11 +36,24 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
+                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [max_seq_len, head_dim // 2], fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequencies: wavelengths longer than original_max / low_freq_factor are
+    stretched by `factor`, those shorter than original_max / high_freq_factor kept, and those
+    between blended linearly in original_max / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    context = s.original_max_position_embeddings
+    smooth = ((context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,7 +123,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.checkpoint_fn = checkpoint_fn if cfg.activation_checkpointing else None
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         # Not persistent: derived from the config, so never part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -160,6 +160,8 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits
     if "name" not in data:
         data["name"] = Path(file).stem.lower()
         origins["name"] = Origin(file, None, "the name defaults to the file name")
+    if hf_problems := _with_hf_model(data, origins):
+        raise SpecError(hf_problems)
     try:
         return LoadedSpec(_with_absolute_datasets(JobSpec.model_validate(data), origins), origins)
     except ValidationError as e:
@@ -170,22 +172,50 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits
         raise SpecError(problems) from None
 
 
-def _with_absolute_datasets(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
-    """Relative dataset paths are relative to the file that names them, as includes are (an
-    override's, to the working directory): the worker, started elsewhere, gets absolute ones."""
-    def absolute(path: str, key: str) -> str:
-        path = path if path.startswith("gs://") else os.path.expanduser(path)
-        if path.startswith("gs://") or os.path.isabs(path):
-            return path
-        origin = origins.get(key)
-        base = Path(origin.file).parent if origin is not None and os.path.isfile(origin.file) else Path.cwd()
-        return str((base / path).absolute())
+def _absolute(path: str, key: str, origins: Mapping[str, Origin]) -> str:
+    """A path relative to the file that names it, as includes are (an override's: the working directory)."""
+    path = path if path.startswith("gs://") else os.path.expanduser(path)
+    if path.startswith("gs://") or os.path.isabs(path):
+        return path
+    origin = origins.get(key)
+    base = Path(origin.file).parent if origin is not None and os.path.isfile(origin.file) else Path.cwd()
+    return str((base / path).absolute())
 
+
+def _with_absolute_datasets(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
+    """The worker, started elsewhere, gets absolute dataset paths."""
     if spec.data.dataset is not None:
-        spec.data.dataset = absolute(spec.data.dataset, "data.dataset")
+        spec.data.dataset = _absolute(spec.data.dataset, "data.dataset", origins)
     for i, entry in enumerate(spec.data.mixture):
-        entry.dataset = absolute(entry.dataset, f"data.mixture.{i}.dataset")
+        entry.dataset = _absolute(entry.dataset, f"data.mixture.{i}.dataset", origins)
     return spec
+
+
+def _with_hf_model(data: dict, origins: dict[str, Origin]) -> list[Problem]:
+    """Fill in the model section from model.init_from's config.json; each value the job sets must agree."""
+    from engine.spec.hf_config import FIELDS, HfConfigError, model_fields, same
+
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
+        return []
+    path = model["init_from"] = _absolute(model["init_from"], "model.init_from", origins)
+    if path.startswith("gs://"):
+        return [_located("model.init_from", "gs:// is not supported yet: copy the model directory to local disk",
+                         origins)]
+    try:
+        fields = model_fields(path)
+    except HfConfigError as e:
+        return [_located("model.init_from", str(e), origins)]
+    problems = []
+    for key, value in fields.items():
+        if key not in model:
+            model[key] = value
+            origins[f"model.{key}"] = origins.get("model.init_from", Origin("", None))._replace(
+                note=f"from {FIELDS[key]} in {path}/config.json")
+        elif not same(model[key], value):
+            problems.append(_located(f"model.{key}", f"{model[key]!r} differs from {FIELDS[key]} = {value!r} in "
+                                     f"{path}/config.json", origins))
+    return problems
 
 
 def load_mapping(path: str | os.PathLike[str], limits: Limits = LIMITS) -> dict[str, Any]:

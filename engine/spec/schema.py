@@ -19,8 +19,30 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeScaling(Section):
+    """Llama 3.1's rope scaling (Hugging Face rope_type "llama3"): long wavelengths are divided by
+    `factor`, short ones kept, those between interpolated smoothly."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: PositiveInt
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                             f"({self.low_freq_factor})")
+        return self
+
+
 class ModelConfig(Section):
     """A Llama-family decoder. Presets live in configs/models/*.yaml."""
+
+    init_from: str | None = Field(
+        None, description="A Hugging Face Llama directory (config.json + *.safetensors) to start from when the job "
+        "has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match.")
 
     vocab_size: PositiveInt = 256
     dim: PositiveInt = 128
@@ -31,6 +53,7 @@ class ModelConfig(Section):
     multiple_of: PositiveInt = 64
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1+ rope scaling; none by default.")
     max_seq_len: PositiveInt = 2048
     tie_embeddings: bool = True
     activation_checkpointing: bool = False

@@ -1,0 +1,97 @@
+"""Hugging Face Llama weights (safetensors, single or sharded) into the engine's Transformer.
+
+The engine's layout is Hugging Face's apart from names: both rotate the half-split pairs of
+each head (`rotate_half`), so q and k need no permutation. Files are memory-mapped and read
+one tensor at a time into the parameter it belongs to: beyond the model itself, host memory
+holds about one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.errors import ConfigError
+from engine.models.llama import Transformer
+
+log = structlog.get_logger()
+
+INDEX = "model.safetensors.index.json"
+_BLOCK = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+# Buffers some exporters include; derived from the config, never loaded.
+_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def engine_name(hf_name: str) -> str | None:
+    """The engine parameter a Hugging Face tensor name stands for; None for names it has no use for."""
+    if hf_name == "model.embed_tokens.weight":
+        return "tok_embeddings.weight"
+    if hf_name == "model.norm.weight":
+        return "norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    match = _LAYER.match(hf_name)
+    if match and match[2] in _BLOCK:
+        return f"layers.{match[1]}.{_BLOCK[match[2]]}.weight"
+    return None
+
+
+def _files(directory: Path) -> dict[str, list[str] | None]:
+    """safetensors file -> the names the index promises in it (None: whatever it holds)."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError("model.init_from", f"{index}: not a safetensors index: {e}") from None
+        files: dict[str, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        return files
+    single = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not single:
+        raise ConfigError("model.init_from", f"{directory}: no *.safetensors weights")
+    return dict.fromkeys(single)
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, directory: str | Path) -> None:
+    """Copy the directory's weights into `model`; ConfigError naming what is missing or mismatched."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file, promised in _files(directory).items():
+        path = directory / file
+        if not path.is_file():
+            raise ConfigError("model.init_from", f"{path}: missing (named by {INDEX})")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for hf_name in promised or f.keys():
+                    name = engine_name(hf_name)
+                    if name is None or name not in params:
+                        if name == "output.weight" and model.output is None or _IGNORED.search(hf_name):
+                            continue  # a tied model's copy of the embedding, or a derived buffer
+                        raise ConfigError("model.init_from", f"{path}: unexpected tensor {hf_name}")
+                    tensor = f.get_tensor(hf_name)
+                    if tensor.shape != params[name].shape:
+                        raise ConfigError("model.init_from", f"{path}: {hf_name} has shape {list(tensor.shape)}, "
+                                          f"the model expects {list(params[name].shape)}")
+                    params[name].copy_(tensor)
+                    loaded.add(name)
+        except SafetensorError as e:
+            raise ConfigError("model.init_from", f"{path}: unreadable safetensors file: {e}") from None
+    if missing := sorted(set(params) - loaded):
+        raise ConfigError("model.init_from", f"{directory}: no weights for {', '.join(missing[:5])}"
+                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    log.info("weights loaded", init_from=str(directory), tensors=len(loaded))

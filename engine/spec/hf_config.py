@@ -1,0 +1,83 @@
+"""A Hugging Face Llama config.json as the engine's model section. Torch-free.
+
+`model.init_from` names a Hugging Face model directory; its config.json decides the model's
+geometry. The job may leave the dimensions out (they are filled in from config.json) or write
+them out (each must then equal config.json's). Both the published format (top-level
+`rope_theta` and `rope_scaling`, Llama 3.1) and transformers 5's (`rope_parameters`) are read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# ModelConfig key -> config.json key
+FIELDS = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+    "rope_scaling": "rope_scaling",
+}
+LLAMA_TYPES = {"llama"}
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class HfConfigError(ValueError):
+    """A config.json that is not a Llama model the engine can load."""
+
+
+def model_fields(directory: str | Path) -> dict:
+    """The ModelConfig values config.json in `directory` implies; HfConfigError naming the problem."""
+    from engine.spec.loader import Refused, read_regular_file
+
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(read_regular_file(path, limit=MAX_CONFIG_BYTES))
+    except FileNotFoundError:
+        raise HfConfigError(f"{directory}: no config.json (expected a Hugging Face model directory)") from None
+    except (OSError, ValueError, Refused) as e:
+        raise HfConfigError(f"{path}: unreadable: {e}") from None
+    if not isinstance(config, dict):
+        raise HfConfigError(f"{path}: not a JSON object")
+    kind = config.get("model_type")
+    if kind not in LLAMA_TYPES:
+        raise HfConfigError(f"{path}: model_type {kind!r} is not a Llama model (architectures: "
+                            f"{config.get('architectures')}); only the Llama family loads")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise HfConfigError(f"{path}: {flag} is true; the engine's Llama has no biases")
+    if config.get("hidden_act", "silu") != "silu":
+        raise HfConfigError(f"{path}: hidden_act {config['hidden_act']!r}; the engine's SwiGLU uses silu")
+    rope = dict(config.get("rope_parameters") or {})
+    theta = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        kind = scaling.pop("type", None) or scaling.get("rope_type")
+        if kind != "llama3":
+            raise HfConfigError(f"{path}: rope scaling {kind!r} is not supported (only llama3)")
+        scaling["rope_type"] = kind
+    fields = {ours: config[theirs] for ours, theirs in FIELDS.items() if theirs in config}
+    fields.update(rope_theta=theta, rope_scaling=scaling)
+    fields.setdefault("n_kv_heads", fields.get("n_heads"))
+    fields.setdefault("tie_embeddings", False)  # transformers' LlamaConfig default
+    head_dim = config.get("head_dim")
+    if head_dim is not None and fields.get("dim") and fields.get("n_heads") and head_dim * fields["n_heads"] != fields["dim"]:
+        raise HfConfigError(f"{path}: head_dim {head_dim} x {fields['n_heads']} heads is not hidden_size "
+                            f"{fields['dim']}; the engine needs dim = n_heads x head_dim")
+    return fields
+
+
+def same(ours: object, theirs: object) -> bool:
+    """Whether a job's value equals config.json's (numbers compared as numbers)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return ours.keys() == theirs.keys() and all(same(ours[k], theirs[k]) for k in ours)
+    if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ours, bool):
+        return float(ours) == float(theirs)
+    return ours == theirs

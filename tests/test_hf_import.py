@@ -1,0 +1,100 @@
+"""model.init_from against the real thing: models built and saved by `transformers` itself, no download."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from engine.attention.sdpa import sdpa_attention
+from engine.errors import ConfigError
+from engine.models.hf import load_weights
+from engine.models.llama import Transformer
+from engine.spec.loader import SpecError, load_spec
+from engine.train import Trainer
+from tests.conftest import TINY_JOB
+from tests.recorders import Recorder
+
+ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def hf_model(directory, *, tied=False, rope_scaling=None, seed=0):
+    """A random Llama (GQA, rope theta 500000) saved by transformers in shards of at most 200 kB."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, tie_word_embeddings=tied,
+        rms_norm_eps=1e-5, rope_scaling=rope_scaling)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(directory, max_shard_size="200KB")
+    return model
+
+
+def job(directory, *overrides, **model):
+    """The demo job with its model section replaced (a mapping override replaces the whole section)."""
+    section = json.dumps({"init_from": str(directory), **model})
+    return load_spec(TINY_JOB, [f"model={section}", "data.seq_len=64", *overrides])
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied", "llama3-rope"])
+def test_imported_models_give_transformers_logits(tmp_path, variant):
+    reference = hf_model(tmp_path, tied=variant == "tied", rope_scaling=ROPE_LLAMA3 if variant == "llama3-rope" else None)
+    assert variant == "tied" or (tmp_path / "model.safetensors.index.json").is_file()  # sharded
+    spec = job(tmp_path)
+    cfg = spec.model
+    assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == (384, 64, 3, 8, 2, 160)
+    assert cfg.rope_theta == 500000.0 and cfg.tie_embeddings == (variant == "tied")
+    model = Transformer(cfg, sdpa_attention)
+    load_weights(model, tmp_path)
+    tokens = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model.logits(model(tokens))
+        theirs = reference(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_a_job_starts_from_the_weights_and_resumes_from_its_own_checkpoint(tmp_path):
+    hf_model(tmp_path / "hf")
+    spec = job(tmp_path / "hf", "train.max_steps=2", "data.micro_batch_size=2", "scheduler.warmup_steps=1",
+               "train.log_interval=1")
+    first = Trainer(spec, tmp_path / "home", Recorder())
+    reference = Transformer(spec.model, sdpa_attention)
+    load_weights(reference, tmp_path / "hf")
+    assert torch.equal(first.model.tok_embeddings.weight, reference.tok_embeddings.weight)
+    assert first.run() == 0
+    resumed = Trainer(job(tmp_path / "hf", "train.max_steps=3", "data.micro_batch_size=2", "scheduler.warmup_steps=1"),
+                      tmp_path / "home", Recorder())
+    assert resumed.progress.step == 2
+    assert torch.equal(resumed.model.tok_embeddings.weight, first.model.tok_embeddings.weight)
+
+
+def test_mismatches_and_bad_directories_are_clear_errors(tmp_path):
+    hf_model(tmp_path / "hf")
+    with pytest.raises(SpecError, match=r"model.dim: 128 differs from hidden_size = 64"):
+        job(tmp_path / "hf", dim=128)
+    with pytest.raises(SpecError, match=r"model.vocab_size: 256 differs from vocab_size = 384"):
+        job(tmp_path / "hf", vocab_size=256)
+    with pytest.raises(SpecError, match=r"configs/models/tiny.yaml:4: model.dim: 128 differs from hidden_size"):
+        load_spec(TINY_JOB, [f"model.init_from={tmp_path / 'hf'}"])  # the demo's preset names other dimensions
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(SpecError, match="model_type 'gpt2' is not a Llama model"):
+        job(gpt2)
+    with pytest.raises(SpecError, match="no config.json"):
+        job(tmp_path / "nowhere")
+    spec = job(tmp_path / "hf")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ConfigError, match=f"{shard.name}: missing"):
+        load_weights(Transformer(spec.model, sdpa_attention), tmp_path / "hf")
+    other = tmp_path / "other"
+    hf_model(other)
+    config = json.loads((other / "config.json").read_text())
+    config["intermediate_size"] = 128  # the weights say 160
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"proj.weight has shape \[(160, 64|64, 160)\], the model expects"):
+        load_weights(Transformer(job(other).model, sdpa_attention), other)
