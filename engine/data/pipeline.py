@@ -66,15 +66,23 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Encoder:
-    """Chunks of texts encoded in worker processes, results in submission order, few in flight."""
+    """Chunks of texts encoded in worker processes, results in submission order, few in flight.
+
+    With one worker the main process encodes itself: a lone worker process would only add the
+    copying between the two, and its start-up.
+    """
 
     def __init__(self, tokenizer: tk.Tokenizer, workers: int):
-        self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+        self.tokenizer = tokenizer
+        self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
         self.pending: collections.deque = collections.deque()
         self.limit = 2 * workers
 
     def submit(self, texts: list[str], tag: object) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
         """Queue a chunk; yields the results that had to be collected to make room."""
+        if self.pool is None:
+            yield (*self.tokenizer.encode_batch(texts), tag)
+            return
         self.pending.append((self.pool.apply_async(_encode, (texts,)), tag))
         while len(self.pending) > self.limit:
             yield self._collect()
@@ -89,8 +97,9 @@ class Encoder:
         return ids, lengths, tag
 
     def close(self) -> None:
-        self.pool.terminate()
-        self.pool.join()
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
 
 
 # --- reading, with the --on-error policy ---
