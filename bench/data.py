@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from bench.machine import describe  # noqa: E402
 from engine.data import manifest as mf  # noqa: E402
 from engine.data import tokenizer as tk  # noqa: E402
-from engine.data.shards import _header  # noqa: E402
+from engine.data.shards import npy_header  # noqa: E402
 
 VOCAB = 8192
 
@@ -180,8 +180,8 @@ def fake_dataset(directory: Path, gigabytes: float) -> Path:
         n = min(shard_tokens, left)
         path = directory / f"train-{i:05d}.npy"
         with open(path, "wb") as f:
-            f.write(_header(np.dtype(np.uint16), n))
-            f.truncate(len(_header(np.dtype(np.uint16), n)) + 2 * n)
+            f.write(npy_header(np.dtype(np.uint16), n))
+            f.truncate(len(npy_header(np.dtype(np.uint16), n)) + 2 * n)
         shards.append(mf.FileEntry(path=path.name, bytes=path.stat().st_size, crc32c="sparse", tokens=n))
         left, i = left - n, i + 1
     index = directory / "train-docs.npy"

@@ -3,6 +3,7 @@ up, turns read-only or loses its directory: saves fail, training does not."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -249,3 +250,25 @@ def test_a_failure_after_the_commit_does_not_report_the_committed_step_as_failed
     code, trainer = run(spec, tmp_path, hooks)
     assert code == exit_codes.OK and hooks.of(events.CheckpointFailed) == []
     assert [f.step for f in hooks.of(events.CheckpointCommitted)] == [4] and trainer.checkpointer.failures == 0
+
+
+def test_prepare_on_a_full_disk_fails_cleanly_and_a_rerun_after_making_room_succeeds(small_fs, tmp_path):
+    import errno
+
+    from engine.data import manifest as dm
+    from engine.data.pipeline import prepare
+    from engine.data.prepare import Options
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": "x" * 1000 + str(i)}) + "\n" for i in range(3000)))  # ~3 MB
+    out = small_fs.mount / "ds"
+    options = Options(inputs=(str(source),), tokenizer="bytes", out=str(out), workers=1, progress=False,
+                      shard_tokens=200_000)
+    small_fs.leave(1 << 20)  # 1 MiB: the shards need about 6
+    with pytest.raises(OSError) as failed:
+        prepare(options)
+    assert failed.value.errno == errno.ENOSPC
+    assert not (out / dm.MANIFEST).exists() and not (out / ".incomplete").exists()  # the space is given back
+    small_fs.make_room()
+    manifest = prepare(options)
+    assert manifest.splits["train"].documents == 3000 and dm.read(out) == manifest

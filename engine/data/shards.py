@@ -23,7 +23,7 @@ _HEADER = 128  # bytes: magic, version, length, then the header dict padded with
 _MAGIC = b"\x93NUMPY\x01\x00"
 
 
-def _header(dtype: np.dtype, length: int) -> bytes:
+def npy_header(dtype: np.dtype, length: int) -> bytes:
     text = repr({"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (length,)})
     body_len = _HEADER - len(_MAGIC) - 2
     body = text.encode("latin1").ljust(body_len - 1) + b"\n"
@@ -36,7 +36,7 @@ class NpyAppender:
     def __init__(self, path: Path, dtype: np.dtype):
         self.path, self.dtype, self.length = path, np.dtype(dtype), 0
         self.file = open(path, "wb")
-        self.file.write(_header(self.dtype, 0))
+        self.file.write(npy_header(self.dtype, 0))
 
     def append(self, values: np.ndarray) -> None:
         self.file.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
@@ -44,7 +44,7 @@ class NpyAppender:
 
     def close(self) -> FileEntry:
         self.file.seek(0)
-        self.file.write(_header(self.dtype, self.length))
+        self.file.write(npy_header(self.dtype, self.length))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
