@@ -1,15 +1,18 @@
-"""Cut cross-entropy against the naive loss: peak memory and forward+backward time on CPU.
+"""Cut cross-entropy against the naive loss: peak memory and forward+backward time, CPU or CUDA.
 
 naive: F.cross_entropy(hidden @ weight.T, targets), which holds the (N x V) logits and
 their gradient. cce: engine.losses.cce.linear_cross_entropy with its default chunking.
 
 Each (case, method) runs in a fresh process so its peak memory is its own: the kernel's
 peak-RSS mark (VmHWM) is reset through /proc/self/clear_refs once the inputs exist and one
-warm-up pass is done, and the peak above the RSS at that moment is reported. Time is the
-median of the timed passes (time.perf_counter). Targets: CCE peak <= 1/20 of naive, CCE
-time <= 1.1x naive.
+warm-up pass is done, and the peak above the RSS at that moment is reported. With --device
+cuda the tensors live on the GPU and the peak is the caching allocator's (max_memory_allocated
+above the allocation once the inputs exist, the mark reset after the warm-up). Time is the
+median of the timed passes (time.perf_counter, after a synchronize on cuda). Targets: CCE peak
+<= 1/20 of naive, CCE time <= 1.1x naive.
 
     .venv/bin/python bench/cce.py            # about 3 minutes on 2 cores
+    python bench/cce.py --device cuda --cases "bf16 V=128k N=16k D=2048" --out /tmp/cce-cuda.json
 Results: a table on stdout and bench/results/cce.json.
 """
 
@@ -30,7 +33,9 @@ CASES = {  # name: (tokens N, hidden D, vocab V, dtype)
     "fp32 V=64k": (4096, 512, 65536, "float32"),
     "bf16 V=64k": (4096, 512, 65536, "bfloat16"),
     "fp32 V=128k": (4096, 512, 131072, "float32"),
+    "bf16 V=128k N=16k D=2048": (16384, 2048, 131072, "bfloat16"),  # a Llama 3 1B batch: GPU-sized
 }
+CPU_CASES = ("fp32 V=64k", "bf16 V=64k", "fp32 V=128k")
 MEMORY_TARGET, TIME_TARGET = 1 / 20, 1.1
 
 
@@ -39,7 +44,7 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def measure(case: str, method: str, repeats: int) -> dict:
+def measure(case: str, method: str, repeats: int, device: str) -> dict:
     """One case and method, in this process: peak bytes above baseline and pass times."""
     import torch
     import torch.nn.functional as F
@@ -50,35 +55,45 @@ def measure(case: str, method: str, repeats: int) -> dict:
     n, d, v, dtype = CASES[case]
     dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, generator=g) * 0.02).to(dtype).requires_grad_()
-    targets = torch.randint(0, v, (n,), generator=g)
+    hidden = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step() -> float:
         hidden.grad = weight.grad = None
+        sync()
         start = time.perf_counter()
         if method == "naive":
             loss = F.cross_entropy((hidden @ weight.T).float(), targets)
         else:
             loss = linear_cross_entropy(hidden, weight, targets)
         loss.backward()
+        sync()
         return time.perf_counter() - start
 
-    step()  # warm-up: first-touch page faults and lazy initialisation happen here
+    step()  # warm-up: first-touch page faults, kernel loading and lazy initialisation happen here
     hidden.grad = weight.grad = None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS mark to the current RSS
-    baseline = _status_kib("VmRSS")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak-RSS mark to the current RSS
+        baseline = _status_kib("VmRSS") * 1024
     times = [step()]
-    peak = _status_kib("VmHWM")
+    peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
     times += [step() for _ in range(repeats - 1)]
-    return {"case": case, "method": method, "peak_bytes": (peak - baseline) * 1024,
+    return {"case": case, "method": method, "peak_bytes": peak - baseline,
             "median_s": statistics.median(times), "times_s": times}
 
 
-def run_isolated(case: str, method: str, repeats: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", case, method, "--repeats", str(repeats)],
-                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+def run_isolated(case: str, method: str, repeats: int, device: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", case, method, "--repeats", str(repeats),
+                          "--device", device],
+                         capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     if out.returncode:
         return {"case": case, "method": method, "error": out.stderr.strip().splitlines()[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,23 +101,25 @@ def run_isolated(case: str, method: str, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    parser.add_argument("--cases", default=",".join(CPU_CASES), help="comma-separated, from: " + ", ".join(CASES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cce.json")
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(*args.worker, args.repeats)))
+        print(json.dumps(measure(*args.worker, args.repeats, args.device)))
         return
 
     rows, met = [], True
     print(f"{'case':<12} {'method':<6} {'peak MiB':>9} {'time s':>7}   {'mem ratio':>9} {'time ratio':>10}  result")
     for case in args.cases.split(","):
-        naive, cce = (run_isolated(case, method, args.repeats) for method in ("naive", "cce"))
+        naive, cce = (run_isolated(case, method, args.repeats, args.device) for method in ("naive", "cce"))
         row = {"case": case, "shape": dict(zip(("N", "D", "V", "dtype"), CASES[case])), "naive": naive, "cce": cce}
         if "error" in naive or "error" in cce:
             print(f"{case:<12} failed: {naive.get('error') or cce.get('error')}")
             rows.append(row)
+            met = False
             continue
         row["memory_ratio"] = cce["peak_bytes"] / naive["peak_bytes"]
         row["time_ratio"] = cce["median_s"] / naive["median_s"]
@@ -118,7 +135,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "cce", "targets": {"memory_ratio": MEMORY_TARGET, "time_ratio": TIME_TARGET},
-        "machine": describe(),
+        "device": args.device, "machine": describe(),
         "cases": rows}, indent=2))
 
 

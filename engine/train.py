@@ -44,7 +44,7 @@ from engine.layout import StateLayout
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.checkpoint.manifest import committed_steps
-from engine.models.hf import load_weights
+from engine.hf.weights import load_weights
 from engine.models.llama import Transformer, flops_per_token
 from engine.nonfinite import NonFiniteGuard
 from engine.optim import build_optimizer

@@ -10,7 +10,7 @@ import transformers
 
 from engine.attention.sdpa import sdpa_attention
 from engine.errors import ConfigError
-from engine.models.hf import load_weights
+from engine.hf.weights import load_weights
 from engine.models.llama import Transformer
 from engine.spec.loader import SpecError, load_spec
 from engine.train import Trainer

@@ -193,7 +193,7 @@ def _with_absolute_datasets(spec: JobSpec, origins: Mapping[str, Origin]) -> Job
 
 def _with_hf_model(data: dict, origins: dict[str, Origin]) -> list[Problem]:
     """Fill in the model section from model.init_from's config.json; each value the job sets must agree."""
-    from engine.spec.hf_config import FIELDS, HfConfigError, model_fields, same
+    from engine.hf.config import FIELDS, HfConfigError, model_fields, same
 
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):

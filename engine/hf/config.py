@@ -1,15 +1,21 @@
-"""A Hugging Face Llama config.json as the engine's model section. Torch-free.
+"""A Hugging Face Llama config.json as the engine's model section, and back. Torch-free.
 
 `model.init_from` names a Hugging Face model directory; its config.json decides the model's
 geometry. The job may leave the dimensions out (they are filled in from config.json) or write
 them out (each must then equal config.json's). Both the published format (top-level
-`rope_theta` and `rope_scaling`, Llama 3.1) and transformers 5's (`rope_parameters`) are read.
+`rope_theta` and `rope_scaling`, Llama 3.1) and transformers 5's (`rope_parameters`) are read;
+`config_json` writes the published format, which every transformers version and the tools
+built on it (vLLM, llama.cpp's converter) read.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.spec.schema import ModelConfig
 
 # ModelConfig key -> config.json key
 FIELDS = {
@@ -72,6 +78,29 @@ def model_fields(directory: str | Path) -> dict:
         raise HfConfigError(f"{path}: head_dim {head_dim} x {fields['n_heads']} heads is not hidden_size "
                             f"{fields['dim']}; the engine needs dim = n_heads x head_dim")
     return fields
+
+
+def config_json(model: ModelConfig, dtype: str, bos: int | None, eos: int | None) -> dict:
+    """config.json for LlamaForCausalLM with the engine model's geometry; dtype "bfloat16" or "float32"."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **{theirs: getattr(model, ours) for ours, theirs in FIELDS.items() if ours not in ("n_kv_heads", "ffn_dim")},
+        "num_key_value_heads": model.kv_heads,
+        "intermediate_size": model.hidden_dim,
+        "head_dim": model.head_dim,
+        "rope_scaling": model.rope_scaling.model_dump() if model.rope_scaling else None,
+        "max_position_embeddings": model.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": model.init_std,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    return {**config, **{k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}}
 
 
 def same(ours: object, theirs: object) -> bool:

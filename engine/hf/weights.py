@@ -26,9 +26,21 @@ _BLOCK = {
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
 }
+_HF_BLOCK = {ours: theirs for theirs, ours in _BLOCK.items()}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 # Buffers some exporters include; derived from the config, never loaded.
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face tensor name of an engine parameter (the inverse of `engine_name`)."""
+    fixed = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, index, rest = name.split(".", 2)
+    module = rest.removesuffix(".weight")
+    return f"model.layers.{index}.{_HF_BLOCK[module]}.weight"
 
 
 def engine_name(hf_name: str) -> str | None:
