@@ -33,7 +33,8 @@ def run_xla(state_dir, *overrides):
 
 @pytest.fixture(scope="module")
 def xla_run(tmp_path_factory):
-    return run_xla(tmp_path_factory.mktemp("xla"))
+    state_dir = tmp_path_factory.mktemp("xla")
+    return {**run_xla(state_dir), "state_dir": state_dir}
 
 
 def test_weights_are_sharded_fsdp_style_over_the_mesh(xla_run):
@@ -61,6 +62,25 @@ def test_xla_losses_match_the_cpu_backend(xla_run, tiny_spec, tmp_path):
     # after 6 steps is far below the ~0.3 per-step loss changes.
     assert xla_run["losses"][0] == pytest.approx(cpu.losses[0], rel=1e-5)
     assert xla_run["losses"] == pytest.approx(cpu.losses, rel=2e-3)
+
+
+def test_a_checkpoint_sharded_over_four_devices_exports_the_trained_weights(xla_run, tiny_spec, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from engine.hf.export import export
+    from engine.hf.weights import hf_name
+    from tests.test_hf_export import weights
+
+    step = xla_run["state_dir"] / "checkpoints" / "tiny-cpu" / "step_000000006"
+    saved = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    assert len(saved["model.layers.0.attention.wq.weight"].chunks) == 4  # one piece per device
+    export(tiny_spec(*COMMON, "device.backend=xla"), step, tmp_path / "out", dtype="fp32")
+    exported = weights(tmp_path / "out")
+    trained = torch.load(xla_run["state_dir"] / "final-params.pt")
+    assert len(exported) == len(trained)
+    for name, param in trained.items():
+        assert torch.equal(exported[hf_name(name)], param), name
 
 
 def test_cut_cross_entropy_on_sharded_xla_tensors_matches_the_cpu():

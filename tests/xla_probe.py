@@ -2,7 +2,8 @@
 
 Trains the tiny job on the xla backend (SPMD over 4 virtual devices) and reports the
 per-step losses (read through the backend's asynchronous metric path), the sharding of
-a few weights, and how many XLA compilations each step triggered.
+a few weights, and how many XLA compilations each step triggered; the final weights,
+gathered to the host, go to STATE_DIR/final-params.pt.
 """
 
 import json
@@ -66,6 +67,10 @@ def main(job: str, state_dir: str, *overrides: str) -> None:
     sharding = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in
                 [("wq", layer.attention.wq.weight), ("wo", layer.attention.wo.weight),
                  ("embedding", trainer.model.tok_embeddings.weight), ("norm", layer.attention_norm.weight)]}
+    import torch
+
+    # The trained weights gathered to the host: what an export of the final checkpoint must hold.
+    torch.save({n: p.detach().cpu() for n, p in trainer.model.named_parameters()}, Path(state_dir) / "final-params.pt")
     attention = attention_checks(trainer.backend)  # its graphs count in the cache figures too
     cache = {name: probe.met.counter_value(f"PersistentCache{name}") or 0
              for name in ("Hit", "Miss", "DeserializeFailure")}

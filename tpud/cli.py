@@ -84,6 +84,16 @@ def _add_prepare(subparsers: Subparsers) -> None:
     parser.set_defaults(func=prepare.run)
 
 
+def _add_export(subparsers: Subparsers) -> None:
+    from tpud import export
+
+    parser = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model",
+                                   description=export.DESCRIPTION)
+    export.add_arguments(parser)
+    _add_home(parser)
+    parser.set_defaults(func=export.run)
+
+
 def _schema(args: argparse.Namespace) -> int:
     print(dump_schema())
     return EXIT_OK
@@ -434,7 +444,7 @@ def _add_daemon(subparsers: Subparsers) -> None:
 
 
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (
-    _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints,
+    _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints, _add_export,
     _add_status, _add_checkpoint_now, _add_stop, _add_start,
 )
 
