@@ -7,7 +7,9 @@ it and the new worker resumes from that checkpoint. Reported per preset: tokens/
 median over the step lines after the first two, as the worker computes them against the GPU's
 peak bf16 FLOP/s), checkpoint write seconds, the step resumed from, and how far the resumed
 run's final weights are from the reference's (bitwise equality is expected only where every
-kernel is deterministic; the largest absolute difference is printed either way). A GPU is
+kernel is deterministic; the largest absolute difference is printed either way). The reference's
+final checkpoint is then exported with `tpud export --dtype fp32` and loaded with transformers'
+AutoModelForCausalLM on the GPU: its logits against the engine's on the same tokens (fp32). A GPU is
 required: there is no CPU fallback, this is the proof that the CUDA path works.
 
     python bench/cuda.py                        # on a machine with a CUDA GPU; ~4 min on an H100
@@ -53,11 +55,14 @@ checkpoint: {{interval_steps: {interval}}}
     return path
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
 def run(job: Path, home: Path, kill_after: int | None) -> list[dict]:
     """`tpud run` the job; with kill_after, SIGKILL the worker once that step is logged."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "tpud", "run", str(job), "--home", str(home)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
     records, lines, worker, killed = [], [], None, False
     for line in proc.stdout:
         lines.append(line.rstrip())
@@ -88,6 +93,32 @@ def final_weights(home: Path, name: str, scratch: Path) -> dict:
     return torch.load(out, weights_only=False)["model"]
 
 
+def exported_logits_diff(job: Path, home: Path, scratch: Path, weights: dict) -> tuple[float, float]:
+    """(export seconds, max |logits difference|) of transformers' model against the engine's."""
+    import time
+
+    import torch
+    import transformers
+
+    from engine.attention.sdpa import sdpa_attention
+    from engine.models.llama import Transformer
+    from engine.spec.loader import load_spec
+
+    out = scratch / f"{home.name}-hf"
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "tpud", "export", str(job), str(out), "--dtype", "fp32", "--home", str(home)],
+                   check=True, env=_env(), cwd=REPO)
+    seconds = time.monotonic() - started
+    spec = load_spec(job)
+    ours = Transformer(spec.model, sdpa_attention).cuda().eval()
+    ours.load_state_dict(weights)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).cuda().eval()
+    tokens = torch.randint(0, 256, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        diff = (ours.logits(ours(tokens)) - theirs(tokens).logits).abs().max().item()
+    return seconds, diff
+
+
 def measure(preset: str, scratch: Path) -> dict:
     _, _, steps, interval = PRESETS[preset]
     job = job_file(scratch, preset)
@@ -96,6 +127,7 @@ def measure(preset: str, scratch: Path) -> dict:
     step_lines = [r for r in reference if r.get("event") == "step"][2:]
     a, b = (final_weights(scratch / f"{preset}-{arm}", f"cuda-{preset}", scratch) for arm in ("whole", "killed"))
     diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    export_s, logits_diff = exported_logits_diff(job, scratch / f"{preset}-whole", scratch, a)
     ready = [r for r in resumed if r.get("event") == "trainer ready"]
     final_loss = {arm: [r["loss"] for r in recs if r.get("event") == "step"][-1]
                   for arm, recs in (("whole", reference), ("killed", resumed))}
@@ -109,6 +141,7 @@ def measure(preset: str, scratch: Path) -> dict:
         "resumed_at": [r["resumed_at"] for r in ready],
         "final_loss": final_loss,
         "weights_bitwise_equal": diff == 0.0, "weights_max_abs_diff": diff,
+        "export_s": export_s, "exported_logits_max_abs_diff": logits_diff,
     }
 
 
@@ -126,13 +159,14 @@ def main() -> None:
         for preset in args.presets.split(","):
             rows.append(measure(preset, Path(tmp)))
     print(f"{'preset':<6} {'params':>11} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'ckpt s':>7} "
-          f"{'resumed':>9} {'loss whole/killed':>18} {'weights':>10}")
+          f"{'resumed':>9} {'loss whole/killed':>18} {'weights':>10} {'export s':>9} {'HF logits diff':>15}")
     for r in rows:
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         weights = "bitwise" if r["weights_bitwise_equal"] else f"{r['weights_max_abs_diff']:.1e}"
         print(f"{r['preset']:<6} {r['params']:>11,} {r['tokens_per_s']:>10,.0f} {mfu:>6} {r['step_time_s']:>7.4f} "
               f"{max(r['checkpoint_s']):>7.2f} {str(r['resumed_at']):>9} "
-              f"{r['final_loss']['whole']:>8.4f}/{r['final_loss']['killed']:<8.4f} {weights:>10}")
+              f"{r['final_loss']['whole']:>8.4f}/{r['final_loss']['killed']:<8.4f} {weights:>10} "
+              f"{r['export_s']:>9.1f} {r['exported_logits_max_abs_diff']:>15.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "cuda", "machine": describe(gpu=torch.cuda.get_device_name()),
                                     "presets": rows}, indent=2))

@@ -44,8 +44,8 @@ from engine.layout import StateLayout
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.checkpoint.manifest import committed_steps
-from engine.hf.weights import load_weights
-from engine.models.llama import Transformer, flops_per_token
+from engine.hf.weights import hf_values
+from engine.models.llama import Transformer, flops_per_token, initial_values
 from engine.nonfinite import NonFiniteGuard
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
@@ -80,12 +80,17 @@ class Trainer:
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, cache_dir=str(layout.xla_cache(spec.name)))
         kernel, attention = build_attention(spec.attention, self.backend)
-        # Initialise on the host from the seed: every backend then starts from the same weights.
         torch.manual_seed(spec.train.seed)
-        self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
+        # Built on the meta device, then given its weights one tensor at a time in their final
+        # placement: made on the host from the seed, so every backend starts from the same weights.
+        with torch.device("meta"):
+            self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
         if spec.model.init_from is not None and not committed_steps(checkpoints):
-            load_weights(self.model, spec.model.init_from)  # a resume always takes the job's own checkpoint
+            weights = hf_values(self.model, spec.model.init_from)  # a resume takes the job's own checkpoint
+        else:
+            weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
+        self.backend.materialise(self.model, weights)
         # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
         # state directory (torchrun on one host) reads the fault markers before any can fire one.
         inject = spec.debug.inject

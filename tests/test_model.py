@@ -120,3 +120,26 @@ def test_flops_per_token_is_six_times_matmul_params_plus_attention():
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
     attention = 12 * 2 * 4 * 16 * 64
     assert flops_per_token(TINY, 64) == 6 * matmul_params + attention
+
+
+def test_a_model_built_on_meta_and_materialised_equals_the_eager_one_of_the_same_seed():
+    from engine.backends.torch_native import TorchBackend
+    from engine.models.llama import initial_values
+
+    torch.manual_seed(7)
+    eager = Transformer(TINY, sdpa_attention)
+    with torch.device("meta"):
+        lazy = Transformer(TINY, sdpa_attention)
+    TorchBackend("cpu").materialise(lazy, initial_values(lazy, torch.Generator().manual_seed(7)))
+    for (name, a), b in zip(eager.state_dict().items(), lazy.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(eager.rope_cos, lazy.rope_cos) and lazy.rope_cos.device.type == "cpu"
+    with torch.device("meta"):
+        other = Transformer(TINY, sdpa_attention)
+    TorchBackend("cpu").materialise(other, initial_values(other, torch.Generator().manual_seed(8)))
+    assert not torch.equal(other.tok_embeddings.weight, lazy.tok_embeddings.weight)
+    with torch.device("meta"):
+        partial = Transformer(TINY, sdpa_attention)
+    with pytest.raises(RuntimeError, match="no initial value for norm.weight"):
+        TorchBackend("cpu").materialise(partial, ((n, v) for n, v in initial_values(partial, torch.Generator())
+                                                  if n != "norm.weight"))

@@ -7,7 +7,7 @@ boundaries and reading metrics without stalling the device all live behind this 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,17 @@ class Backend:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Place (and shard or wrap) the model; returns the module to call."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def materialise(self, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Give a Transformer built on the meta device its weights on this backend's device, from
+        (name, host tensor) pairs taken one at a time: the host never holds a second model."""
+        model.to_empty(device=self.device)
+        params = dict(model.named_parameters())
+        for name, value in values:
+            params.pop(name).copy_(value)
+        require_all(params)
+        model.reset_rotary(self.device)
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -163,6 +174,11 @@ class Backend:
 
     def close(self) -> None:
         pass
+
+
+def require_all(left: dict) -> None:
+    if left:  # never train on uninitialised memory
+        raise RuntimeError(f"no initial value for {', '.join(sorted(left))}")
 
 
 def peak_flops_for(device_kind: str) -> float | None:

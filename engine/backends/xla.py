@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.backends.base import Backend, DataPosition, peak_flops_for
+from engine.backends.base import Backend, DataPosition, require_all, peak_flops_for
 from engine.spec.schema import DeviceConfig
 
 # Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
@@ -83,12 +83,30 @@ class XlaBackend(Backend):
             return None
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        import torch_xla
+
         model = model.to(self.device)
         for name, param in model.named_parameters():
             spec = weight_partition(name, param)
-            if spec is not None:
+            if spec is not None and not torch_xla._XLAC._get_xla_sharding_spec(param):  # materialise() placed it
                 self._xs.mark_sharding(param, self.mesh, spec)
         return model
+
+    @torch.no_grad()
+    def materialise(self, model: nn.Module, values) -> None:
+        # One tensor at a time is sent and sharded at once: beyond the sharded model, a device holds
+        # at most one whole weight, never the whole replicated model.
+        params = dict(model.named_parameters())
+        for name, value in values:
+            params.pop(name)
+            on_device = value.to(self.device)
+            spec = weight_partition(name, value)
+            if spec is not None:
+                self._xs.mark_sharding(on_device, self.mesh, spec)
+            module, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module), leaf, nn.Parameter(on_device))
+        require_all(params)
+        model.reset_rotary(self.device)
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm

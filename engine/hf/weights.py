@@ -2,14 +2,15 @@
 
 The engine's layout is Hugging Face's apart from names: both rotate the half-split pairs of
 each head (`rotate_half`), so q and k need no permutation. Files are memory-mapped and read
-one tensor at a time into the parameter it belongs to: beyond the model itself, host memory
-holds about one tensor.
+one tensor at a time (`hf_values`), which the backend places where the parameter lives
+(sharded under SPMD): beyond the model itself, host memory holds about one tensor.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -75,9 +76,10 @@ def _files(directory: Path) -> dict[str, list[str] | None]:
     return dict.fromkeys(single)
 
 
-@torch.no_grad()
-def load_weights(model: Transformer, directory: str | Path) -> None:
-    """Copy the directory's weights into `model`; ConfigError naming what is missing or mismatched."""
+def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(engine parameter name, host tensor) for each weight in the directory, read one at a time and
+    checked against `model`'s shapes (the model may live on the meta device); ConfigError naming what
+    is missing or mismatched."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -89,21 +91,29 @@ def load_weights(model: Transformer, directory: str | Path) -> None:
             raise ConfigError("model.init_from", f"{path}: missing (named by {INDEX})")
         try:
             with safe_open(str(path), framework="pt") as f:
-                for hf_name in promised or f.keys():
-                    name = engine_name(hf_name)
+                for name_there in promised or f.keys():
+                    name = engine_name(name_there)
                     if name is None or name not in params:
-                        if name == "output.weight" and model.output is None or _IGNORED.search(hf_name):
+                        if name == "output.weight" and model.output is None or _IGNORED.search(name_there):
                             continue  # a tied model's copy of the embedding, or a derived buffer
-                        raise ConfigError("model.init_from", f"{path}: unexpected tensor {hf_name}")
-                    tensor = f.get_tensor(hf_name)
+                        raise ConfigError("model.init_from", f"{path}: unexpected tensor {name_there}")
+                    tensor = f.get_tensor(name_there)
                     if tensor.shape != params[name].shape:
-                        raise ConfigError("model.init_from", f"{path}: {hf_name} has shape {list(tensor.shape)}, "
+                        raise ConfigError("model.init_from", f"{path}: {name_there} has shape {list(tensor.shape)}, "
                                           f"the model expects {list(params[name].shape)}")
-                    params[name].copy_(tensor)
                     loaded.add(name)
+                    yield name, tensor.to(params[name].dtype)
         except SafetensorError as e:
             raise ConfigError("model.init_from", f"{path}: unreadable safetensors file: {e}") from None
     if missing := sorted(set(params) - loaded):
         raise ConfigError("model.init_from", f"{directory}: no weights for {', '.join(missing[:5])}"
                           + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     log.info("weights loaded", init_from=str(directory), tensors=len(loaded))
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, directory: str | Path) -> None:
+    """Copy the directory's weights into a model that has its own (not on the meta device)."""
+    params = dict(model.named_parameters())
+    for name, value in hf_values(model, directory):
+        params[name].copy_(value)

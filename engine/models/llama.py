@@ -9,7 +9,7 @@ sdpa, eager, flash and splash kernels.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,8 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, so never part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if not self.tok_embeddings.weight.is_meta:  # built on the meta device, a backend materialises it
+            self.init_weights()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -135,17 +136,17 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        std = self.cfg.init_std
-        # Residual-branch outputs are scaled down so the residual stream's variance does
-        # not grow with depth (GPT-2 / Llama practice).
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.trunc_normal_(p, std=residual_std, a=-3 * residual_std, b=3 * residual_std)
-            else:
-                nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+        """The initial weights of torch.manual_seed's seed (`initial_values`): those a backend gives
+        the same model built on the meta device."""
+        params = dict(self.named_parameters())
+        generator = torch.Generator().manual_seed(torch.initial_seed())
+        for name, value in initial_values(self, generator):
+            params[name].copy_(value)
+
+    def reset_rotary(self, device: torch.device) -> None:
+        """Compute the rotary tables on `device` (after the weights were materialised from meta)."""
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> final hidden states [B, T, dim] (after the last norm)."""
@@ -158,6 +159,24 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.output_weight.T
+
+
+def initial_values(model: nn.Module, generator: torch.Generator) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter's initial value, made on the CPU one tensor at a time, in parameter order, from
+    one generator: the same weights on every backend for the same seed, with one tensor in host memory."""
+    cfg = model.cfg
+    std = cfg.init_std
+    # Residual-branch outputs are scaled down so the residual stream's variance does
+    # not grow with depth (GPT-2 / Llama practice).
+    residual_std = std / math.sqrt(2 * cfg.n_layers)
+    for name, param in model.named_parameters():
+        value = torch.empty(param.shape)
+        if name.endswith("norm.weight"):
+            value.fill_(1.0)
+        else:
+            s = residual_std if name.endswith(("wo.weight", "w2.weight")) else std
+            nn.init.trunc_normal_(value, std=s, a=-3 * s, b=3 * s, generator=generator)
+        yield name, value
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
