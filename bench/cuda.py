@@ -33,6 +33,7 @@ from pathlib import Path
 from machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the engine, also where the project is not pip-installed (a bare GPU machine)
 PRESETS = {  # preset: (seq_len, micro_batch_size, max_steps, checkpoint interval)
     "tiny": (256, 16, 300, 100),
     "125m": (1024, 16, 300, 100),
