@@ -6,6 +6,7 @@
     <state>/jobs/<job>/xla_cache/        torch_xla's compilation cache
     <checkpoint.dir or <state>/checkpoints>/<job>/step_*/   the local checkpoint tier
     <state>/datasets/<key>/              gs:// datasets fetched to this host, shared by its jobs
+    <state>/models/<key>/                gs:// model.init_from directories fetched, likewise
 
 The worker, the daemon and `tpud checkpoints` all find these through `StateLayout`.
 
@@ -45,6 +46,10 @@ class StateLayout:
 
     def datasets(self) -> Path:
         return self.state / "datasets"
+
+    def models(self) -> Path:
+        """gs:// model.init_from directories, cached (engine/hf/remote.py)."""
+        return self.state / "models"
 
     def checkpoints(self, job: str, override: str | os.PathLike[str] | None = None) -> Path:
         """The job's local checkpoint tier; `override` is the spec's checkpoint.dir."""

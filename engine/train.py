@@ -44,6 +44,7 @@ from engine.layout import StateLayout
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.checkpoint.manifest import committed_steps
+from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
 from engine.nonfinite import NonFiniteGuard
@@ -87,7 +88,10 @@ class Trainer:
             self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
         if spec.model.init_from is not None and not committed_steps(checkpoints):
-            weights = hf_values(self.model, spec.model.init_from)  # a resume takes the job's own checkpoint
+            source = spec.model.init_from  # a resume takes the job's own checkpoint instead
+            if source.startswith("gs://"):
+                source = hf_remote.fetch(source, layout.models())  # a no-op when the daemon fetched it
+            weights = hf_values(self.model, source)
         else:
             weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
         self.backend.materialise(self.model, weights)

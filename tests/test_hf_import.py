@@ -98,3 +98,29 @@ def test_mismatches_and_bad_directories_are_clear_errors(tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"proj.weight has shape \[(160, 64|64, 160)\], the model expects"):
         load_weights(Transformer(job(other).model, sdpa_attention), other)
+
+
+@pytest.mark.slow
+def test_a_model_on_gcs_is_read_through_the_host_cache(tmp_path, gcs_server):
+    """init_from: gs://...: config.json fills the model section; the weights come through <state>/models/."""
+    reference = hf_model(tmp_path / "hf")
+    (tmp_path / "hf" / "original").mkdir()
+    (tmp_path / "hf" / "original" / "consolidated.00.pth").write_bytes(b"another copy of the weights")
+    bucket = gcs_server.client().bucket("tpud-test")
+    for path in (tmp_path / "hf").rglob("*"):
+        if path.is_file():
+            bucket.blob(f"models/llama/{path.relative_to(tmp_path / 'hf')}").upload_from_filename(str(path))
+    spec = job("gs://tpud-test/models/llama", "train.max_steps=1", "data.micro_batch_size=2",
+               "scheduler.warmup_steps=0")
+    assert (spec.model.dim, spec.model.n_kv_heads, spec.model.rope_theta) == (64, 2, 500000.0)
+    trainer = Trainer(spec, tmp_path / "state", Recorder())
+    (cached,) = [p for p in (tmp_path / "state" / "models").iterdir() if not p.name.startswith(".")]
+    assert sorted(p.name for p in cached.iterdir()) == sorted(
+        p.name for p in (tmp_path / "hf").iterdir() if p.is_file())  # not original/
+    assert torch.equal(trainer.model.tok_embeddings.weight, reference.model.embed_tokens.weight)
+    mtime = cached.stat().st_mtime_ns
+    Trainer(spec, tmp_path / "state", Recorder())  # no checkpoint yet: init_from again, from the cache
+    assert [p.name for p in (tmp_path / "state" / "models").iterdir() if not p.name.startswith(".")] == [cached.name]
+    assert cached.stat().st_mtime_ns == mtime
+    with pytest.raises(SpecError, match="gs://tpud-test/models/none: no config.json"):
+        job("gs://tpud-test/models/none")

@@ -74,13 +74,13 @@ def read_manifest(url: str) -> mf.Manifest | None:
 
     bucket, prefix = split(url)
     try:
-        text = client().bucket(bucket).blob(_join(prefix, mf.MANIFEST)).download_as_text()
+        text = client().bucket(bucket).blob(join(prefix, mf.MANIFEST)).download_as_text()
     except exceptions.NotFound:
         return None
-    return mf.parse(text, _join(url, mf.MANIFEST))
+    return mf.parse(text, join(url, mf.MANIFEST))
 
 
-def _join(prefix: str, name: str) -> str:
+def join(prefix: str, name: str) -> str:
     return f"{prefix.rstrip('/')}/{name}" if prefix else name
 
 
@@ -92,14 +92,14 @@ def upload(local: Path, url: str, manifest: mf.Manifest) -> None:
     bucket = client().bucket(bucket_name)
     names = [entry.path for entry in manifest.files]
     results = transfer_manager.upload_many_from_filenames(
-        bucket, names, source_directory=str(local), blob_name_prefix=_join(prefix, ""), worker_type="thread",
+        bucket, names, source_directory=str(local), blob_name_prefix=join(prefix, ""), worker_type="thread",
         max_workers=8, raise_exception=True)
     del results
     for entry in manifest.files:
-        blob = bucket.get_blob(_join(prefix, entry.path))
+        blob = bucket.get_blob(join(prefix, entry.path))
         if blob is None or blob.crc32c != entry.crc32c or blob.size != entry.bytes:
             raise RemoteDataError(f"{url}/{entry.path}: uploaded object does not match the local file")
-    bucket.blob(_join(prefix, mf.MANIFEST)).upload_from_string(manifest.to_json(), content_type="application/json")
+    bucket.blob(join(prefix, mf.MANIFEST)).upload_from_string(manifest.to_json(), content_type="application/json")
 
 
 def cache_dir(cache_root: Path, url: str, manifest: mf.Manifest) -> Path:
@@ -134,7 +134,7 @@ def _download(url: str, manifest: mf.Manifest, target: Path) -> None:
     try:
         names = [entry.path for entry in manifest.files]
         transfer_manager.download_many_to_path(bucket, names, destination_directory=str(staging),
-                                               blob_name_prefix=_join(prefix, ""), worker_type="thread",
+                                               blob_name_prefix=join(prefix, ""), worker_type="thread",
                                                max_workers=8, raise_exception=True)
         for entry in manifest.files:
             path = staging / entry.path

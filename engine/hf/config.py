@@ -42,12 +42,19 @@ def model_fields(directory: str | Path) -> dict:
     """The ModelConfig values config.json in `directory` implies; HfConfigError naming the problem."""
     from engine.spec.loader import Refused, read_regular_file
 
-    path = Path(directory) / "config.json"
+    directory = str(directory)
+    path = f"{directory.rstrip('/')}/config.json"
     try:
-        config = json.loads(read_regular_file(path, limit=MAX_CONFIG_BYTES))
+        if directory.startswith("gs://"):
+            from engine.hf import remote
+
+            text = remote.read_config(directory, MAX_CONFIG_BYTES)
+        else:
+            text = read_regular_file(Path(path), limit=MAX_CONFIG_BYTES)
+        config = json.loads(text)
     except FileNotFoundError:
         raise HfConfigError(f"{directory}: no config.json (expected a Hugging Face model directory)") from None
-    except (OSError, ValueError, Refused) as e:
+    except Exception as e:  # OSError, ValueError, Refused, or GCS unreachable: the message says which
         raise HfConfigError(f"{path}: unreadable: {e}") from None
     if not isinstance(config, dict):
         raise HfConfigError(f"{path}: not a JSON object")

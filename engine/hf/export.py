@@ -149,8 +149,22 @@ def _write_shard(path: Path, tensors: list[Tensor], step_dir: Path, dtype: torch
 def tokenizer_of(spec: JobSpec, scratch: Path) -> Tokenizer | None:
     """The run's tokenizer: the init_from directory's files, else the first dataset's tokenizer.json
     (from gs://, only that file is downloaded, into `scratch`)."""
-    if spec.model.init_from and not spec.model.init_from.startswith("gs://"):
-        directory = Path(spec.model.init_from)
+    init_from = spec.model.init_from
+    if init_from and init_from.startswith("gs://"):
+        from engine.hf import remote as hf_remote
+
+        try:
+            files = hf_remote.fetch_tokenizer(init_from, scratch)
+            (scratch / "config.json").write_bytes(hf_remote.read_config(init_from, 1 << 20))
+        except Exception as e:  # unreachable: the model is still exported, without its tokenizer
+            log.warning("the tokenizer of init_from cannot be read; no tokenizer files exported", url=init_from,
+                        error=str(e))
+            return None
+        config = _json(scratch / "config.json")
+        if files:
+            return Tokenizer(files, config.get("bos_token_id"), config.get("eos_token_id"))
+    elif init_from:
+        directory = Path(init_from)
         files = [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
         config = _json(directory / "config.json")
         if files:

@@ -199,9 +199,6 @@ def _with_hf_model(data: dict, origins: dict[str, Origin]) -> list[Problem]:
     if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
         return []
     path = model["init_from"] = _absolute(model["init_from"], "model.init_from", origins)
-    if path.startswith("gs://"):
-        return [_located("model.init_from", "gs:// is not supported yet: copy the model directory to local disk",
-                         origins)]
     try:
         fields = model_fields(path)
     except HfConfigError as e:

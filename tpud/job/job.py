@@ -172,17 +172,21 @@ class Job:
         self.error, self.stop_reason, self.kill_at, self.error_detail = None, None, None, []
         self.ledger.enter(goodput.WORKER)  # fetching from GCS is part of starting up
         remote_data = [url for url, _ in self.spec.data.datasets if url.startswith("gs://")]
+        if (self.spec.model.init_from or "").startswith("gs://"):
+            remote_data.append(self.spec.model.init_from)
         if self.tiers.tier is None and not remote_data:
             self._spawn()
             return
         # Listing and downloading from GCS can take minutes: never on the loop thread.
         self._preparing = True
-        self._set(State.STARTING, "fetching the newest checkpoint and the dataset from GCS")
+        self._set(State.STARTING, "fetching the newest checkpoint, the dataset and the model from GCS")
         threading.Thread(target=self._prepare, args=(remote_data,), name=f"prepare-{self.name}", daemon=True).start()
 
     def _prepare(self, remote_data: list[str]) -> None:
-        """The newest checkpoint, and the job's gs:// datasets (verified, shared by the host's jobs)."""
+        """The newest checkpoint, and the job's gs:// datasets and init_from model (verified, shared by
+        the host's jobs)."""
         from engine.data import remote
+        from engine.hf import remote as hf_remote
 
         error = None
         try:
@@ -190,10 +194,14 @@ class Job:
         except Exception as e:  # an unreachable GCS tier: retry later, like a crash
             error = (f"cannot prepare checkpoints: {e}", "checkpoint_tier")
         for url in remote_data if error is None else ():
+            model = url == self.spec.model.init_from
             try:
-                remote.fetch(url, self.paths.layout.datasets())
+                if model:
+                    hf_remote.fetch(url, self.paths.layout.models())
+                else:
+                    remote.fetch(url, self.paths.layout.datasets())
             except Exception as e:  # unreachable, not prepared, or corrupt in transit: retried like a crash
-                error = (f"cannot fetch the dataset {url}: {e}", "dataset")
+                error = (f"cannot fetch the {'model' if model else 'dataset'} {url}: {e}", "model" if model else "dataset")
                 break
         self.loop.post(lambda: self._prepared(error))
 
