@@ -87,6 +87,7 @@ class Trainer:
         with torch.device("meta"):
             self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
+        source = None  # the init_from directory, when this start takes its weights
         if spec.model.init_from is not None and not committed_steps(checkpoints):
             source = spec.model.init_from  # a resume takes the job's own checkpoint instead
             if source.startswith("gs://"):
@@ -101,7 +102,7 @@ class Trainer:
         self.faults = Faults(inject, self.job_dir, AccumSchedule.of(spec.train)) if inject is not None else NoFaults()
         self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss, spec.model)))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
-        data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size)
+        data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
         skips_path = layout.skips_file(spec.name)
         self.loader = PackedLoader(data.train, spec.data.micro_batch_size, AccumSchedule.of(spec.train),
                                    spec.train.seed, self.backend.data, read_skips(skips_path), data.identity)

@@ -124,3 +124,31 @@ def test_a_model_on_gcs_is_read_through_the_host_cache(tmp_path, gcs_server):
     assert cached.stat().st_mtime_ns == mtime
     with pytest.raises(SpecError, match="gs://tpud-test/models/none: no config.json"):
         job("gs://tpud-test/models/none")
+
+
+def test_a_dataset_must_use_the_tokenizer_of_the_model_it_trains(tmp_path, capsys):
+    from engine.data.pipeline import prepare
+    from engine.data.prepare import Options
+    from tests.corpus import docstrings, make_tokenizer, write
+    from tpud.cli import main
+
+    texts = docstrings(200)
+    hf_model(tmp_path / "hf")
+    make_tokenizer(tmp_path / "hf", texts, vocab_size=384)  # the model's own tokenizer, beside its weights
+    make_tokenizer(tmp_path / "tok", texts[::-1], vocab_size=300)
+    src = write(tmp_path / "docs.jsonl", texts, "jsonl")
+    for name, tokenizer in (("same", tmp_path / "hf"), ("other", tmp_path / "tok")):
+        prepare(Options(inputs=(str(src),), tokenizer=str(tokenizer), out=str(tmp_path / name), workers=1,
+                        progress=False))
+    for name in ("same", "other"):
+        (tmp_path / f"{name}.yaml").write_text(
+            f"name: t\nmodel: {{init_from: {tmp_path / 'hf'}}}\n"
+            f"data: {{dataset: {tmp_path / name}, seq_len: 64, micro_batch_size: 2}}\n"
+            "train: {max_steps: 2}\nscheduler: {warmup_steps: 1}\ndevice: {backend: cpu}\n")
+    assert main(["validate", str(tmp_path / "same.yaml")]) == 0
+    assert main(["validate", str(tmp_path / "other.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "other.yaml:3: data.dataset: prepared with another tokenizer" in err and "--tokenizer" in err
+    with pytest.raises(ConfigError, match="data.dataset: prepared with another tokenizer"):
+        Trainer(load_spec(tmp_path / "other.yaml"), tmp_path / "state", Recorder())
+    Trainer(load_spec(tmp_path / "same.yaml"), tmp_path / "state", Recorder())

@@ -43,7 +43,8 @@ def _validate(args: argparse.Namespace) -> int:
             loaded = load_job(path, args.overrides)
             data = loaded.spec.data
             problems = [loaded.problem(key, message) for key, message in
-                        local_problems(data.datasets, bool(data.mixture), loaded.spec.model.vocab_size)]
+                        local_problems(data.datasets, bool(data.mixture), loaded.spec.model.vocab_size,
+                                       loaded.spec.model.init_from)]
             if problems:
                 raise SpecError(problems)
         except SpecError as e:

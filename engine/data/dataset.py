@@ -119,8 +119,10 @@ class TrainingData:
     description: dict  # for the start-up log line
 
 
-def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int) -> TrainingData:
-    """The job's training (and validation) samples; ConfigError naming the key when they cannot be."""
+def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
+              model_dir: Path | None = None) -> TrainingData:
+    """The job's training (and validation) samples; ConfigError naming the key when they cannot be.
+    model_dir: the local model.init_from directory, whose tokenizer the datasets must share."""
     window = data.seq_len + 1
     if not data.datasets:
         from engine.data.corpus import stdlib_corpus
@@ -134,7 +136,7 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int) ->
     mixture = bool(data.mixture)
     keys = [f"data.mixture.{i}.dataset" if mixture else "data.dataset" for i in range(len(data.datasets))]
     prepared = [_open(path, key, cache_root) for (path, _), key in zip(data.datasets, keys)]
-    problems = mf.check_vocab([(key, p.manifest) for key, p in zip(keys, prepared)], vocab_size)
+    problems = mf.check_vocab([(key, p.manifest) for key, p in zip(keys, prepared)], vocab_size, model_dir)
     if problems:
         raise ConfigError(*problems[0])
     trains, vals = [], []

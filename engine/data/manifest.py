@@ -104,6 +104,7 @@ class DatasetError(ValueError):
 
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists shards; millions of them would still fit
+MAX_TOKENIZER_BYTES = 256 << 20  # published tokenizer.json files are up to a few tens of MB
 
 
 def read(directory: str | Path) -> Manifest:
@@ -129,9 +130,26 @@ def parse(text: str, where: str) -> Manifest:
         raise DatasetError(f"{where}: not a tpud dataset manifest (format {FORMAT}): {' '.join(first)}") from None
 
 
-def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int) -> list[tuple[str, str]]:
-    """(key, message) for each way the datasets and the model disagree about tokens."""
+def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int,
+                model_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(key, message) for each way the datasets and the model disagree about tokens; model_dir is
+    model.init_from's local directory, whose tokenizer.json (if any) the datasets must have used."""
     found = []
+    model_tokenizer = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    if model_tokenizer is not None and model_tokenizer.is_file():
+        from engine.spec.loader import Refused, read_regular_file
+
+        try:
+            # As `tpud prepare` hashes it (engine/data/tokenizer.py): the file's text.
+            text = read_regular_file(model_tokenizer, limit=MAX_TOKENIZER_BYTES).decode()
+            sha = hashlib.sha256(text.replace("\r\n", "\n").encode()).hexdigest()
+        except (OSError, ValueError, Refused) as e:
+            found.append(("model.init_from", f"{model_tokenizer}: unreadable: {e}"))
+        else:
+            found += [(key, f"prepared with another tokenizer ({m.tokenizer.sha256[:12]}) than model.init_from's "
+                       f"{model_tokenizer} ({sha[:12]}): its token ids would mean other tokens to the model; "
+                       f"prepare it with --tokenizer {model_tokenizer.parent}")
+                      for key, m in manifests if m.tokenizer.sha256 != sha]
     for key, manifest in manifests:
         if manifest.tokenizer.vocab_size > vocab_size:
             found.append(("model.vocab_size", f"{vocab_size} is smaller than the vocabulary of {key}'s tokenizer "
@@ -143,7 +161,8 @@ def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int) -> list[
     return found
 
 
-def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size: int) -> list[tuple[str, str]]:
+def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size: int,
+                   model_dir: str | None = None) -> list[tuple[str, str]]:
     """What `tpud validate` can tell without the network: local datasets exist and fit the model."""
     found, manifests = [], []
     for i, (path, _) in enumerate(datasets):
@@ -154,4 +173,5 @@ def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size:
             manifests.append((key, read(path)))
         except DatasetError as e:
             found.append((key, str(e)))
-    return found + check_vocab(manifests, vocab_size)
+    local_model = model_dir if model_dir and not model_dir.startswith("gs://") else None
+    return found + check_vocab(manifests, vocab_size, local_model)
