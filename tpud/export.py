@@ -88,20 +88,29 @@ def run(args: argparse.Namespace) -> int:
 
     import structlog
 
-    from engine.checkpoint.manifest import committed_steps
     from engine.spec.loader import SpecError, load_spec
-    from tpud.paths import Paths
 
     try:
         spec = load_spec(args.job)
     except SpecError as e:
         print(e, file=sys.stderr)
         return 1
-    # stdout is the summary line; the engine's warnings go to stderr.
+    # stdout is the summary line; the engine's warnings go to stderr. Restored afterwards: the
+    # command may run inside another program (tests call main() in-process).
+    saved = structlog.get_config()
     structlog.configure(processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
                         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        return _export(args, spec)
+    finally:
+        structlog.configure(**saved)
+
+
+def _export(args: argparse.Namespace, spec) -> int:
+    from engine.checkpoint.manifest import committed_steps
     from engine.hf.export import ExportError, export  # torch: only once the job file is known to be good
+    from tpud.paths import Paths
 
     job_dir = Paths.resolve(args.home).layout.checkpoints(spec.name, spec.checkpoint.dir)
     download, progress = None, _Progress()
