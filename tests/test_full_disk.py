@@ -272,3 +272,23 @@ def test_prepare_on_a_full_disk_fails_cleanly_and_a_rerun_after_making_room_succ
     small_fs.make_room()
     manifest = prepare(options)
     assert manifest.splits["train"].documents == 3000 and dm.read(out) == manifest
+
+
+def test_export_on_a_full_disk_fails_cleanly_and_succeeds_once_there_is_room(tiny_spec, tmp_path, small_fs):
+    from engine.hf.export import ExportError, export
+
+    spec = tiny_spec(*QUICK, "train.max_steps=2")
+    assert Trainer(spec, tmp_path / "home", Recorder()).run() == exit_codes.OK
+    step = mf.committed_steps(tmp_path / "home" / "checkpoints" / "tiny-cpu")[-1]
+    out = small_fs.mount / "model"
+    weights = 3281408  # the tiny preset in fp32
+    small_fs.leave(1 << 20)
+    with pytest.raises(ExportError, match=r"small-fs: 1.0 MB free, the weights need 3.3 MB"):
+        export(spec, step[1], out, dtype="fp32")
+    small_fs.make_room()
+    small_fs.leave(weights + 4096)  # the weights fit, but not with their header and the config files
+    with pytest.raises(OSError, match="No space left"):
+        export(spec, step[1], out, dtype="fp32")
+    assert sorted(p.name for p in small_fs.mount.iterdir()) == ["filler"]  # nothing half-written is left
+    small_fs.make_room()
+    assert (out / "model.safetensors") in export(spec, step[1], out, dtype="fp32")

@@ -74,7 +74,9 @@ def test_bf16_is_the_default_and_shards_hold_at_most_the_limit(trained, tmp_path
     found = weights(tmp_path / "out")
     assert {t.dtype for t in found.values()} == {torch.bfloat16}
     assert "lm_head.weight" not in found  # tied: transformers ties it to the embedding
-    for shard in (tmp_path / "out").glob("model-*.safetensors"):
+    shards = list((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    for shard in shards:
         assert shard.stat().st_size <= 300_000 + 4096  # the limit, plus the header
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(found)
@@ -122,6 +124,22 @@ def test_tokenizer_of_the_dataset_comes_along_and_loads_with_auto_tokenizer(tmp_
         "def main():").ids
 
 
+def test_a_special_file_where_the_tokenizer_config_should_be_never_blocks_the_export(tmp_path):
+    import os
+
+    hf_model(tmp_path / "hf")
+    make_tokenizer(tmp_path / "hf", docstrings(50), vocab_size=300)
+    spec = job(tmp_path / "hf", "data.micro_batch_size=2", "train.max_steps=2", "scheduler.warmup_steps=1")
+    Trainer(spec, tmp_path / "state", Recorder({(0, 0): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)})).run()
+    (step,) = (tmp_path / "state" / "checkpoints" / "tiny-cpu").glob("step_*")
+    (tmp_path / "hf" / "config.json").unlink()
+    os.mkfifo(tmp_path / "hf" / "config.json")  # read as is, it would block forever
+    export(spec, step, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").is_file()  # the tokenizer comes along, without the ids
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "bos_token_id" not in config and config["hidden_size"] == 64
+
+
 def test_a_damaged_or_foreign_checkpoint_and_a_busy_output_are_refused(trained, tmp_path):
     spec, home, _ = trained
     out = tmp_path / "out"
@@ -140,6 +158,10 @@ def test_a_damaged_or_foreign_checkpoint_and_a_busy_output_are_refused(trained, 
     with pytest.raises(ExportError, match=r"model.tok_embeddings.weight has shape \[256, 128\], the job's model "
                        r"section gives \[256, 256\]"):
         export(wider, step_dir(home, 2), tmp_path / "other")
+
+    with pytest.raises(ExportError, match="holds the checkpoint being exported"):
+        export(spec, step_dir(home, 2), home / "state", overwrite=True)
+    assert (step_dir(home, 2) / "manifest.json").is_file()
 
     damaged = tmp_path / "damaged"
     import shutil

@@ -16,7 +16,7 @@ ENGINE_SIDE = ["engine.spec.schema", "engine.spec.loader", "engine.events", "eng
                "engine.layout", "engine.backoff", "engine.exit_codes", "engine.errors", "engine.hooks", "engine.logs",
                # tpud prepare, and the dataset fetch before a worker starts
                "engine.data.prepare", "engine.data.pipeline", "engine.data.remote", "engine.data.manifest",
-               "engine.data.dataset", "engine.hf.config"]
+               "engine.data.dataset", "engine.hf.config", "engine.hf.remote"]
 
 
 def daemon_modules() -> list[str]:

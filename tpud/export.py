@@ -125,6 +125,9 @@ def _export(args: argparse.Namespace, spec) -> int:
     except (LookupError, OSError, ExportError) as e:
         print(f"tpud export: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"tpud export: interrupted; {args.out} was left as it was", file=sys.stderr)
+        return 130
     finally:
         progress.close()
         if download is not None:

@@ -110,9 +110,12 @@ def load(spec: str) -> Tokenizer:
 
 
 def _config(path: Path) -> dict:
+    """tokenizer_config.json, or {} when absent or unreadable (bounded, and never a FIFO's blocking read)."""
+    from engine.spec.loader import Refused, read_regular_file
+
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        config = json.loads(read_regular_file(path, limit=16 << 20))
+    except (OSError, ValueError, Refused):
         return {}
     return config if isinstance(config, dict) else {}
 

@@ -32,10 +32,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import manifest as mf
-from engine.hf.config import config_json
+from engine.hf.config import MAX_CONFIG_BYTES, config_json
 from engine.hf.weights import INDEX, hf_name
 from engine.layout import fsync_path
 from engine.models.llama import Transformer
+from engine.spec.loader import Refused, read_regular_file
 from engine.spec.schema import JobSpec
 
 log = structlog.get_logger()
@@ -65,7 +66,7 @@ class Tensor:
 
 
 @dataclass(frozen=True)
-class Tokenizer:
+class TokenizerFiles:
     """Where the run's tokenizer files are, and its special ids."""
 
     files: list[Path]
@@ -90,17 +91,16 @@ def plan(spec: JobSpec, step_dir: Path) -> list[Tensor]:
     return tensors
 
 
-def shards(tensors: list[Tensor], dtype: torch.dtype, max_bytes: int) -> list[list[Tensor]]:
-    """Tensors packed in order into files of at most max_bytes (a larger tensor gets a file of its own)."""
+def pack(tensors: list[Tensor], size: Callable[[Tensor], int], limit: int) -> list[list[Tensor]]:
+    """Tensors packed in order into groups of at most `limit` bytes (a larger tensor is a group of its own)."""
     out: list[list[Tensor]] = [[]]
-    size = 0
+    total = 0
     for t in tensors:
-        n = t.nbytes(dtype)
-        if out[-1] and size + n > max_bytes:
+        if out[-1] and total + size(t) > limit:
             out.append([])
-            size = 0
+            total = 0
         out[-1].append(t)
-        size += n
+        total += size(t)
     return out
 
 
@@ -116,24 +116,12 @@ def _header(tensors: list[Tensor], dtype: torch.dtype) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-def _groups(tensors: list[Tensor]) -> list[list[Tensor]]:
-    groups: list[list[Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes(t.saved_dtype) > GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes(t.saved_dtype)
-    return groups
-
-
 def _write_shard(path: Path, tensors: list[Tensor], step_dir: Path, dtype: torch.dtype,
                  advance: Callable[[int], None]) -> None:
     reader = dcp.FileSystemReader(str(step_dir))
     with open(path, "wb") as f:
         f.write(_header(tensors, dtype))
-        for group in _groups(tensors):
+        for group in pack(tensors, lambda t: t.nbytes(t.saved_dtype), GROUP_BYTES):
             state = {"model": {t.name: torch.empty(t.shape, dtype=t.saved_dtype) for t in group}}
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process, by design
@@ -146,54 +134,65 @@ def _write_shard(path: Path, tensors: list[Tensor], step_dir: Path, dtype: torch
         os.fsync(f.fileno())
 
 
-def tokenizer_of(spec: JobSpec, scratch: Path) -> Tokenizer | None:
+def tokenizer_of(spec: JobSpec, scratch: Path) -> TokenizerFiles | None:
     """The run's tokenizer: the init_from directory's files, else the first dataset's tokenizer.json
-    (from gs://, only that file is downloaded, into `scratch`)."""
+    (from gs://, only those files are downloaded, into `scratch`). Unreadable: a warning, and the
+    model is exported without it."""
     init_from = spec.model.init_from
-    if init_from and init_from.startswith("gs://"):
-        from engine.hf import remote as hf_remote
-
-        try:
-            files = hf_remote.fetch_tokenizer(init_from, scratch)
-            (scratch / "config.json").write_bytes(hf_remote.read_config(init_from, 1 << 20))
-        except Exception as e:  # unreachable: the model is still exported, without its tokenizer
-            log.warning("the tokenizer of init_from cannot be read; no tokenizer files exported", url=init_from,
-                        error=str(e))
-            return None
-        config = _json(scratch / "config.json")
-        if files:
-            return Tokenizer(files, config.get("bos_token_id"), config.get("eos_token_id"))
-    elif init_from:
-        directory = Path(init_from)
-        files = [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
-        config = _json(directory / "config.json")
-        if files:
-            return Tokenizer(files, config.get("bos_token_id"), config.get("eos_token_id"))
-    if not spec.data.datasets:
-        return None
-    from engine.data import manifest as data_manifest
-    from engine.data import remote
-
-    url = spec.data.datasets[0][0]
+    source = init_from or (spec.data.datasets[0][0] if spec.data.datasets else None)
     try:
+        if init_from and init_from.startswith("gs://"):
+            from engine.hf import remote as hf_remote
+
+            files = hf_remote.fetch_tokenizer(init_from, scratch)
+            config = _json_object(hf_remote.read_config(init_from, MAX_CONFIG_BYTES))
+            if files:
+                return TokenizerFiles(files, config.get("bos_token_id"), config.get("eos_token_id"))
+        elif init_from:
+            directory = Path(init_from)
+            files = [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
+            if files:
+                config = _local_json(directory / "config.json")
+                return TokenizerFiles(files, config.get("bos_token_id"), config.get("eos_token_id"))
+        if not spec.data.datasets:
+            return None
+        from engine.data import manifest as data_manifest
+        from engine.data import remote
+
+        url = source = spec.data.datasets[0][0]
         found = remote.read_manifest(url) if url.startswith("gs://") else data_manifest.read(url)
-        if found is None or found.tokenizer.file is None:
-            return Tokenizer([], found.tokenizer.bos_id, found.tokenizer.eos_id) if found else None
-        name = found.tokenizer.file.path
+        if found is None:
+            return None
+        bos, eos = found.tokenizer.bos_id, found.tokenizer.eos_id
+        if found.tokenizer.file is None:  # the byte tokenizer: ids, no files
+            return TokenizerFiles([], bos, eos)
+        name = Path(found.tokenizer.file.path).name  # never a path out of the directory
         if url.startswith("gs://"):
             with remote.open_blob(f"{url.rstrip('/')}/{name}") as src, open(scratch / name, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            return Tokenizer([scratch / name], found.tokenizer.bos_id, found.tokenizer.eos_id)
-        return Tokenizer([Path(url) / name], found.tokenizer.bos_id, found.tokenizer.eos_id)
-    except (OSError, ValueError) as e:
-        log.warning("the dataset's tokenizer cannot be read; no tokenizer files exported", dataset=url, error=str(e))
+            return TokenizerFiles([scratch / name], bos, eos)
+        return TokenizerFiles([Path(url) / name], bos, eos)
+    except Exception as e:  # OSError, a refused special file, bad JSON, GCS unreachable: the message says which
+        log.warning("the tokenizer cannot be read; no tokenizer files exported", source=source, error=str(e))
         return None
 
 
-def _json(path: Path) -> dict:
+def _mb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
+def _local_json(path: Path) -> dict:
+    """A JSON object file, or {} when it is absent, unreadable or special (bounded, never blocking)."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return _json_object(read_regular_file(path, MAX_CONFIG_BYTES))
+    except (OSError, Refused):
+        return {}
+
+
+def _json_object(data: bytes) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -219,6 +218,9 @@ def export(spec: JobSpec, step_dir: Path, out: Path, *, dtype: str = "bf16", max
            overwrite: bool = False,
            progress: Callable[[int, int], None] | None = None) -> list[Path]:
     """Write `step_dir` (a committed checkpoint of `spec`'s job) to `out`; the files written."""
+    out = Path(out).resolve()
+    if out == Path(step_dir).resolve() or out in Path(step_dir).resolve().parents:
+        raise ExportError(f"{out}: holds the checkpoint being exported; choose another directory")
     manifest = mf.read_manifest(step_dir)
     if manifest is None:
         raise ExportError(f"{step_dir}: not a committed checkpoint (no valid manifest.json)")
@@ -234,7 +236,7 @@ def export(spec: JobSpec, step_dir: Path, out: Path, *, dtype: str = "bf16", max
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if free < total:
-        raise ExportError(f"{out.parent}: {free / 1e9:.2f} GB free, the weights need {total / 1e9:.2f} GB")
+        raise ExportError(f"{out.parent}: {_mb(free)} free, the weights need {_mb(total)}")
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
@@ -261,7 +263,7 @@ def export(spec: JobSpec, step_dir: Path, out: Path, *, dtype: str = "bf16", max
 
 
 def _write(spec: JobSpec, step_dir: Path, staging: Path, tensors: list[Tensor], dtype: torch.dtype,
-           max_shard_bytes: int, tokenizer: Tokenizer | None, progress: Callable[[int, int], None]) -> list[str]:
+           max_shard_bytes: int, tokenizer: TokenizerFiles | None, progress: Callable[[int, int], None]) -> list[str]:
     total, done = sum(t.nbytes(dtype) for t in tensors), 0
 
     def advance(n: int) -> None:
@@ -269,7 +271,7 @@ def _write(spec: JobSpec, step_dir: Path, staging: Path, tensors: list[Tensor], 
         done += n
         progress(done, total)
 
-    groups = shards(tensors, dtype, max_shard_bytes)
+    groups = pack(tensors, lambda t: t.nbytes(dtype), max_shard_bytes)
     names = (["model.safetensors"] if len(groups) == 1
              else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
     for name, group in zip(names, groups):
