@@ -159,6 +159,19 @@ class NonFinite(Event):
 
 
 @dataclass(frozen=True, config=_CONFIG)
+class Gang(Event):
+    """A job on several hosts: the worker's view of its gang, while it waits for the others and
+    once the gang has formed (`present == hosts`). A new generation is a new gang: every restart
+    of any host's worker starts one."""
+
+    TYPE: ClassVar[str] = "gang"
+    host: int
+    hosts: int
+    present: int
+    generation: int
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class CheckpointRequest(Event):
     """The daemon asks the worker to act at its next boundary (engine.hooks.Request on the wire)."""
 
@@ -178,7 +191,7 @@ class CheckpointRequest(Event):
 
 
 WORKER_EVENTS: tuple[type[Event], ...] = (Hello, Heartbeat, Started, Step, CheckpointStarted, CheckpointCommitted,
-                                         CheckpointFailed, CheckpointRestored, NonFinite)
+                                         CheckpointFailed, CheckpointRestored, Eval, NonFinite, Gang)
 _BY_TYPE = {cls.TYPE: cls for cls in (*WORKER_EVENTS, CheckpointRequest)}
 
 

@@ -35,15 +35,16 @@ from engine.backoff import Backoff
 from engine.badput import Badput
 from engine.spec.schema import JobSpec
 from engine.data.dataset import open_data
-from engine.data.loader import AccumSchedule, PackedLoader, merge_skips, read_skips
+from engine.data.loader import PackedLoader, batch_geometry, merge_skips, read_skips
 from engine.errors import ConfigError
 from engine.checkpoint.checkpointer import Checkpointer, Progress
+from engine.checkpoint.hosts import Hosts
 from engine.evaluation import Evaluator
 from engine.faults import Faults, NoFaults
 from engine.layout import StateLayout
 from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
-from engine.checkpoint.manifest import committed_steps
+from engine.checkpoint.manifest import parts
 from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
@@ -74,7 +75,7 @@ class LanguageModel(nn.Module):
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, state_dir: Path, hooks: Hooks | None = None):
+    def __init__(self, spec: JobSpec, state_dir: Path, hooks: Hooks | None = None, hosts: Hosts | None = None):
         self.badput = Badput()  # startup counts from here
         self.spec, self.hooks = spec, hooks or Hooks()
         layout = StateLayout(Path(state_dir))
@@ -88,7 +89,7 @@ class Trainer:
             self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
         source = None  # the init_from directory, when this start takes its weights
-        if spec.model.init_from is not None and not committed_steps(checkpoints):
+        if spec.model.init_from is not None and not parts(checkpoints):  # parts: committed or not
             source = spec.model.init_from  # a resume takes the job's own checkpoint instead
             if source.startswith("gs://"):
                 source = hf_remote.fetch(source, layout.models())  # a no-op when the daemon fetched it
@@ -98,13 +99,14 @@ class Trainer:
         self.backend.materialise(self.model, weights)
         # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
         # state directory (torchrun on one host) reads the fault markers before any can fire one.
+        micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
         inject = spec.debug.inject
-        self.faults = Faults(inject, self.job_dir, AccumSchedule.of(spec.train)) if inject is not None else NoFaults()
+        self.faults = Faults(inject, self.job_dir, accum) if inject is not None else NoFaults()
         self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss, spec.model)))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
         skips_path = layout.skips_file(spec.name)
-        self.loader = PackedLoader(data.train, spec.data.micro_batch_size, AccumSchedule.of(spec.train),
+        self.loader = PackedLoader(data.train, micro_batch_size, accum,
                                    spec.train.seed, self.backend.data, read_skips(skips_path), data.identity)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
@@ -118,7 +120,7 @@ class Trainer:
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints,
                                          spec_hash(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
-                                         self.hooks.emit)
+                                         self.hooks.emit, hosts)
         with self.badput.timing("restore"):
             self.progress = self.checkpointer.restore() or Progress()
         if self.checkpointer.restored is not None:
@@ -330,10 +332,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     return train(spec, args.state_dir or default_state_dir(), hooks or SignalHooks())
 
 
-def train(spec: JobSpec, state_dir: Path, hooks: Hooks) -> int:
+def train(spec: JobSpec, state_dir: Path, hooks: Hooks, hosts: Hosts | None = None) -> int:
     """Train a validated spec to its end or a stop; the worker's exit code."""
     try:
-        trainer = Trainer(spec, state_dir, hooks)
+        trainer = Trainer(spec, state_dir, hooks, hosts)
     except ConfigError as e:
         log.error("job cannot run here", key=e.key, error=str(e))
         return exit_codes.BAD_INPUT

@@ -23,6 +23,10 @@ steps are deleted to make room (never the newest, never a pinned one).
 The manifest also carries what must follow the checkpoint to another host but is not
 tensor state: the loader's skipped batch ranges (`data_skips`, set by the trainer) and the
 supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
+
+A job on several hosts (`hosts`) saves each host's part into its own local tier and commits
+it globally (engine.checkpoint.hosts): the commit event follows the global marker, and restore
+takes the step the hosts agree on.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from engine import events
 from engine.backends.base import Backend
+from engine.checkpoint import hosts as gang
 from engine.checkpoint import manifest as mf
 from engine.hooks import Action, Request
 from engine.spec.schema import CheckpointConfig
@@ -83,14 +88,16 @@ def _version() -> str:
 
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, spec_hash: str, backend: Backend,
-                 model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit):
-        self.cfg, self.job, self.spec_hash = cfg, job, spec_hash
+                 model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit,
+                 hosts: gang.Hosts | None = None):
+        self.cfg, self.job, self.spec_hash, self.hosts = cfg, job, spec_hash, hosts
         self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
         self.backend, self.model, self.optimizer = backend, model, optimizer
         self.loader_state, self._emit = loader_state, emit
-        self.group = backend.checkpoint_group
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # Several hosts: each writes its own part, alone, into its own directory.
+        self.group = None if hosts else backend.checkpoint_group
+        self.rank = dist.get_rank() if dist.is_initialized() and not hosts else 0
+        self.world = dist.get_world_size() if dist.is_initialized() and not hosts else 1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future | None = None
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
@@ -159,7 +166,8 @@ class Checkpointer:
         whether it committed; a failure is reported, never raised)."""
         self.wait()
         existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
-        if (manifest := mf.read_manifest(existing)) is not None:  # e.g. the step this run resumed from
+        manifest = mf.read_manifest(existing)
+        if manifest is not None and mf.is_global(existing, manifest):  # e.g. the step this run resumed from
             self.failures = 0
             self.emit(events.CheckpointCommitted(progress.step, progress.micro_step, reason, str(existing),
                                                  bytes=manifest.total_bytes, seconds=0.0))
@@ -196,17 +204,22 @@ class Checkpointer:
                 manifest = mf.Manifest.describe(
                     tmp, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
                     spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
-                    data_skips=data_skips)
+                    data_skips=data_skips, host=self.hosts.index if self.hosts else 0,
+                    hosts=self.hosts.count if self.hosts else 1)
                 mf.write_manifest(tmp, manifest)
-                if final.exists():  # no valid manifest there (save() looked): a leftover, never trusted
-                    self._move_aside(final, ["no valid manifest"])
-                tmp.rename(final)  # committed: nothing after this may report the save as failed
+                if final.exists():  # not committed there (save() looked): a leftover, never trusted
+                    self._move_aside(final, ["not committed"])
+                tmp.rename(final)  # committed (its host's part, with several): nothing after this may fail the save
+            error = None
         # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
         except (Exception, CheckpointException) as e:  # a failed save must never end the run (module docstring)
             shutil.rmtree(tmp, ignore_errors=True)  # every rank: DCP's failure reaches all of them
+            error = describe_error(e)
+        if self.hosts is not None:
+            error = self._commit_globally(final, manifest if error is None else None, error)
+        if error is not None:
             self.failures += 1
-            self.emit(events.CheckpointFailed(step, micro_step, reason, describe_error(e), self.failures,
-                                              str(self.job_dir)))
+            self.emit(events.CheckpointFailed(step, micro_step, reason, error, self.failures, str(self.job_dir)))
             return False
         self.failures = 0
         if self.rank == 0:
@@ -218,6 +231,26 @@ class Checkpointer:
             self.emit(events.CheckpointCommitted(step, micro_step, reason, str(final), bytes=manifest.total_bytes,
                                                  seconds=round(time.monotonic() - started, 3)))
         return True
+
+    def _commit_globally(self, final: Path, manifest: mf.Manifest | None, error: str | None) -> str | None:
+        """Every host's outcome, then the global marker if all parts are durable: why not, or None.
+
+        Every host takes part even when its own part failed: the others wait for its answer.
+        """
+        try:
+            outcomes = gang.exchange(error, self.hosts)
+        except Exception as e:  # noqa: BLE001  (a peer died mid-save: its part is unknown)
+            return error or f"the global commit failed: {describe_error(e)}"
+        if error is not None:
+            return error
+        failed = {host: outcome for host, outcome in enumerate(outcomes) if outcome is not None}
+        if failed:
+            return "; ".join(f"host {host} could not write its part: {why}" for host, why in failed.items())
+        try:
+            mf.write_global(final, manifest)
+        except OSError as e:  # the peers' markers stand; restore's agreement covers this host's lack of one
+            return f"the global marker: {describe_error(e)}"
+        return None
 
     def _prepare(self, tmp: Path, staged: dict) -> None:
         """Rank 0, before writing: clear the way. Never raises: every rank must reach DCP's
@@ -234,6 +267,12 @@ class Checkpointer:
         for step, path, _ in committed[: max(0, len(committed) - self.cfg.keep)]:
             if step not in pinned:
                 shutil.rmtree(path, ignore_errors=True)
+        if committed and self.hosts is not None:
+            # Parts whose global commit failed, older than this host's newest global step: never restored.
+            newest = (committed[-1][0], committed[-1][2].micro_step)
+            for step, path, manifest in mf.parts(self.job_dir):
+                if (step, manifest.micro_step) < newest and not mf.is_global(path, manifest) and step not in pinned:
+                    shutil.rmtree(path, ignore_errors=True)
 
     def last_committed_step(self) -> int | None:
         committed = mf.committed_steps(self.job_dir)
@@ -283,7 +322,8 @@ class Checkpointer:
         afresh.
         """
         tainted = False
-        for _, path, manifest in reversed(mf.committed_steps(self.job_dir)):
+        candidates = mf.committed_steps(self.job_dir) if self.hosts is None else self._agreed_part()
+        for _, path, manifest in reversed(candidates):
             found = mf.problems(path, manifest, checksums=False)
             if found:
                 self._move_aside(path, found)
@@ -305,6 +345,27 @@ class Checkpointer:
         if tainted:
             raise RuntimeError("every checkpoint failed verification (moved aside); restart to begin afresh")
         return None
+
+    def _agreed_part(self) -> list[tuple[int, Path, mf.Manifest]]:
+        """This host's part of the step every host restores (engine.checkpoint.hosts), marked
+        global here too; none when the hosts have no step in common."""
+        held = {(step, m.micro_step): (step, path, m) for step, path, m in mf.parts(self.job_dir)
+                if not mf.problems(path, m, checksums=False)}
+        mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
+        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}), self.hosts)
+        hosts_of = {k: n for _, made in everyone for k, n in made.items()}
+        key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
+        if passed:
+            log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
+        if key is None:
+            if any(h.marked for h, _ in everyone):
+                raise RuntimeError(f"no globally committed step is held by every host ({'; '.join(passed)}); "
+                                   "give the job a checkpoint.remote so a host can fetch its part")
+            return []
+        step, path, manifest = held[key]
+        if not mf.is_global(path, manifest):
+            mf.write_global(path, manifest)
+        return [held[key]]
 
     def _load(self, path: Path, manifest: mf.Manifest) -> dict:
         progress = Progress(step=manifest.step, micro_step=manifest.micro_step,

@@ -2,11 +2,18 @@
 
     <root>/<job>/step_000000123/        DCP files + manifest.json, written last
     <root>/<job>/step_000000123.0002/   partial step: 2 micro-batches of step 124 accumulated
+    <root>/<job>/step_000000123/global.json   a job on several hosts: every host's part is durable
 
 A step directory without a valid manifest does not exist: writers fill a temporary
 directory, write the manifest last, and rename the directory into place. Readers trust a
 directory only when the manifest parses and every file it lists is present with its
-size and (when asked) its CRC32C. The supervisor reads this module too, for the GCS
+size and (when asked) its CRC32C.
+
+A job on several hosts: each host writes its own part of a step (its manifest says `hosts`),
+and once every host's part is committed each host writes `global.json` into its part, last.
+Until then the part is not a committed step for anyone (`committed_steps`); only restore's
+agreement between hosts looks at bare parts (`parts`), to take the newest step that every
+host can reach. The supervisor reads this module too, for the GCS
 tier, so it must not import torch.
 
 CRC32C values are base64 of the big-endian 4-byte checksum, the form GCS reports for an
@@ -68,6 +75,8 @@ class Manifest:
     # Optional fields, added later: manifests without them still read, with these defaults.
     wandb_run_id: str | None = None  # the supervisor's wandb run, so a resume on another host continues it
     data_skips: tuple[tuple[int, int], ...] = ()  # the loader's skipped micro-batch ranges (rollbacks)
+    host: int = 0   # which host wrote this part, of `hosts`: more than one needs global.json to commit
+    hosts: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -137,8 +146,34 @@ def _parallel(fn, items: list) -> list:
         return list(pool.map(fn, items))
 
 
+GLOBAL = "global.json"
+
+
+def write_global(directory: Path, manifest: Manifest) -> None:
+    """Mark a part of a multi-host step globally committed: every host's part is durable."""
+    atomic_write(directory / GLOBAL, json.dumps({"step": manifest.step, "micro_step": manifest.micro_step,
+                                                 "hosts": manifest.hosts, "created_unix": time.time()}))
+
+
+def is_global(directory: Path, manifest: Manifest) -> bool:
+    """Whether a part is globally committed (a single host's manifest is its own commit)."""
+    if manifest.hosts <= 1:
+        return True
+    try:
+        marker = json.loads((directory / GLOBAL).read_text())
+        return (marker["step"], marker["micro_step"]) == (manifest.step, manifest.micro_step)
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+
+
 def committed_steps(job_dir: Path) -> list[tuple[int, Path, Manifest]]:
-    """Checkpoints under <root>/<job> with a parseable manifest, oldest first (not yet verified)."""
+    """Committed checkpoints under <root>/<job>, oldest first (not yet verified): a parseable
+    manifest, and for a job on several hosts the global marker."""
+    return [item for item in parts(job_dir) if is_global(item[1], item[2])]
+
+
+def parts(job_dir: Path) -> list[tuple[int, Path, Manifest]]:
+    """Step directories with a parseable manifest, globally committed or not, oldest first."""
     found = []
     if job_dir.is_dir():
         for child in job_dir.iterdir():

@@ -68,6 +68,22 @@ class AccumSchedule:
         return total + (step - begin) * self.final
 
 
+def batch_geometry(train: TrainConfig, micro_batch_size: int, world: int) -> tuple[int, AccumSchedule]:
+    """Sequences per micro-batch per rank, and micro-batches per step, for `world` data-parallel ranks.
+
+    With train.global_batch_size the global batch stays the same on any number of ranks (a job
+    resumed on fewer hosts): each step still reads global samples [step x G, (step + 1) x G).
+    """
+    if train.global_batch_size is None:
+        return micro_batch_size, AccumSchedule.of(train)
+    per_rank, rest = divmod(train.global_batch_size, world)
+    if rest or not per_rank:
+        raise ConfigError("train.global_batch_size", f"{train.global_batch_size} sequences do not divide evenly "
+                          f"among {world} data-parallel ranks (hosts x devices)")
+    fits = max(d for d in range(1, min(micro_batch_size, per_rank) + 1) if per_rank % d == 0)
+    return fits, AccumSchedule(per_rank // fits)
+
+
 Skips = tuple[tuple[int, int], ...]
 
 

@@ -207,10 +207,20 @@ class TrainConfig(Section):
         [], description="Batch-size ramp: stages of fewer micro-batches per step, in ascending until_step, then "
         "grad_accum_steps. Micro-batch shapes never change (static XLA shapes); only their number per step does.",
     )
+    global_batch_size: PositiveInt | None = Field(
+        None, description="Sequences per optimizer step across all hosts, kept when the job resumes on another "
+        "number of hosts: each host's micro-batch is the largest divisor of global_batch_size / hosts not above "
+        "data.micro_batch_size, and grad_accum_steps follows. Unset: micro_batch_size x grad_accum_steps per host.",
+    )
 
     @model_validator(mode="after")
     def _ramp_ascends(self) -> TrainConfig:
         problems: list = []
+        if self.global_batch_size is not None:
+            for key in ("grad_accum_steps", "batch_ramp"):
+                if key in self.model_fields_set:
+                    problems.append(((key,), getattr(self, key),
+                                     "must not be set with train.global_batch_size, which decides it", {}))
         prev_until, prev_accum = 0, 1
         for i, stage in enumerate(self.batch_ramp):
             if stage.until_step <= prev_until:
