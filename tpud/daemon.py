@@ -42,6 +42,8 @@ from tpud.metadata import MetadataWatcher, Notice, resolve_host
 from tpud.metrics import Metrics, write_address_file
 from tpud.notify import Notifier
 from tpud.paths import Paths
+from tpud.gang.coordinator import Coordinator
+from tpud.gang.discovery import discover
 from tpud.settings import load_settings
 
 log = structlog.get_logger()
@@ -59,6 +61,9 @@ class Daemon:
         if settings_error:
             log.error("invalid settings file; using defaults", error=settings_error)
         self._reader_settings = self.settings  # the settings scans use: the reader thread's own copy
+        # Several hosts: this one's place, fixed for the daemon's life (a TPU slice does not change shape).
+        self.gang = discover(self.settings)
+        self.coordinator = Coordinator(self.gang.coordinator) if self.gang and self.gang.host == 0 else None
         self.metrics_addr = metrics_addr or self.settings.metrics_addr
         self.selector = selectors.DefaultSelector()
         self.jobs: dict[str, Job] = {}
@@ -140,7 +145,7 @@ class Daemon:
         spec, file = self.single
         job = self.jobs[spec.name] = Job(spec, file, self.paths, self, self.metrics,
                                          stop_timeout=self.settings.job_stop_timeout_seconds,
-                                         log_format=self.worker_log_format)
+                                         log_format=self.worker_log_format, gang=self.gang)
         job.start()
 
     def reconcile(self, files: dict[Path, JobFile]) -> None:
@@ -164,7 +169,7 @@ class Daemon:
             job = self.jobs.get(name)
             if job is None:
                 job = self.jobs[name] = Job(spec, path, self.paths, self, self.metrics,
-                                            stop_timeout=self.settings.job_stop_timeout_seconds)
+                                            stop_timeout=self.settings.job_stop_timeout_seconds, gang=self.gang)
                 job.digest = job_file.digest
                 if self.notice is not None:  # this host is going away: do not start anything
                     job.preempt(self.settings.preemption_deadline_seconds)
@@ -351,8 +356,12 @@ class Daemon:
         previous_wakeup = signal.set_wakeup_fd(self._wake_w)
         self.watch(self._wake_r, self._drain_wake)
         log.info("tpud started", version=__version__, jobs_dir=None if self.single else str(self.paths.jobs_dir),
-                 metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"))
+                 metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"),
+                 gang=None if self.gang is None else f"host {self.gang.host} of {self.gang.hosts}, coordinator "
+                 f"{self.gang.coordinator}")
         try:
+            if self.coordinator is not None:  # before any job: the workers meet there
+                self.coordinator.ensure()
             if self.single is None:
                 self._on_files_changed()  # the first scan; jobs start as its result arrives
             else:
@@ -385,6 +394,8 @@ class Daemon:
                         for job in self.jobs.values():
                             if job.worker is not None:
                                 job.worker.signal(signal.SIGKILL)
+                if self.coordinator is not None:
+                    self._guard(self.coordinator.ensure)
                 for job in list(self.jobs.values()):
                     self._guard(job.tick, job)
                 self.notifier.watchdog()
@@ -415,6 +426,8 @@ class Daemon:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             metadata.stop()
+            if self.coordinator is not None:
+                self.coordinator.close()
             if watcher is not None:
                 watcher.stop()
             if self.offloop is not None:

@@ -11,7 +11,8 @@ tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_restarts_tota
 tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier,reason}
 (histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
 tpud_checkpoint_last_committed_step{job,tier}, tpud_heartbeat_age_seconds{job},
-tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}.
+tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
+tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
 
 Every per-job series carries a `job` label, which collides with the `job` target label
 Prometheus attaches on scrape: scrape tpud with `honor_labels: true`, or the tpud job name
@@ -166,6 +167,12 @@ class Metrics:
                               registry=r)
         self._badput = Counter("tpud_badput_seconds_total", "Unproductive job time by kind.",
                                ["job", "kind"], registry=r)
+        self._gang_present = Gauge("tpud_job_gang_hosts_present",
+                                   "Hosts whose worker has joined the job's current gang generation.",
+                                   ["job", "host"], registry=r)
+        self._gang_generation = Gauge("tpud_job_gang_generation",
+                                      "The job's gang generation: it grows by one at every gang restart.",
+                                      ["job", "host"], registry=r)
         r.register(_HeartbeatCollector(self))
         self._exposed = _WithoutCreated(r)
 
@@ -199,6 +206,12 @@ class Metrics:
     def eval_loss(self, job: str, loss: float) -> None:
         with self._lock:
             self._child(self._eval_loss, job).set(float(loss))
+
+    def gang(self, job: str, host: int, present: int, generation: int) -> None:
+        with self._lock:
+            self._child(self._gang_present, job, host).set(present)
+            if generation >= 0:
+                self._child(self._gang_generation, job, host).set(generation)
 
     def heartbeat(self, job: str, at: float) -> None:
         """Record a heartbeat at monotonic time `at` (the clock given to Metrics)."""

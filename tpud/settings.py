@@ -5,11 +5,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.spec.loader import SpecError, load_mapping
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9477"
+DEFAULT_GANG_PORT = 8476
+
+
+class GangSettings(BaseModel):
+    """This host's place in a job spanning several hosts (off TPU; a TPU VM finds its own)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host_index: int = Field(ge=0, description="This host's index, 0 .. host_count - 1. Host 0 runs the coordinator.")
+    host_count: int = Field(ge=1, description="Hosts every multi-host job spans.")
+    coordinator: str = Field(
+        pattern=r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):[0-9]{1,5}$",
+        description="HOST:PORT where host 0's coordinator (torch.distributed's TCPStore) listens and every "
+        "host's workers meet; host 0 binds exactly this address.")
+    peer_timeout_seconds: float = Field(
+        3.0, gt=0, description="A worker that stops beating for this long counts as failed: the gang restarts.")
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> GangSettings:
+        if self.host_index >= self.host_count:
+            raise ValueError(f"host_index {self.host_index} must be below host_count {self.host_count}")
+        return self
 
 
 class Settings(BaseModel):
@@ -30,6 +52,11 @@ class Settings(BaseModel):
     metadata_timeout_seconds: int = Field(300, gt=0, description="timeout_sec of each hanging metadata GET.")
     upcoming_maintenance_poll_seconds: float = Field(
         60.0, gt=0, description="How often the TPU instance/upcoming-maintenance key is read.")
+    gang: GangSettings | None = Field(
+        None, description="Multi-host jobs off TPU: this host's index, the host count and the coordinator. On a "
+        "TPU VM they come from TPU_WORKER_ID / TPU_WORKER_HOSTNAMES or the VM's metadata.")
+    gang_port: int = Field(DEFAULT_GANG_PORT, ge=1, le=65535,
+                           description="The coordinator's port on TPU VMs (host 0's first address).")
     allow_fault_injection: bool = Field(
         False, description="Run jobs with a debug.inject block (tests and drills); refused otherwise.")
 

@@ -96,6 +96,7 @@ class Checkpointer:
         self.loader_state, self._emit = loader_state, emit
         # Several hosts: each writes its own part, alone, into its own directory.
         self.group = None if hosts else backend.checkpoint_group
+        self.hosts_group = backend.checkpoint_group if hosts else None
         self.rank = dist.get_rank() if dist.is_initialized() and not hosts else 0
         self.world = dist.get_world_size() if dist.is_initialized() and not hosts else 1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -238,7 +239,7 @@ class Checkpointer:
         Every host takes part even when its own part failed: the others wait for its answer.
         """
         try:
-            outcomes = gang.exchange(error, self.hosts)
+            outcomes = gang.exchange(error, self.hosts, self.hosts_group)
         except Exception as e:  # noqa: BLE001  (a peer died mid-save: its part is unknown)
             return error or f"the global commit failed: {describe_error(e)}"
         if error is not None:
@@ -352,7 +353,7 @@ class Checkpointer:
         held = {(step, m.micro_step): (step, path, m) for step, path, m in mf.parts(self.job_dir)
                 if not mf.problems(path, m, checksums=False)}
         mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
-        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}), self.hosts)
+        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}), self.hosts, self.hosts_group)
         hosts_of = {k: n for _, made in everyone for k, n in made.items()}
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:

@@ -22,11 +22,11 @@ Key = tuple[int, int]  # (step, micro_step)
 
 @dataclass(frozen=True)
 class Hosts:
-    """This worker's place among the job's hosts (one worker per host)."""
+    """This worker's place among the job's hosts: one worker per host, its rank the host's index.
+    The commit and the agreement run on the backend's checkpoint group (gloo, one rank per host)."""
 
     index: int
     count: int
-    group: Any  # a gloo process group with one rank per host, for the commit and the agreement
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,10 @@ def choose(holdings: list[Holdings], hosts_now: int, hosts_of: dict[Key, int]) -
     return None, passed
 
 
-def exchange(mine: Any, hosts: Hosts) -> list[Any]:
-    """Every host's `mine`, in host order (a collective on the hosts' group)."""
+def exchange(mine: Any, hosts: Hosts, group: Any) -> list[Any]:
+    """Every host's `mine`, in host order (a collective on `group`, one rank per host)."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * hosts.count
-    dist.all_gather_object(gathered, mine, group=hosts.group)
+    dist.all_gather_object(gathered, mine, group=group)
     return gathered

@@ -46,6 +46,7 @@ from google.cloud.storage import transfer_manager
 from google.cloud.storage.exceptions import DataCorruption
 
 from engine.checkpoint.manifest import (
+    GLOBAL,
     MANIFEST,
     Manifest,
     committed_steps,
@@ -53,6 +54,7 @@ from engine.checkpoint.manifest import (
     problems,
     read_manifest,
     step_dir_name,
+    write_global,
     write_manifest,
 )
 from engine.layout import fsync_path
@@ -258,6 +260,8 @@ class GcsTier:
             manifest = self._read_remote_manifest(blob, until)
             if manifest is None or step_dir_name(manifest.step, manifest.micro_step) != name:
                 continue
+            if manifest.hosts > 1 and GLOBAL not in objects:  # a multi-host step commits with its marker
+                continue
             issues = []
             for entry in manifest.files:
                 obj = objects.get(entry.path)
@@ -373,6 +377,15 @@ class GcsTier:
         else:
             if manifest_blob.crc32c != file_crc32c(local_step_dir / MANIFEST):
                 raise RemoteCorrupt(f"{where}{MANIFEST}: CRC32C {manifest_blob.crc32c} does not match the local file")
+        if manifest.hosts > 1:  # a multi-host step: its global marker, last (the local one exists: it was submitted)
+            marker = self.bucket.blob(prefix + GLOBAL)
+            try:
+                self._call(f"uploading {where}{GLOBAL}", until, marker.upload_from_filename,
+                           str(local_step_dir / GLOBAL), if_generation_match=0, checksum="crc32c",
+                           content_type="application/json")
+            except RemoteError as e:
+                if not isinstance(e.__cause__, api_exceptions.PreconditionFailed):
+                    raise  # already there: the step is committed either way
         transfer = Transfer(name, len(manifest.files), total, skipped, time.monotonic() - start)
         log.info("gcs upload committed", job=self.job, step=name, url=where, files=transfer.files,
                  bytes=transfer.bytes, skipped_bytes=transfer.skipped_bytes, seconds=round(transfer.seconds, 3),
@@ -466,6 +479,8 @@ class GcsTier:
                     self._pause_before_retry("download", name, where, len(pending), transient[0], attempt, until)
                     attempt += 1
             write_manifest(tmp, manifest)  # fsyncs the data files, then the manifest, last
+            if manifest.hosts > 1:  # committed remotely, so globally: this host's copy is marked too
+                write_global(tmp, manifest)
             if target.exists():  # an uncommitted or damaged leftover: out of the way first
                 aside = Path(tempfile.mkdtemp(prefix=f".tmp-{name}.replaced-", dir=local_job_dir))
                 target.rename(aside / target.name)
@@ -497,9 +512,10 @@ class GcsTier:
         doomed = [name for name in listing if _key(name) < _key(kept[0])]
         for name in doomed:
             objects = listing[name]
-            data = [b.name for rel, b in objects.items() if rel != MANIFEST]
-            if MANIFEST in objects:
-                self._delete([objects[MANIFEST].name], until)
+            data = [b.name for rel, b in objects.items() if rel not in (MANIFEST, GLOBAL)]
+            for marker in (GLOBAL, MANIFEST):  # the commit markers first: a half-deleted step is never committed
+                if marker in objects:
+                    self._delete([objects[marker].name], until)
             self._delete(data, until)
             log.info("gcs step deleted", job=self.job, step=name, objects=len(objects),
                      committed=name in committed)

@@ -14,20 +14,25 @@ from tpud.paths import Paths
 class CheckpointTiers:
     """The GCS tier of one job, when it has one: its uploader, and the download before a start."""
 
-    def __init__(self, spec: JobSpec, paths: Paths, on_upload=None):
-        """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread."""
+    def __init__(self, spec: JobSpec, paths: Paths, on_upload=None, *, uploads: bool = True):
+        """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread.
+
+        `uploads` False: a host of a multi-host job other than host 0. Every host's part restores
+        the whole replicated state, so one host uploads it; every host downloads.
+        """
         self.local_job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
         self.keep = spec.checkpoint.keep
         self.tier = GcsTier.for_spec(spec)
         self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)
-                         if self.tier else None)
+                         if self.tier and uploads else None)
 
     def prepare(self) -> None:
         """Before a worker starts: bring the newest committed step here if only GCS has it."""
         if self.tier:
             self.local_job_dir.mkdir(parents=True, exist_ok=True)
             ensure_newest_local(self.tier, self.local_job_dir)
-            self.uploader.start()
+            if self.uploader is not None:
+                self.uploader.start()
 
     def close(self) -> bool:
         """Wait for pending uploads; True when everything committed locally is also remote."""

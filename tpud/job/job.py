@@ -29,7 +29,9 @@ from engine.hooks import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
 from tpud.job import crashes, goodput, states
+from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
+from tpud.job.gang import GangView
 from tpud.job.hang import HangWatch
 from tpud.job.record import JobRecord
 from tpud.job.restarts import Restarts
@@ -74,7 +76,7 @@ Spawn = Callable[..., WorkerProcess]  # (spec, paths, log_format, extra_env, *, 
 class Job:
     def __init__(self, spec: JobSpec, file: Path, paths: Paths, loop: Loop, metrics: MetricsSink,
                  *, stop_timeout: float, log_format: str = "json", clock=time.monotonic,
-                 spawn: Spawn = WorkerProcess):
+                 spawn: Spawn = WorkerProcess, gang: GangPlace | None = None):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
         self.clock, self.stop_timeout, self.log_format = clock, stop_timeout, log_format
         self.name = spec.name
@@ -103,8 +105,9 @@ class Job:
         self._partial = b""
         self._oom_kills: int | None = None
         self._preparing = False  # a thread is fetching the newest checkpoint from GCS
+        self.gang = GangView(gang)  # several hosts: this host's place, and the gang as its worker sees it
         # What it owns.
-        self.tiers = CheckpointTiers(spec, paths, self._uploaded)
+        self.tiers = CheckpointTiers(spec, paths, self._uploaded, uploads=self._uploads)
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
                                     self.name)
         self._record_path = paths.layout.record_file(self.name)
@@ -122,6 +125,7 @@ class Job:
             events.Step: self._step, events.CheckpointStarted: self._checkpoint_started,
             events.CheckpointCommitted: self._committed, events.CheckpointFailed: self._checkpoint_failed,
             events.CheckpointRestored: self._restored, events.NonFinite: self._nonfinite, events.Eval: self._eval,
+            events.Gang: self._gang,
         }
         self.metrics.job_state(self.name, self.state.value)
 
@@ -216,14 +220,20 @@ class Job:
         else:
             self._spawn()
 
+    @property
+    def _uploads(self) -> bool:
+        """One host uploads a multi-host job's steps: every host's part holds the whole state."""
+        return self.gang.place is None or self.gang.place.host == 0
+
     def _spawn(self) -> None:
-        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name))}
+        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name)), **self.gang.worker_env()}
         if self.spec.logging.wandb is not None:
             env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
         self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
         self._oom_kills = crashes.oom_kill_count()
         self.tail.clear()
         self.hang, self.nonfinite = None, None
+        self.gang.new_worker()
         self.watch.new_worker(self.spec.health, self.clock())
         self.worker, warm = self.standbys.take(self.spec, env), True
         if self.worker is None:
@@ -286,7 +296,7 @@ class Job:
         if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
             # The old uploader finishes its upload in flight in the background, then stops.
             threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
-            self.tiers = CheckpointTiers(spec, self.paths, self._uploaded)
+            self.tiers = CheckpointTiers(spec, self.paths, self._uploaded, uploads=self._uploads)
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
@@ -363,6 +373,14 @@ class Job:
 
     def _checkpoint_started(self, event: events.CheckpointStarted) -> None:
         self.watch.saving(self.clock())
+
+    def _gang(self, event: events.Gang) -> None:
+        before = self.gang.state
+        self.gang.latest = event
+        self.metrics.gang(self.name, event.host, event.present, event.generation)
+        if self.gang.state != before:
+            log.info("gang", job=self.name, state=self.gang.state, host=event.host, hosts=event.hosts,
+                     generation=event.generation)
 
     def _restored(self, event: events.CheckpointRestored) -> None:
         self.restored_step = event.step
@@ -441,6 +459,8 @@ class Job:
             detail = "" if status == exit_codes.STOPPED else f" (exit {status}, no final checkpoint)"
             state = State.PREEMPTED if self.stop_reason == "preempted" else State.STOPPED
             self._set(state, self.stop_reason + detail)
+        elif status == exit_codes.GANG_RESTART:
+            self._peer_failed()
         elif self.hang is not None:
             self._crashed(self.hang, "hang")
         elif status == exit_codes.STOPPED:
@@ -473,6 +493,14 @@ class Job:
         self.error = what + spent
         self._set(State.FAILED, f"exit 76: {what}{spent}")
 
+    def _peer_failed(self) -> None:
+        """Another host's worker failed (exit 77): start again at once to meet the gang's next
+        generation. The failing host spends its own restart budget; this one spends none."""
+        self.restarts.peer()
+        self.gang.peer_restarts += 1
+        self.metrics.restart(self.name, "peer")
+        self.start()
+
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error
         delay = self.restarts.crashed(self.spec, self.clock())
@@ -499,7 +527,9 @@ class Job:
             if self.hang is not None:
                 log.error("worker hung; terminating it", job=self.name, silent_s=round(now - self.watch.last_heard, 3),
                           bound_s=round(self.watch.bound(), 1), step=self.watch.step)
-                if self.worker.stopped():  # SIGTERM would wait for a SIGCONT: no grace to give
+                # Stopped by a signal, SIGTERM would wait for a SIGCONT. In a gang no checkpoint can be
+                # taken without the hung worker, so the others' wait ends soonest with this one's death.
+                if self.worker.stopped() or self.gang.place is not None:
                     self.worker.signal(signal.SIGKILL)
                 else:
                     self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
@@ -543,7 +573,7 @@ class Job:
             "eval_step": None if self.evaluated is None else self.evaluated.step,
             "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
             "age_seconds": None if first is None else round(time.time() - first, 1),
-            "goodput": self.ledger.snapshot(),
+            "goodput": self.ledger.snapshot(), "gang": self.gang.snapshot(),
         }
 
 

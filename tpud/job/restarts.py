@@ -46,6 +46,10 @@ class Restarts:
         self.total += 1
         return True
 
+    def peer(self) -> None:
+        """Another host's worker failed and the gang restarts: counted, but no crash of this host's."""
+        self.total += 1
+
     def progressed(self) -> None:
         """A worker committed a checkpoint: its crashes are not a crash loop."""
         self.streak = 0

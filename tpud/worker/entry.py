@@ -19,9 +19,10 @@ from pathlib import Path
 
 import structlog
 
-from engine import events, logs
+from engine import events, exit_codes, logs
 from engine.spec.schema import JobSpec
-from engine.hooks import Boundary, Request, SignalHooks, merge
+from engine.hooks import Action, Boundary, Request, SignalHooks, merge
+from tpud.gang.member import GangMember
 from tpud.worker import channel
 from tpud.worker.process import die_with_parent
 
@@ -37,6 +38,7 @@ class ChannelHooks(SignalHooks):
         self._lock = threading.Lock()
         self.connection = channel.connect(path) if path else None
         self.heartbeats = channel.HeartbeatClock()
+        self.gang: GangMember | None = None
         # The rank tells the daemon whether this host logs the job to wandb (rank 0 only).
         self.emit(events.Hello(os.getpid(), int(os.environ.get("RANK", "0"))))
 
@@ -47,8 +49,19 @@ class ChannelHooks(SignalHooks):
                 self.connection = None
 
     def poll(self, at: Boundary) -> Request | None:
+        if self.gang is not None:
+            self.gang.arrived(events.Heartbeat(at.step, at.micro_step))
         if self.heartbeats.due():
             self.emit(events.Heartbeat(at.step, at.micro_step))
+        return self.requests(at)
+
+    def stop_asked(self) -> bool:
+        """Before training (waiting for the other hosts): whether to exit now; nothing to checkpoint yet."""
+        request = self.requests(Boundary(0, 0))
+        return request is not None and request.action is not Action.CHECKPOINT
+
+    def requests(self, at: Boundary) -> Request | None:
+        """Pending requests: signals, and the daemon's messages."""
         request = super().poll(at)
         with self._lock:
             messages = (self.connection.receive() or []) if self.connection is not None else []
@@ -101,7 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     spec = JobSpec.model_validate_json(args.spec.read_text())
     logs.configure(spec.logging.level)
     structlog.contextvars.bind_contextvars(job=spec.name)
+    from engine.backends import resolve_backend_name
     from engine.train import train  # torch is imported here, after argument checks
 
-    return train(spec, args.state_dir, ChannelHooks(os.environ.get("TPUD_CHANNEL")))
+    hooks = ChannelHooks(os.environ.get("TPUD_CHANNEL"))
+    gang = GangMember.from_env(spec.name, hooks.emit)
+    if gang is None:
+        return train(spec, args.state_dir, hooks)
+    if not gang.join(resolve_backend_name(spec.device), hooks.stop_asked):
+        log.info("stopping on request while waiting for the other hosts")
+        return exit_codes.STOPPED
+    hooks.gang = gang
+    try:
+        code = train(spec, args.state_dir, hooks, gang.place)
+    except BaseException as e:
+        gang.crashed(e)
+        raise
+    gang.leave()
+    return code
 

@@ -1,0 +1,225 @@
+"""The worker's side of a gang: meet the other hosts' workers, watch them, leave together.
+
+All of it goes through torch.distributed's TCPStore in host 0's coordinator, under
+`tpud/<job>/`:
+
+    gen                   the current generation: each generation is one gang of workers
+    g<G>/seat/<host>      a worker of this host joined generation G
+    g<G>/started          every host was seated: the gang formed
+    g<G>/beat/<host>      a counter each worker bumps every `interval`
+    g<G>/arrivals/<host>  loop boundaries its training thread has reached
+    g<G>/left/<host>      it exits on purpose (done, stopped, bad input): not a failure
+
+A worker that starts finds the current generation; if that gang already formed, one of its
+workers is gone (this host's own, being replaced), so it opens the next generation. The
+others see `gen` move, or a peer's beat stand still for `peer_timeout_s`, and exit with 77
+(engine.exit_codes.GANG_RESTART) at once, from the watcher thread, even while their training
+thread waits in a collective that would never finish. Every host's daemon starts its worker
+again, and the new generation resumes from the newest global commit.
+
+A worker whose training thread is ahead of a peer's (more arrivals) is waiting for that
+peer: the watcher sends its daemon heartbeats, so that a hang is judged on the host whose
+worker stopped, not on every host.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from engine import events, exit_codes
+from engine.checkpoint.hosts import Hosts
+
+log = structlog.get_logger()
+
+CONNECT_TIMEOUT_S = 2.0
+INTERVAL_S = 0.25
+
+
+class GangMember:
+    def __init__(self, job: str, host: int, hosts: int, coordinator: str, peer_timeout_s: float,
+                 emit: Callable[[events.Event], None]):
+        self.host, self.hosts, self.coordinator = host, hosts, coordinator
+        self.peer_timeout_s, self.emit = peer_timeout_s, emit
+        self.prefix = f"tpud/{job}/"
+        self.store = None
+        self.generation = -1
+        self._at = events.Heartbeat(0)  # the training thread's latest boundary
+        self._arrivals = 0
+        self._leaving = False
+        self._stop = threading.Event()
+        self._stop_asked: Callable[[], bool] = lambda: False
+
+    @classmethod
+    def from_env(cls, job: str, emit: Callable[[events.Event], None]) -> GangMember | None:
+        env = os.environ
+        if "TPUD_GANG_HOSTS" not in env:
+            return None
+        return cls(job, int(env["TPUD_GANG_HOST"]), int(env["TPUD_GANG_HOSTS"]), env["TPUD_GANG_COORDINATOR"],
+                   float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit)
+
+    @property
+    def place(self) -> Hosts:
+        return Hosts(self.host, self.hosts)
+
+    def _key(self, name: str, generation: int | None = None) -> str:
+        g = self.generation if generation is None else generation
+        return f"{self.prefix}g{g}/{name}"
+
+    # --- joining ---
+
+    def join(self, backend: str, stop_asked: Callable[[], bool]) -> bool:
+        """Wait until every host's worker is here, then form the process group (not under xla,
+        whose xla:// initialisation finds its peers through the TPU runtime). False when a stop
+        was asked meanwhile."""
+        import torch.distributed as dist
+
+        self._stop_asked = stop_asked
+        if not self._connect():
+            return False
+        while not (seated := self._seated()):
+            if seated is None:
+                self.leave()
+                return False
+        log.info("gang formed", host=self.host, hosts=self.hosts, generation=self.generation)
+        self.emit(events.Gang(self.host, self.hosts, self.hosts, self.generation))
+        threading.Thread(target=self._watch, name="gang-watch", daemon=True).start()
+        if backend != "xla":
+            dist.init_process_group("nccl" if backend == "cuda" else "gloo",
+                                    store=dist.PrefixStore(self._key("pg/"), self.store),
+                                    rank=self.host, world_size=self.hosts, timeout=datetime.timedelta(minutes=10))
+        return True
+
+    def _connect(self) -> bool:
+        import torch.distributed as dist
+
+        host, _, port = self.coordinator.rpartition(":")
+        waited = time.monotonic()
+        while True:
+            try:
+                self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, use_libuv=True,
+                                           timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+                break
+            except (RuntimeError, OSError) as e:  # host 0's daemon is not up yet
+                self.emit(events.Gang(self.host, self.hosts, 0, -1))
+                if self._stop_asked():
+                    return False
+                if time.monotonic() - waited > 30:
+                    log.warning("waiting for the gang's coordinator", coordinator=self.coordinator, error=str(e))
+                    waited = time.monotonic()
+        self.store.set_timeout(datetime.timedelta(seconds=30))
+        return True
+
+    def _seated(self) -> bool | None:
+        """Take this host's seat in the current generation and wait for the others; False when the
+        generation moved on meanwhile (try the next one), None when a stop was asked."""
+        store, gen = self.store, self.prefix + "gen"
+        g = int(store.add(gen, 0))
+        if store.check([self._key("started", g)]):  # that gang formed and lost a worker: open the next one
+            store.compare_set(gen, str(g), str(g + 1))
+            return False
+        self.generation = g
+        store.set(self._key(f"seat/{self.host}"), str(os.getpid()))
+        reported, told = None, 0.0
+        while True:
+            if int(store.add(gen, 0)) != g:
+                return False
+            present = sum(store.check([self._key(f"seat/{h}")]) for h in range(self.hosts))
+            if present != reported:
+                log.info("waiting for hosts", present=present, hosts=self.hosts, generation=g)
+            if present != reported or time.monotonic() - told >= 1.0:  # the daemon's status, and its hang watch
+                self.emit(events.Gang(self.host, self.hosts, present, g))
+                reported, told = present, time.monotonic()
+            if present == self.hosts:
+                store.set(self._key("started"), "1")
+                return True
+            if self._stop_asked():
+                store.delete_key(self._key(f"seat/{self.host}"))
+                return None
+            time.sleep(INTERVAL_S)
+
+    # --- while training ---
+
+    def arrived(self, at: events.Heartbeat) -> None:
+        """The training thread reached a boundary (called from the hooks' poll)."""
+        self._at, self._arrivals = at, self._arrivals + 1
+
+    def _watch(self) -> None:
+        store, me = self.store, self.host
+        peers = [h for h in range(self.hosts) if h != me]
+        seen = {h: (-1, time.monotonic()) for h in peers}
+        published = 0
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                store.add(self._key(f"beat/{me}"), 1)
+                arrivals = self._arrivals
+                store.add(self._key(f"arrivals/{me}"), arrivals - published)
+                published = arrivals
+                if (g := int(store.add(self.prefix + "gen", 0))) != self.generation:
+                    self._disrupted(f"another host's worker restarted (generation {self.generation} -> {g})")
+                now, behind = time.monotonic(), False
+                for h in peers:
+                    beat = int(store.add(self._key(f"beat/{h}"), 0))
+                    if beat != seen[h][0]:
+                        seen[h] = (beat, now)
+                    elif now - seen[h][1] > self.peer_timeout_s and not store.check([self._key(f"left/{h}")]):
+                        self._disrupted(f"host {h}'s worker stopped responding for {self.peer_timeout_s:g}s")
+                    behind = behind or int(store.add(self._key(f"arrivals/{h}"), 0)) < published
+                if behind:  # waiting for a slower host in a collective: alive, and not the one to blame
+                    self.emit(self._at)
+            except Exception as e:  # noqa: BLE001  (the coordinator is gone: so is the gang)
+                self._disrupted(f"lost the gang's coordinator {self.coordinator}: {e}")
+
+    def _disrupted(self, reason: str) -> None:
+        if self._leaving:
+            return
+        log.error("the gang is broken; exiting so that every host restarts together", reason=reason,
+                  host=self.host, generation=self.generation)
+        self._end_generation()
+        sys.stdout.flush()
+        os._exit(exit_codes.GANG_RESTART)
+
+    def _end_generation(self) -> None:
+        try:
+            self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
+        except Exception:  # noqa: BLE001  (unreachable: the others find out by themselves)
+            pass
+
+    # --- leaving ---
+
+    def leave(self) -> None:
+        """Exiting on purpose (the gang agreed on it): the others must not take it for a failure."""
+        self._leaving = True
+        if self.generation < 0:
+            return
+        try:
+            self.store.set(self._key(f"left/{self.host}"), "1")
+        except Exception:  # noqa: BLE001
+            pass
+        self._stop.set()
+
+    def crashed(self, error: BaseException) -> None:
+        """The training thread raised. A collective cut short may be a peer's failure, which the
+        watcher finds within the peer timeout and then exits 77; any other failure is this
+        host's: end the generation now, so the others restart at once."""
+        import torch.distributed as dist
+
+        if self.generation < 0:
+            return
+        if isinstance(error, (dist.DistError, RuntimeError)) and _collective_failure(error):
+            time.sleep(self.peer_timeout_s + 2 * INTERVAL_S)
+        self._leaving = True
+        self._end_generation()
+
+
+def _collective_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(s in text for s in ("Gloo", "gloo", "Connection closed", "NCCL"))

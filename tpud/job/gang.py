@@ -1,0 +1,50 @@
+"""A job's view of its gang, when it spans several hosts (tpud/gang/): what status and metrics show.
+
+The worker reports the gang as it forms (`gang` events: who is present, which generation);
+the job passes the place to each worker it starts and counts restarts a peer caused apart
+from its own crashes, which spend its restart budget.
+"""
+
+from __future__ import annotations
+
+from engine import events
+from tpud.gang.discovery import GangPlace
+
+
+class GangView:
+    def __init__(self, place: GangPlace | None):
+        self.place = place
+        self.latest: events.Gang | None = None  # the current worker's latest report
+        self.peer_restarts = 0
+
+    def worker_env(self) -> dict[str, str]:
+        if self.place is None:
+            return {}
+        return {**self.place.worker_env(), "RANK": str(self.place.host), "WORLD_SIZE": str(self.place.hosts),
+                "LOCAL_RANK": "0"}
+
+    def new_worker(self) -> None:
+        self.latest = None
+
+    @property
+    def state(self) -> str | None:
+        """What status shows beside the job's state: `waiting for hosts (2 of 3)` or `formed`."""
+        if self.place is None:
+            return None
+        g = self.latest
+        if g is None:
+            return "not joined"
+        if g.generation < 0:
+            return f"waiting for the coordinator {self.place.coordinator}"
+        if g.present < g.hosts:
+            return f"waiting for hosts ({g.present} of {g.hosts})"
+        return "formed"
+
+    def snapshot(self) -> dict | None:
+        if self.place is None:
+            return None
+        g = self.latest
+        return {"host": self.place.host, "hosts": self.place.hosts, "state": self.state,
+                "present": None if g is None else max(g.present, 0),
+                "generation": None if g is None or g.generation < 0 else g.generation,
+                "peer_restarts": self.peer_restarts}
