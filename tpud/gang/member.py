@@ -55,6 +55,7 @@ class GangMember:
         self._leaving = False
         self._stop = threading.Event()
         self._stop_asked: Callable[[], bool] = lambda: False
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def from_env(cls, job: str, emit: Callable[[events.Event], None]) -> GangMember | None:
@@ -89,7 +90,8 @@ class GangMember:
                 return False
         log.info("gang formed", host=self.host, hosts=self.hosts, generation=self.generation)
         self.emit(events.Gang(self.host, self.hosts, self.hosts, self.generation))
-        threading.Thread(target=self._watch, name="gang-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
+        self._watcher.start()
         if backend != "xla":
             dist.init_process_group("nccl" if backend == "cuda" else "gloo",
                                     store=dist.PrefixStore(self._key("pg/"), self.store),
@@ -154,7 +156,7 @@ class GangMember:
         store, me = self.store, self.host
         peers = [h for h in range(self.hosts) if h != me]
         seen = {h: (-1, time.monotonic()) for h in peers}
-        published = 0
+        published, lost_since = 0, None
         while not self._stop.wait(INTERVAL_S):
             try:
                 store.add(self._key(f"beat/{me}"), 1)
@@ -173,8 +175,13 @@ class GangMember:
                     behind = behind or int(store.add(self._key(f"arrivals/{h}"), 0)) < published
                 if behind:  # waiting for a slower host in a collective: alive, and not the one to blame
                     self.emit(self._at)
-            except Exception as e:  # noqa: BLE001  (the coordinator is gone: so is the gang)
-                self._disrupted(f"lost the gang's coordinator {self.coordinator}: {e}")
+                lost_since = None
+            except Exception as e:  # noqa: BLE001
+                # The coordinator is gone, and so is the gang: unless host 0 has just finished the job
+                # and this worker is about to, which the grace lets it do.
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > self.peer_timeout_s:
+                    self._disrupted(f"lost the gang's coordinator {self.coordinator}: {e}")
 
     def _disrupted(self, reason: str) -> None:
         if self._leaving:
@@ -203,6 +210,8 @@ class GangMember:
         except Exception:  # noqa: BLE001
             pass
         self._stop.set()
+        if self._watcher is not None:  # not inside a store call as the interpreter exits (that aborts)
+            self._watcher.join(timeout=5)
 
     def crashed(self, error: BaseException) -> None:
         """The training thread raised. A collective cut short may be a peer's failure, which the
@@ -216,6 +225,9 @@ class GangMember:
             time.sleep(self.peer_timeout_s + 2 * INTERVAL_S)
         self._leaving = True
         self._end_generation()
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
 
 
 def _collective_failure(error: BaseException) -> bool:
