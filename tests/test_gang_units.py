@@ -1,0 +1,93 @@
+"""The pure parts of multi-host jobs: which step the hosts restore, the global batch on any host
+count, where a host finds its place."""
+
+import pytest
+
+from engine.checkpoint.hosts import Holdings, choose
+from engine.data.loader import PackedLoader, batch_geometry
+from engine.backends.base import DataPosition
+from engine.errors import ConfigError
+from tpud.gang.discovery import discover
+from tpud.settings import Settings
+
+
+def holdings(parts, marked=()):
+    return Holdings(frozenset(parts), frozenset(marked))
+
+
+def test_restore_takes_the_newest_step_marked_anywhere_and_held_by_every_host():
+    # Host 2 died between its part of step 9 and its marker; host 1 never wrote step 12.
+    hosts = [holdings({(6, 0), (9, 0), (12, 0)}, {(6, 0), (9, 0), (12, 0)}),
+             holdings({(6, 0), (9, 0)}, {(6, 0), (9, 0)}),
+             holdings({(6, 0), (9, 0)}, {(6, 0)})]
+    key, passed = choose(hosts, 3, {})
+    assert key == (9, 0) and passed == ["step 12.0000: host(s) [1, 2] lack their part"]
+
+
+def test_a_part_no_host_marked_is_never_restored():
+    hosts = [holdings({(3, 0), (6, 0)}, {(3, 0)}), holdings({(3, 0), (6, 0)}, {(3, 0)})]
+    assert choose(hosts, 2, {})[0] == (3, 0)
+    assert choose([holdings({(6, 0)}), holdings({(6, 0)})], 2, {}) == (None, [])
+
+
+def test_a_partial_step_resumes_only_on_the_host_count_that_made_it():
+    hosts = [holdings({(4, 0), (5, 1)}, {(4, 0), (5, 1)})] * 2
+    assert choose(hosts, 2, {(5, 1): 3, (4, 0): 3})[0] == (4, 0)
+    assert choose(hosts, 3, {(5, 1): 3, (4, 0): 3})[0] == (5, 1)
+
+
+@pytest.mark.parametrize("world, micro, accum", [(1, 4, 3), (2, 3, 2), (3, 4, 1), (4, 3, 1), (6, 2, 1)])
+def test_global_batch_size_keeps_the_batch_on_any_number_of_ranks(tiny_spec, world, micro, accum):
+    spec = tiny_spec("train.global_batch_size=12", "data.micro_batch_size=4")
+    fits, schedule = batch_geometry(spec.train, spec.data.micro_batch_size, world)
+    assert (fits, schedule.at(0)) == (micro, accum) and fits * accum * world == 12
+
+
+def test_the_samples_of_a_step_are_the_same_on_three_ranks_and_on_two(tiny_spec):
+    spec = tiny_spec("train.global_batch_size=12", "data.micro_batch_size=2", "data.seq_len=16")
+    from engine.data.dataset import open_data
+
+    samples = open_data(spec.data, 0, None, spec.model.vocab_size, None).train
+
+    def step_rows(world, step):
+        micro, accum = batch_geometry(spec.train, spec.data.micro_batch_size, world)
+        rows = []
+        for rank in range(world):
+            loader = PackedLoader(samples, micro, accum, 0, DataPosition(rank, world))
+            rows += [tuple(r) for m in range(accum.at(step)) for r in loader.batch(step, m).tolist()]
+        return sorted(rows)
+
+    for step in (0, 5):
+        assert step_rows(3, step) == step_rows(2, step) == step_rows(4, step)
+
+
+def test_global_batch_size_refuses_an_uneven_split(tiny_spec):
+    spec = tiny_spec("train.global_batch_size=12")
+    with pytest.raises(ConfigError, match="do not divide evenly among 5"):
+        batch_geometry(spec.train, spec.data.micro_batch_size, 5)
+
+
+def test_global_batch_size_and_grad_accum_steps_are_exclusive(tiny_spec):
+    from engine.spec.loader import SpecError
+
+    with pytest.raises(SpecError, match="grad_accum_steps"):
+        tiny_spec("train.global_batch_size=12", "train.grad_accum_steps=2")
+
+
+def test_a_host_finds_its_place_in_settings_then_the_tpu_environment():
+    settings = Settings.model_validate({"gang": {"host_index": 2, "host_count": 3, "coordinator": "127.0.0.1:5000"}})
+    place = discover(settings, {})
+    assert (place.host, place.hosts, place.loopback) == (2, 3, True)
+    assert place.worker_env()["TPUD_GANG_HOST"] == "2"
+    tpu = discover(Settings(), {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3"})
+    assert (tpu.host, tpu.hosts, tpu.coordinator, tpu.loopback) == (1, 2, "10.0.0.2:8476", False)
+    assert discover(Settings(), {}) is None  # one host: no gang
+
+
+@pytest.mark.parametrize("gang", [{"host_index": 3, "host_count": 3, "coordinator": "h:1"},
+                                  {"host_index": 0, "host_count": 2, "coordinator": "no-port"}])
+def test_bad_gang_settings_are_refused(gang):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        Settings.model_validate({"gang": gang})
