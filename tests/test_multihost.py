@@ -39,6 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STARTED: list[subprocess.Popen] = []  # every supervisor a test started, ended however the test ends
+
+
+@pytest.fixture(autouse=True)
+def _end_supervisors():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:  # its worker and coordinator die with it (parent-death signal)
+            proc.kill()
+            proc.wait()
+
+
 class Host:
     """One host: a home with tpud.yaml's gang section, and its `tpud run` process."""
 
@@ -63,6 +76,7 @@ class Host:
             self.proc = subprocess.Popen(
                 [PYTHON, "-m", "tpud", "run", str(TINY_JOB), *JOB, *overrides, "--home", str(self.home)],
                 stdout=out, stderr=subprocess.STDOUT, env=python_env(OMP_NUM_THREADS="1", **self.env))
+        STARTED.append(self.proc)
         return self
 
     def records(self, event: str | None = None, every_run: bool = True) -> list[dict]:
@@ -115,7 +129,11 @@ def wait_step(host: Host, step: int, timeout: float = 180) -> None:
 def reference(tmp_path_factory) -> tuple[list[dict[str, str]], dict[int, float]]:
     """Scenario 1: an uninterrupted three-host run."""
     hosts = [h.start() for h in gang(tmp_path_factory.mktemp("reference"))]
-    assert [h.wait() for h in hosts] == [0, 0, 0]
+    try:
+        assert [h.wait() for h in hosts] == [0, 0, 0]
+    finally:
+        for h in hosts:
+            h.proc.kill()
     finals = [h.final() for h in hosts]  # each host's part: the replicated state, and its own data rank
     losses = hosts[0].losses()
     assert sorted(losses) == list(range(1, MAX_STEPS + 1)) and hosts[1].losses() == losses
@@ -126,18 +144,27 @@ def reference(tmp_path_factory) -> tuple[list[dict[str, str]], dict[int, float]]
 def test_a_killed_worker_restarts_the_whole_gang_which_resumes(tmp_path, reference):
     hosts = [h.start() for h in gang(tmp_path)]
     victim = hosts[1]
-    for at in sorted(random.Random(15).sample(range(2, MAX_STEPS - 3), 2)):
+    kills = sorted(random.Random(15).sample(range(4, MAX_STEPS - 3), 2))
+    for n, at in enumerate(kills, 1):
         wait_step(victim, at)
+        # The step before is committed (checkpoints every 3 steps): the restart has something to resume.
+        wait_until(lambda: max(r["step"] for r in victim.records("checkpoint committed") or [{"step": 0}]) >= at - 3,
+                   "a commit before the kill", timeout=60, interval=0.05)
+        worker = victim.worker()
         killed_at = time.monotonic()
-        os.kill(victim.worker(), signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
         # Every other host's worker learns of it and exits 77 within the bound (5 s), not a collective timeout.
         for other in (hosts[0], hosts[2]):
-            wait_until(lambda: 77 in [r["status"] for r in other.records("worker exited")],
-                       f"host {other.index}'s worker leaving", timeout=5 + 3)
+            wait_until(lambda: [r["status"] for r in other.records("worker exited")].count(77) == n,
+                       f"host {other.index}'s worker leaving", timeout=8, interval=0.05)
         assert time.monotonic() - killed_at < 8
-        wait_until(lambda: victim.step() > at, "the gang training again", timeout=120, interval=0.1)
+        wait_until(lambda: victim.worker() != worker and victim.records("checkpoint restored")[n - 1:],
+                   "the gang restored", timeout=120, interval=0.1)
     assert [h.wait() for h in hosts] == [0, 0, 0]
     assert_like_reference(hosts, reference)
+    # Each new generation resumed, on every host, from the same committed step: not from scratch.
+    restored = [[r["step"] for r in h.records("checkpoint restored")] for h in hosts]
+    assert restored[0] == restored[1] == restored[2] and len(restored[0]) == 2 and min(restored[0]) > 0
     statuses = {h.index: [r["status"] for r in h.records("worker exited")] for h in hosts}
     assert statuses[1] == [137, 137, 0] and statuses[0] == statuses[2] == [77, 77, 0]
     # The peers' restarts spent no budget of theirs: no backoff on hosts 0 and 2.

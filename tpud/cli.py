@@ -332,6 +332,10 @@ def _status(args: argparse.Namespace) -> int:
                 print(f"  {line}")
         for line in job.get("warnings") or []:
             print(f"\n{job.get('name', '?')}: warning: {line}")
+        if gang := job.get("gang"):
+            generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
+            print(f"\n{job.get('name', '?')}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"
+                  f"{generation}, {gang.get('peer_restarts', 0)} restarts caused by other hosts")
     return EXIT_OK
 
 
@@ -342,7 +346,8 @@ def _add_status(subparsers: Subparsers) -> None:
         description="Show jobs (all, or the named ones): state, step, loss, tokens/s, MFU, last checkpoint "
         "(step@tier age), restarts, goodput (productive share of the job's time), age; errors and warnings (e.g. "
         "checkpoints failing on a full disk) below the table (-o json adds the badput seconds by kind and a "
-        "crash's traceback lines). Exit 3 when a named "
+        "crash's traceback lines), and for a job on several hosts this host's place and the gang's state. Exit 3 "
+        "when a named "
         "job is unknown, 4 when the daemon cannot be reached.",
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all)")

@@ -62,7 +62,7 @@ class Daemon:
             log.error("invalid settings file; using defaults", error=settings_error)
         self._reader_settings = self.settings  # the settings scans use: the reader thread's own copy
         # Several hosts: this one's place, fixed for the daemon's life (a TPU slice does not change shape).
-        self.gang = discover(self.settings)
+        self.gang, self._gang_settings = discover(self.settings), self.settings.gang
         self.coordinator = Coordinator(self.gang.coordinator) if self.gang and self.gang.host == 0 else None
         self.metrics_addr = metrics_addr or self.settings.metrics_addr
         self.selector = selectors.DefaultSelector()
@@ -134,6 +134,8 @@ class Daemon:
 
         def then(result: Reloaded) -> None:
             self.settings = result.settings
+            if result.settings.gang != self._gang_settings:
+                log.warning("the gang settings changed: they take effect when tpud restarts")
             log.info("reloaded settings and rescanned jobs", error=result.error)
             self.reconcile(result.files)
 

@@ -362,35 +362,33 @@ class GcsTier:
 
         # Every data object is there and verified: now the commit marker.
         manifest_blob = self.bucket.blob(prefix + MANIFEST)
-        try:
-            self._call(f"uploading {where}{MANIFEST}", until, manifest_blob.upload_from_filename,
-                       str(local_step_dir / MANIFEST), if_generation_match=0, checksum="crc32c",
-                       content_type="application/json")
-        except RemoteError as e:
-            if not isinstance(e.__cause__, api_exceptions.PreconditionFailed):
-                raise
+        if self._create(manifest_blob, local_step_dir / MANIFEST, where, until):
+            if manifest_blob.crc32c != file_crc32c(local_step_dir / MANIFEST):
+                raise RemoteCorrupt(f"{where}{MANIFEST}: CRC32C {manifest_blob.crc32c} does not match the local file")
+        else:
             existing_blob = self._call(f"checking {where}{MANIFEST}", until, self.bucket.get_blob,
                                        prefix + MANIFEST)
             if existing_blob is None:
-                raise RemoteError(f"{where}{MANIFEST}: precondition failed but the object is gone") from e
+                raise RemoteError(f"{where}{MANIFEST}: precondition failed but the object is gone")
             self._accept_existing_manifest(existing_blob, manifest, where, until)
-        else:
-            if manifest_blob.crc32c != file_crc32c(local_step_dir / MANIFEST):
-                raise RemoteCorrupt(f"{where}{MANIFEST}: CRC32C {manifest_blob.crc32c} does not match the local file")
-        if manifest.hosts > 1:  # a multi-host step: its global marker, last (the local one exists: it was submitted)
-            marker = self.bucket.blob(prefix + GLOBAL)
-            try:
-                self._call(f"uploading {where}{GLOBAL}", until, marker.upload_from_filename,
-                           str(local_step_dir / GLOBAL), if_generation_match=0, checksum="crc32c",
-                           content_type="application/json")
-            except RemoteError as e:
-                if not isinstance(e.__cause__, api_exceptions.PreconditionFailed):
-                    raise  # already there: the step is committed either way
+        if manifest.hosts > 1:  # a multi-host step: its global marker, last (there already: committed either way)
+            self._create(self.bucket.blob(prefix + GLOBAL), local_step_dir / GLOBAL, where, until)
         transfer = Transfer(name, len(manifest.files), total, skipped, time.monotonic() - start)
         log.info("gcs upload committed", job=self.job, step=name, url=where, files=transfer.files,
                  bytes=transfer.bytes, skipped_bytes=transfer.skipped_bytes, seconds=round(transfer.seconds, 3),
                  mb_per_s=round(transfer.mb_per_s, 1))
         return transfer
+
+    def _create(self, blob: storage.Blob, local: Path, where: str, until: float) -> bool:
+        """Upload a small JSON file create-only: False when the object already exists."""
+        try:
+            self._call(f"uploading {where}{local.name}", until, blob.upload_from_filename, str(local),
+                       if_generation_match=0, checksum="crc32c", content_type="application/json")
+        except RemoteError as e:
+            if not isinstance(e.__cause__, api_exceptions.PreconditionFailed):
+                raise
+            return False
+        return True
 
     def _conflict(self, url: str, obj: storage.Blob, entry) -> RemoteConflict:
         return RemoteConflict(

@@ -18,28 +18,36 @@ import time
 
 import structlog
 
+from engine.backoff import Backoff
+
 log = structlog.get_logger()
 
 
 class Coordinator:
-    """Host 0's daemon side: keeps the coordinator process running (started again if it dies)."""
-
-    RESTART_S = 1.0
+    """Host 0's daemon side: keeps the coordinator process running, started again with a backoff
+    if it dies (its address taken by another process, say), from 1 s to 30 s."""
 
     def __init__(self, address: str):
         self.address = address
         self.proc: subprocess.Popen | None = None
-        self._started = -self.RESTART_S
+        self._backoff = Backoff(initial=1.0, maximum=30.0)
+        self._failures = 0
+        self._started = 0.0
+        self._retry_at: float | None = None  # when an exited coordinator starts again
 
     def ensure(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
-        if time.monotonic() - self._started < self.RESTART_S:
-            return
-        if self.proc is not None:
+        now = time.monotonic()
+        if self.proc is not None and self._retry_at is None:
+            self._failures = 1 if now - self._started > 60 else self._failures + 1  # a long life: no crash loop
+            self._retry_at = self._started + self._backoff.delay(self._failures)
             log.error("the gang coordinator exited; starting it again", address=self.address,
-                      status=self.proc.returncode)
-        self._started = time.monotonic()
+                      status=self.proc.returncode, restarts=self._failures,
+                      in_s=round(max(0.0, self._retry_at - now), 1))
+        if self._retry_at is not None and now < self._retry_at:
+            return
+        self._started, self._retry_at = now, None
         self.proc = subprocess.Popen([sys.executable, "-m", "tpud.gang.coordinator", self.address,
                                       "--parent", str(os.getpid())], stdin=subprocess.DEVNULL)
         log.info("gang coordinator started", address=self.address, pid=self.proc.pid)

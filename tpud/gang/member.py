@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import threading
 import time
@@ -99,22 +100,28 @@ class GangMember:
         return True
 
     def _connect(self) -> bool:
+        """Connect to the coordinator, waiting for it (host 0's daemon may be down); False on a stop.
+
+        A plain TCP probe first: TCPStore's own failed attempts each log a C++ stack trace.
+        """
         import torch.distributed as dist
 
-        host, _, port = self.coordinator.rpartition(":")
+        host, port = self.coordinator.rpartition(":")[0].strip("[]"), int(self.coordinator.rpartition(":")[2])
         waited = time.monotonic()
         while True:
             try:
-                self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, use_libuv=True,
+                socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+                self.store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
                                            timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
                 break
-            except (RuntimeError, OSError) as e:  # host 0's daemon is not up yet
+            except (RuntimeError, OSError) as e:  # not listening yet
                 self.emit(events.Gang(self.host, self.hosts, 0, -1))
                 if self._stop_asked():
                     return False
                 if time.monotonic() - waited > 30:
                     log.warning("waiting for the gang's coordinator", coordinator=self.coordinator, error=str(e))
                     waited = time.monotonic()
+                time.sleep(INTERVAL_S)
         self.store.set_timeout(datetime.timedelta(seconds=30))
         return True
 

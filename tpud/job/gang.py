@@ -26,6 +26,11 @@ class GangView:
     def new_worker(self) -> None:
         self.latest = None
 
+    def heard(self, event: events.Gang) -> bool:
+        """The worker's report; whether the state status shows changed."""
+        before, self.latest = self.state, event
+        return self.state != before
+
     @property
     def state(self) -> str | None:
         """What status shows beside the job's state: `waiting for hosts (2 of 3)` or `formed`."""

@@ -375,10 +375,8 @@ class Job:
         self.watch.saving(self.clock())
 
     def _gang(self, event: events.Gang) -> None:
-        before = self.gang.state
-        self.gang.latest = event
         self.metrics.gang(self.name, event.host, event.present, event.generation)
-        if self.gang.state != before:
+        if self.gang.heard(event):
             log.info("gang", job=self.name, state=self.gang.state, host=event.host, hosts=event.hosts,
                      generation=event.generation)
 

@@ -114,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = JobSpec.model_validate_json(args.spec.read_text())
     logs.configure(spec.logging.level)
     structlog.contextvars.bind_contextvars(job=spec.name)
+    # Before torch is imported (seconds): a stop asked meanwhile is recorded, not fatal (SIGTERM's default).
+    hooks = ChannelHooks(os.environ.get("TPUD_CHANNEL"))
     from engine.backends import resolve_backend_name
     from engine.train import train  # torch is imported here, after argument checks
 
-    hooks = ChannelHooks(os.environ.get("TPUD_CHANNEL"))
     gang = GangMember.from_env(spec.name, hooks.emit)
     if gang is None:
         return train(spec, args.state_dir, hooks)
