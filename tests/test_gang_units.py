@@ -84,8 +84,14 @@ def test_a_host_finds_its_place_in_settings_then_the_tpu_environment():
     assert discover(Settings(), {}) is None  # one host: no gang
 
 
+@pytest.mark.parametrize("worker_id, names", [("x", "a,b"), ("2", "a,b"), ("0", " , ")])
+def test_a_garbled_tpu_environment_runs_as_one_host_instead_of_failing_to_start(worker_id, names):
+    assert discover(Settings(), {"TPU_WORKER_ID": worker_id, "TPU_WORKER_HOSTNAMES": names}) is None
+
+
 @pytest.mark.parametrize("gang", [{"host_index": 3, "host_count": 3, "coordinator": "h:1"},
-                                  {"host_index": 0, "host_count": 2, "coordinator": "no-port"}])
+                                  {"host_index": 0, "host_count": 2, "coordinator": "no-port"},
+                                  {"host_index": 0, "host_count": 2, "coordinator": "h:99999"}])
 def test_bad_gang_settings_are_refused(gang):
     from pydantic import ValidationError
 

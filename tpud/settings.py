@@ -31,6 +31,8 @@ class GangSettings(BaseModel):
     def _index_in_range(self) -> GangSettings:
         if self.host_index >= self.host_count:
             raise ValueError(f"host_index {self.host_index} must be below host_count {self.host_count}")
+        if not 1 <= int(self.coordinator.rpartition(":")[2]) <= 65535:
+            raise ValueError(f"coordinator {self.coordinator!r}: the port must be 1 .. 65535")
         return self
 
 

@@ -56,7 +56,15 @@ def discover(settings, env: dict[str, str] | None = None) -> GangPlace | None:
         place = GangPlace(g.host_index, g.host_count, g.coordinator, g.peer_timeout_seconds)
     elif env.get("TPU_WORKER_ID") and env.get("TPU_WORKER_HOSTNAMES"):
         names = [n.strip() for n in env["TPU_WORKER_HOSTNAMES"].split(",") if n.strip()]
-        place = GangPlace(int(env["TPU_WORKER_ID"]), len(names), f"{names[0]}:{settings.gang_port}")
+        try:
+            host = int(env["TPU_WORKER_ID"])
+        except ValueError:
+            host = -1
+        if not names or not 0 <= host < len(names):
+            log.error("TPU_WORKER_ID / TPU_WORKER_HOSTNAMES do not name this host's place; running as one host",
+                      worker_id=env["TPU_WORKER_ID"], hostnames=env["TPU_WORKER_HOSTNAMES"][:200])
+            return None
+        place = GangPlace(host, len(names), f"{names[0]}:{settings.gang_port}")
     elif any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0")):
         place = _from_metadata(resolve_host(settings.metadata_host), settings.gang_port)
     else:
@@ -70,7 +78,7 @@ def _from_metadata(host: str, port: int) -> GangPlace | None:
         number = _get(host, "instance/attributes/agent-worker-number")
         endpoints = _get(host, "instance/attributes/worker-network-endpoints")
         ips = [e.split(":")[2] for e in endpoints.split(",") if e.count(":") >= 2]
-        return GangPlace(int(number), len(ips), f"{ips[0]}:{port}") if ips else None
+        return GangPlace(int(number), len(ips), f"{ips[0]}:{port}") if 0 <= int(number) < len(ips) else None
     except (OSError, ValueError, IndexError) as e:
         log.warning("could not read this TPU VM's worker number and peers from its metadata", error=str(e))
         return None
