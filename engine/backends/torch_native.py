@@ -53,7 +53,12 @@ class TorchBackend(Backend):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         if self.distributed:
-            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            # find_unused_parameters keeps DDP's first bucket layout for good. Without it DDP
+            # regroups the buckets after a process's first step, and with three or more ranks
+            # where an element sits in a bucket decides the order its sum is taken in: a gang
+            # that restarted mid-run would round differently from one that never stopped.
+            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                            find_unused_parameters=True)
         return model
 
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
