@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 
 import pytest
 
 from tests.conftest import PYTHON, REPO, python_env
 from tests.gcs_server import free_port
+from engine.checkpoint.hosts import record_holdings
+from engine.checkpoint.manifest import read_manifest, write_global, write_manifest
 from tests.test_gcs import BUCKET, FAST, make_step
 from tpud.checkpoints.gcs import GcsTier
 
@@ -57,7 +61,7 @@ def test_table_lists_local_steps_newest_first(tmp_path, local_steps):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("job job: local ") and lines[1].split() == [
-        "TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "STATUS"]
+        "TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "STATUS"]
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("local", "30", "0"), ("local", "20", "3"),
                                                   ("local", "20", "0"), ("local", "10", "0")]
@@ -116,3 +120,27 @@ def test_unreachable_gcs_exits_1_and_says_what_failed(tmp_path, local_steps):
     assert "cannot read the GCS tier" in result.stderr and f"gs://{BUCKET}/runs/job/" in result.stderr
     out = json.loads(result.stdout)  # the local tier is still reported
     assert len(out["tiers"]["local"]) == 4 and out["tiers"]["gcs"] == [] and "gcs" in out["errors"]
+
+
+def test_a_job_on_several_hosts_shows_global_commits_and_who_holds_each_part(tmp_path):
+    job_dir = tmp_path / "ckpt" / "job"
+    for step in (3, 6, 9):  # host 1's parts of a job on 3 hosts; step 9's global commit never completed
+        directory = make_step(job_dir, step, sizes=(100,))
+        manifest = dataclasses.replace(read_manifest(directory), host=1, hosts=3)
+        write_manifest(directory, manifest)
+        if step != 9:
+            write_global(directory, manifest)
+    # As the hosts told each other at the last exchange: host 2's disk had lost step 3.
+    record_holdings(job_dir, [{(3, 0), (6, 0), (9, 0)}, {(3, 0), (6, 0), (9, 0)}, {(6, 0)}])
+
+    out = json.loads(tpud("checkpoints", job_file(tmp_path), "-o", "json").stdout)["tiers"]["local"]
+    assert [(s["step"], s["global"], s["host"], s["hosts"], s["held_by"]) for s in out] == [
+        (3, True, 1, 3, [0, 1]), (6, True, 1, 3, [0, 1, 2]), (9, False, 1, 3, [0, 1])]
+    rows = [re.split(r"\s{2,}", line) for line in tpud("checkpoints", job_file(tmp_path)).stdout.splitlines()[2:]]
+    assert [(r[1], r[7:]) for r in rows] == [
+        ("9", ["0,1 of 3", "not globally committed: a host's part was never durable"]),
+        ("6", ["0,1,2 of 3", "ok"]), ("3", ["0,1 of 3", "ok"])]
+
+    (job_dir / "hosts.json").write_text("{not json")  # never recorded, or garbled: each part's own host
+    rows = [re.split(r"\s{2,}", line) for line in tpud("checkpoints", job_file(tmp_path)).stdout.splitlines()[2:]]
+    assert [r[7] for r in rows] == ["1 of 3"] * 3

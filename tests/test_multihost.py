@@ -21,7 +21,7 @@ import pytest
 
 from engine.checkpoint.manifest import committed_steps
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.helpers import metric, wait_until
+from tests.helpers import Daemon, job_text, metric, wait_until
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 16
@@ -107,6 +107,11 @@ class Host:
         _, path, manifest = committed_steps(self.home / "state" / "checkpoints" / "tiny-cpu")[-1]
         assert manifest.step == MAX_STEPS and (path / "global.json").exists()
         return {f.path: f.crc32c for f in manifest.files if f.path.endswith(".distcp")}
+
+
+def tpud(host: Host, *args: str) -> str:
+    return subprocess.run([PYTHON, "-m", "tpud", *args, "--home", str(host.home)], capture_output=True, text=True,
+                          check=True, timeout=60, env=python_env()).stdout
 
 
 def gang(root: Path, count: int = 3, envs: dict[int, dict] | None = None) -> list[Host]:
@@ -208,6 +213,8 @@ def test_a_vanished_host_is_waited_for_and_restores_its_part_from_gcs(tmp_path, 
     assert [h.wait() for h in hosts] == [0, 0, 0]
     assert gone.records("gcs download committed", every_run=False)
     assert_like_reference(hosts, reference)
+    newest = json.loads(tpud(gone, "checkpoints", str(TINY_JOB), "-o", "json"))["tiers"]["local"][-1]
+    assert (newest["step"], newest["global"], newest["held_by"]) == (MAX_STEPS, True, [0, 1, 2])
 
 
 def test_three_hosts_then_two_then_three_keep_the_loss_curve(tmp_path, reference, gcs_server):
@@ -242,3 +249,19 @@ def test_three_hosts_then_two_then_three_keep_the_loss_curve(tmp_path, reference
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     for step, loss in reference[1].items():  # the same samples per step: only the sums' order differs
         assert loss == pytest.approx(losses[step], rel=1e-4), step
+
+
+def test_status_shows_a_gang_waiting_for_its_hosts(tmp_path):
+    """The daemon (not `tpud run`) of host 0 of 2, whose peer never comes: status says so."""
+    (tmp_path / "jobs.d").mkdir()
+    (tmp_path / "jobs.d" / "g.yaml").write_text(job_text("g"))
+    (tmp_path / "tpud.yaml").write_text(f"gang: {{host_index: 0, host_count: 2, coordinator: '127.0.0.1:{free_port()}'}}\n")
+    daemon = Daemon(tmp_path)
+    try:
+        jobs = daemon.wait_for(lambda jobs: (jobs["g"]["gang"] or {}).get("present") == 1, "host 0 in the gang")
+        assert jobs["g"]["gang"] | {"generation": 0} == {"host": 0, "hosts": 2, "state": "waiting for hosts (1 of 2)",
+                                                       "present": 1, "generation": 0, "peer_restarts": 0}
+        assert "g: host 0 of 2: waiting for hosts (1 of 2), generation 0" in daemon.cli("status").stdout
+    finally:
+        daemon.proc.kill()
+        daemon.proc.wait()

@@ -182,7 +182,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
     import structlog
 
-    from engine.checkpoint.manifest import committed_steps, problems
+    from engine.checkpoint.hosts import holders
+    from engine.checkpoint.manifest import is_global, parts, problems
     from tpud.paths import Paths
 
     # Only errors are logged, to stderr: stdout is the table or the JSON; retries are quiet.
@@ -198,12 +199,14 @@ def _checkpoints(args: argparse.Namespace) -> int:
     job_dir = Paths.resolve(args.home).layout.checkpoints(spec.name, spec.checkpoint.dir)
     tiers: dict[str, list[dict]] = {"local": []}
     errors: dict[str, str] = {}
-    for step, directory, manifest in committed_steps(job_dir):
+    held = holders(job_dir)
+    for step, directory, manifest in parts(job_dir):
         issues = problems(directory, manifest, checksums=False)
         tiers["local"].append(dict(
             step=step, micro_step=manifest.micro_step, bytes=manifest.total_bytes, files=len(manifest.files),
             reason=manifest.reason, created_unix=manifest.created_unix, age_seconds=round(now - manifest.created_unix, 1),
-            ok=not issues, problems=issues, location=str(directory)))
+            ok=not issues, problems=issues, location=str(directory), **_hosts_of(manifest, held, is_global(
+                directory, manifest))))
     if spec.checkpoint.remote:
         from tpud.checkpoints.gcs import GcsTier, RemoteError, RetryPolicy
 
@@ -217,7 +220,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
                 tiers["gcs"].append(dict(
                     step=remote.step, micro_step=m.micro_step, bytes=m.total_bytes, files=len(m.files),
                     reason=m.reason, created_unix=m.created_unix, age_seconds=round(now - m.created_unix, 1),
-                    ok=remote.complete, problems=list(remote.problems), location=remote.url))
+                    ok=remote.complete, problems=list(remote.problems), location=remote.url,
+                    **_hosts_of(m, {}, True)))
         except RemoteError as e:
             errors["gcs"] = str(e) if tier.url in str(e) else f"{tier.url}: {e}"
             print(f"tpud checkpoints: cannot read the GCS tier: {errors['gcs']}", file=sys.stderr)
@@ -225,20 +229,37 @@ def _checkpoints(args: argparse.Namespace) -> int:
         print(json.dumps({"job": spec.name, "tiers": tiers, **({"errors": errors} if errors else {})}, indent=2))
     else:
         print(f"job {spec.name}: local {job_dir}" + (f", gcs {spec.checkpoint.remote}" if spec.checkpoint.remote else ""))
-        rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "STATUS")]
+        rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "STATUS")]
         for tier_name, steps in tiers.items():
             for s in reversed(steps):  # newest first
-                status = "ok" if s["ok"] else f"damaged: {s['problems'][0]}" + (
-                    f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
+                status = "ok" if s["global"] else "not globally committed: a host's part was never durable"
+                if not s["ok"]:
+                    status = f"damaged: {s['problems'][0]}" + (
+                        f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
                 rows.append((tier_name, str(s["step"]), str(s["micro_step"]), _size(s["bytes"]), str(s["files"]),
-                             _age(s["age_seconds"]), s["reason"], status))
+                             _age(s["age_seconds"]), s["reason"], _holders_column(s), status))
             if not steps:
-                rows.append((tier_name, "-", "-", "-", "-", "-", "-", "no committed steps" if tier_name not in errors
-                             else "error (see stderr)"))
+                rows.append((tier_name, "-", "-", "-", "-", "-", "-", "-", "no committed steps"
+                             if tier_name not in errors else "error (see stderr)"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     return EXIT_FAILED if errors else EXIT_OK
+
+
+def _hosts_of(manifest, held: dict, is_global: bool) -> dict:
+    """A step's place in a job on several hosts: its part's host, whether it is globally
+    committed, and which hosts held their part at the hosts' last exchange (None: not known)."""
+    return dict(host=manifest.host, hosts=manifest.hosts, held_by=held.get((manifest.step, manifest.micro_step))
+                if manifest.hosts > 1 else None, **{"global": is_global})
+
+
+def _holders_column(s: dict) -> str:
+    if s["hosts"] <= 1:
+        return "-"
+    if s["held_by"] is None:
+        return f"{s['host']} of {s['hosts']}"
+    return f"{','.join(map(str, s['held_by']))} of {s['hosts']}"
 
 
 def _add_checkpoints(subparsers: Subparsers) -> None:
@@ -247,6 +268,9 @@ def _add_checkpoints(subparsers: Subparsers) -> None:
         help="list committed checkpoints per tier",
         description="List a job's committed checkpoint steps per tier (local: <checkpoint.dir or "
         "<state>/checkpoints>/<job>; gcs: checkpoint.remote, when set) with micro-step, size and age. "
+        "For a job on several hosts, HOSTS is the hosts that held their part of the step at their last "
+        "exchange (each global commit and gang start; on GCS, the host whose part it is), and a part "
+        "whose global commit never completed is listed as not globally committed. "
         "Exit 0 ok, 1 when the job file is invalid or the remote tier cannot be read.",
     )
     parser.add_argument("job", metavar="JOB.yaml", help="job file")

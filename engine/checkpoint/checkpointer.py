@@ -238,13 +238,15 @@ class Checkpointer:
 
         Every host takes part even when its own part failed: the others wait for its answer.
         """
+        held = frozenset((step, m.micro_step) for step, _, m in mf.parts(self.job_dir))
         try:
-            outcomes = gang.exchange(error, self.hosts, self.hosts_group)
+            outcomes = gang.exchange((error, held), self.hosts, self.hosts_group)
         except Exception as e:  # noqa: BLE001  (a peer died mid-save: its part is unknown)
             return error or f"the global commit failed: {describe_error(e)}"
+        self._record_holdings([parts for _, parts in outcomes])
         if error is not None:
             return error
-        failed = {host: outcome for host, outcome in enumerate(outcomes) if outcome is not None}
+        failed = {host: outcome for host, (outcome, _) in enumerate(outcomes) if outcome is not None}
         if failed:
             return "; ".join(f"host {host} could not write its part: {why}" for host, why in failed.items())
         try:
@@ -355,6 +357,7 @@ class Checkpointer:
         mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
         everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}), self.hosts, self.hosts_group)
         hosts_of = {k: n for _, made in everyone for k, n in made.items()}
+        self._record_holdings([h.parts for h, _ in everyone])
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:
             log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
@@ -367,6 +370,13 @@ class Checkpointer:
         if not mf.is_global(path, manifest):
             mf.write_global(path, manifest)
         return [held[key]]
+
+    def _record_holdings(self, parts_by_host: list[frozenset]) -> None:
+        try:
+            gang.record_holdings(self.job_dir, parts_by_host)
+        except OSError as e:  # it only informs `tpud checkpoints`
+            log.warning("could not record which host holds which part", path=str(self.job_dir),
+                        error=describe_error(e))
 
     def _load(self, path: Path, manifest: mf.Manifest) -> dict:
         progress = Progress(step=manifest.step, micro_step=manifest.micro_step,

@@ -10,12 +10,21 @@ the agreement below, so no step is lost to the order in which hosts die.
 
 Restore takes the newest step that some host marked (so every part was durable) and whose
 part every host holds now; the supervisor has by then brought a missing part from GCS.
+
+What each host held at the hosts' last exchange (every global commit and every gang start) is
+kept in `<job>/hosts.json` on every host, for `tpud checkpoints` to show per step.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from engine.layout import atomic_write
 
 Key = tuple[int, int]  # (step, micro_step)
 
@@ -55,6 +64,30 @@ def choose(holdings: list[Holdings], hosts_now: int, hosts_of: dict[Key, int]) -
         elif key in common:
             return key, passed
     return None, passed
+
+
+HELD = "hosts.json"
+
+
+def record_holdings(job_dir: Path, parts_by_host: list[Iterable[Key]]) -> None:
+    """Write which parts every host held (host order), as the hosts just told each other."""
+    atomic_write(job_dir / HELD, json.dumps({
+        "hosts": len(parts_by_host), "recorded_unix": round(time.time(), 3),
+        "parts": [sorted([step, micro] for step, micro in keys) for keys in parts_by_host]}))
+
+
+def holders(job_dir: Path) -> dict[Key, list[int]]:
+    """Per step, the hosts that held their part at the last exchange; {} when never recorded
+    (or the record is unreadable: it only informs)."""
+    try:
+        record = json.loads((job_dir / HELD).read_text())
+        held: dict[Key, list[int]] = {}
+        for host, keys in enumerate(record["parts"]):
+            for step, micro in keys:
+                held.setdefault((int(step), int(micro)), []).append(host)
+        return held
+    except (OSError, ValueError, TypeError, KeyError):
+        return {}
 
 
 def exchange(mine: Any, hosts: Hosts, group: Any) -> list[Any]:
