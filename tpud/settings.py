@@ -26,6 +26,10 @@ class GangSettings(BaseModel):
         "host's workers meet; host 0 binds exactly this address.")
     peer_timeout_seconds: float = Field(
         3.0, gt=0, description="A worker that stops beating for this long counts as failed: the gang restarts.")
+    restart_peers: bool = Field(
+        True, description="false: when a worker fails, the other hosts' workers are not stopped; each finds out "
+        "through a collective's error or its hang bound, like a plain torch.distributed job (bench/multihost.py "
+        "compares the two).")
 
     @model_validator(mode="after")
     def _index_in_range(self) -> GangSettings:

@@ -17,6 +17,9 @@ others see `gen` move, or a peer's beat stand still for `peer_timeout_s`, and ex
 thread waits in a collective that would never finish. Every host's daemon starts its worker
 again, and the new generation resumes from the newest global commit.
 
+With `restart_peers` off (a setting, for comparison) there is no watcher: a worker learns of a
+peer's failure only from a collective's error or its daemon's hang bound.
+
 A worker whose training thread is ahead of a peer's (more arrivals) is waiting for that
 peer: the watcher sends its daemon heartbeats, so that a hang is judged on the host whose
 worker stopped, not on every host.
@@ -40,14 +43,16 @@ from engine.checkpoint.hosts import Hosts
 log = structlog.get_logger()
 
 CONNECT_TIMEOUT_S = 2.0
+# What gloo says when a peer's process died under a collective (its kernel closed its sockets).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 INTERVAL_S = 0.25
 
 
 class GangMember:
     def __init__(self, job: str, host: int, hosts: int, coordinator: str, peer_timeout_s: float,
-                 emit: Callable[[events.Event], None]):
+                 emit: Callable[[events.Event], None], restart_peers: bool = True):
         self.host, self.hosts, self.coordinator = host, hosts, coordinator
-        self.peer_timeout_s, self.emit = peer_timeout_s, emit
+        self.peer_timeout_s, self.emit, self.restart_peers = peer_timeout_s, emit, restart_peers
         self.prefix = f"tpud/{job}/"
         self.store = None
         self.generation = -1
@@ -64,7 +69,7 @@ class GangMember:
         if "TPUD_GANG_HOSTS" not in env:
             return None
         return cls(job, int(env["TPUD_GANG_HOST"]), int(env["TPUD_GANG_HOSTS"]), env["TPUD_GANG_COORDINATOR"],
-                   float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit)
+                   float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit, env.get("TPUD_GANG_RESTART_PEERS") != "0")
 
     @property
     def place(self) -> Hosts:
@@ -91,8 +96,9 @@ class GangMember:
                 return False
         log.info("gang formed", host=self.host, hosts=self.hosts, generation=self.generation)
         self.emit(events.Gang(self.host, self.hosts, self.hosts, self.generation))
-        self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
-        self._watcher.start()
+        if self.restart_peers:
+            self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
+            self._watcher.start()
         if backend != "xla":
             dist.init_process_group("nccl" if backend == "cuda" else "gloo",
                                     store=dist.PrefixStore(self._key("pg/"), self.store),
@@ -221,14 +227,17 @@ class GangMember:
             self._watcher.join(timeout=5)
 
     def crashed(self, error: BaseException) -> None:
-        """The training thread raised. A collective cut short may be a peer's failure, which the
-        watcher finds within the peer timeout and then exits 77; any other failure is this
-        host's: end the generation now, so the others restart at once."""
+        """The training thread raised. A collective whose peer's connection closed is a peer's
+        failure: exit 77 at once. Another collective failure may be one too, which the watcher
+        finds within the peer timeout and then exits 77. Any other failure is this host's: end
+        the generation now, so the others restart at once, and fail (its budget pays)."""
         import torch.distributed as dist
 
         if self.generation < 0:
             return
-        if isinstance(error, (dist.DistError, RuntimeError)) and _collective_failure(error):
+        if self.restart_peers and isinstance(error, (dist.DistError, RuntimeError)) and _collective_failure(error):
+            if any(s in str(error) for s in PEER_GONE):
+                self._disrupted(f"a peer's connection closed in a collective: {str(error)[:200]}")
             time.sleep(self.peer_timeout_s + 2 * INTERVAL_S)
         self._leaving = True
         self._end_generation()
