@@ -84,6 +84,19 @@ def test_a_host_finds_its_place_in_settings_then_the_tpu_environment():
     assert discover(Settings(), {}) is None  # one host: no gang
 
 
+def test_the_worker_gets_its_place_and_whether_to_watch_its_peers(monkeypatch):
+    from tpud.gang.member import GangMember
+
+    for restart_peers in (True, False):
+        settings = Settings.model_validate({"gang": {"host_index": 1, "host_count": 2, "coordinator": "[::1]:5000",
+                                                     "peer_timeout_seconds": 1.5, "restart_peers": restart_peers}})
+        for key, value in discover(settings, {}).worker_env().items():
+            monkeypatch.setenv(key, value)
+        member = GangMember.from_env("job", print)
+        assert (member.host, member.hosts, member.coordinator, member.peer_timeout_s, member.restart_peers) == (
+            1, 2, "[::1]:5000", 1.5, restart_peers)
+
+
 @pytest.mark.parametrize("worker_id, names", [("x", "a,b"), ("2", "a,b"), ("0", " , ")])
 def test_a_garbled_tpu_environment_runs_as_one_host_instead_of_failing_to_start(worker_id, names):
     assert discover(Settings(), {"TPU_WORKER_ID": worker_id, "TPU_WORKER_HOSTNAMES": names}) is None
