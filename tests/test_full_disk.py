@@ -205,7 +205,7 @@ def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, 
     job_dir = small_fs.mount / "disk"
     daemon = Daemon(tmp_path)
     try:
-        text = job_text("disk", max_steps=300)
+        text = job_text("disk", max_steps=150)
         assert "checkpoint: {interval_steps: 0}" in text
         (tmp_path / "jobs.d" / "disk.yaml").write_text(text.replace(
             "checkpoint: {interval_steps: 0}", f"checkpoint: {{interval_steps: 10, dir: {small_fs.mount}}}"))
@@ -231,7 +231,7 @@ def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, 
         small_fs.make_room()
         jobs = daemon.wait_for(lambda j: j["disk"]["state"] == "SUCCEEDED", "the job to finish", timeout=300)
         assert jobs["disk"]["restarts"] == 0 and jobs["disk"]["warnings"] == []
-        assert mf.committed_steps(job_dir)[-1][0] == 300
+        assert mf.committed_steps(job_dir)[-1][0] == 150
         assert tmp_dirs(job_dir) == []
     finally:
         daemon.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
