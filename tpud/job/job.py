@@ -6,7 +6,8 @@ status and timer ticks, and the job decides. The worker's exit code says what ha
 (engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
 the restart budget and backoff (restarts.py), the hang bound (hang.py), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
-wandb (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
+what a worker needs from GCS before it starts (inputs.py), the gang (gang.py), wandb
+(tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from engine.checkpoint import manifest as mf
 from engine.hooks import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
-from tpud.job import crashes, goodput, states
+from tpud.job import crashes, goodput, inputs, states
 from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
 from tpud.job.gang import GangView
@@ -175,38 +176,16 @@ class Job:
             self._adopt(self.next_spec)
         self.error, self.stop_reason, self.kill_at, self.error_detail = None, None, None, []
         self.ledger.enter(goodput.WORKER)  # fetching from GCS is part of starting up
-        remote_data = [url for url, _ in self.spec.data.datasets if url.startswith("gs://")]
-        if (self.spec.model.init_from or "").startswith("gs://"):
-            remote_data.append(self.spec.model.init_from)
-        if self.tiers.tier is None and not remote_data:
+        urls = inputs.remote_urls(self.spec)
+        if self.tiers.tier is None and not urls:
             self._spawn()
             return
-        # Listing and downloading from GCS can take minutes: never on the loop thread.
         self._preparing = True
         self._set(State.STARTING, "fetching the newest checkpoint, the dataset and the model from GCS")
-        threading.Thread(target=self._prepare, args=(remote_data,), name=f"prepare-{self.name}", daemon=True).start()
+        threading.Thread(target=self._prepare, args=(urls,), name=f"prepare-{self.name}", daemon=True).start()
 
-    def _prepare(self, remote_data: list[str]) -> None:
-        """The newest checkpoint, and the job's gs:// datasets and init_from model (verified, shared by
-        the host's jobs)."""
-        from engine.data import remote
-        from engine.hf import remote as hf_remote
-
-        error = None
-        try:
-            self.tiers.prepare()
-        except Exception as e:  # an unreachable GCS tier: retry later, like a crash
-            error = (f"cannot prepare checkpoints: {e}", "checkpoint_tier")
-        for url in remote_data if error is None else ():
-            model = url == self.spec.model.init_from
-            try:
-                if model:
-                    hf_remote.fetch(url, self.paths.layout.models())
-                else:
-                    remote.fetch(url, self.paths.layout.datasets())
-            except Exception as e:  # unreachable, not prepared, or corrupt in transit: retried like a crash
-                error = (f"cannot fetch the {'model' if model else 'dataset'} {url}: {e}", "model" if model else "dataset")
-                break
+    def _prepare(self, urls: list[str]) -> None:
+        error = inputs.fetch(self.tiers, urls, self.spec, self.paths.layout)
         self.loop.post(lambda: self._prepared(error))
 
     def _prepared(self, error: tuple[str, str] | None) -> None:
