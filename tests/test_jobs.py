@@ -142,7 +142,7 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     make, now = make_job
     job = make()
     job.start()
-    job.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
+    job.output.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
     job.worker_exited(78)
     assert job.state is State.FAILED and len(job.workers.cold) == 1 and "attention.kernel" in job.error
 
@@ -181,7 +181,7 @@ def test_a_crash_is_classified_for_metrics_and_status(make_job):
     make, now = make_job
     job = make()
     job.start()
-    job.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
+    job.output.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
                      "    boom()", "RuntimeError: injected crash after step 4"])
     job.worker_exited(1)
     assert job.metrics.restarts == ["exception"] and job.state is State.BACKOFF

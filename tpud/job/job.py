@@ -6,8 +6,8 @@ status and timer ticks, and the job decides. The worker's exit code says what ha
 (engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
 the restart budget and backoff (restarts.py), the hang bound (hang.py), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
-what a worker needs from GCS before it starts (inputs.py), the gang (gang.py), wandb
-(tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
+what a worker needs from GCS before it starts (inputs.py), its output (output.py), the gang
+(gang.py), wandb (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -34,6 +33,7 @@ from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
 from tpud.job.gang import GangView
 from tpud.job.hang import HangWatch
+from tpud.job.output import WorkerOutput
 from tpud.job.record import JobRecord
 from tpud.job.restarts import Restarts
 from tpud.job.standby import StandbyPool
@@ -48,7 +48,6 @@ log = structlog.get_logger()
 # Where the goodput ledger books the time a job spends in a state without a worker.
 _LEDGER_PHASE = {State.BACKOFF: goodput.BACKOFF, State.PREEMPTED: goodput.DOWN}
 SAVE_EVERY_S = 10.0  # job.json between state changes, for the goodput ledger
-TAIL_LINES = 100  # the worker's last output lines, for crash reports
 
 
 class Loop(Protocol):
@@ -102,8 +101,7 @@ class Job:
         self.hang: str | None = None  # why the current worker was judged hung
         self.watch = HangWatch(spec.health, clock())
         self.nonfinite: events.NonFinite | None = None
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self._partial = b""
+        self.output = WorkerOutput(loop.relay)
         self._oom_kills: int | None = None
         self._preparing = False  # a thread is fetching the newest checkpoint from GCS
         self.gang = GangView(gang)  # several hosts: this host's place, and the gang as its worker sees it
@@ -210,7 +208,7 @@ class Job:
             env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
         self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
         self._oom_kills = crashes.oom_kill_count()
-        self.tail.clear()
+        self.output.new_worker()
         self.hang, self.nonfinite = None, None
         self.gang.new_worker()
         self.watch.new_worker(self.spec.health, self.clock())
@@ -402,15 +400,9 @@ class Job:
     def _on_output(self) -> None:
         chunk = self.worker.stdout.read(65536)
         if chunk:
-            # Relay the worker's log (JSON lines) to ours; remember its last lines for crash reports.
-            self.loop.relay(chunk)
-            *lines, self._partial = (self._partial + chunk).split(b"\n")
-            self._partial = self._partial[-65536:]  # a worker printing without newlines
-            self.tail.extend(line.decode(errors="replace")[-2000:] for line in lines)
+            self.output.feed(chunk)
             return
-        if self._partial:
-            self.tail.append(self._partial.decode(errors="replace")[-2000:])
-            self._partial = b""
+        self.output.ended()
         self.loop.unwatch(self.worker.stdout)
         self.worker_exited(self.worker.wait())
 
@@ -445,10 +437,10 @@ class Job:
         elif status == exit_codes.NONFINITE_LOSS:
             self._nonfinite_exit()
         elif status == exit_codes.BAD_INPUT:
-            self.error = _last_error(self.tail) or f"worker exited with {status}"
+            self.error = self.output.last_error() or f"worker exited with {status}"
             self._set(State.FAILED, f"exit {status}")
         else:
-            crash = crashes.classify(status, list(self.tail), oom_kills_before=self._oom_kills,
+            crash = crashes.classify(status, list(self.output.tail), oom_kills_before=self._oom_kills,
                                      oom_kills_after=crashes.oom_kill_count())
             self.error_detail = crash.detail
             self._crashed(crash.message, crash.reason)
@@ -553,10 +545,3 @@ class Job:
             "goodput": self.ledger.snapshot(), "gang": self.gang.snapshot(),
         }
 
-
-def _last_error(tail) -> str | None:
-    """The worker's last error line (it logs JSON lines; a traceback is plain text)."""
-    for line in reversed(tail):
-        if '"level": "error"' in line or "Traceback" in line or "Error" in line[:80]:
-            return line
-    return None

@@ -1,0 +1,29 @@
+"""A worker's output as the job sees it (tpud/job/output.py): relayed whole, its tail kept for
+crash reports however the bytes arrive."""
+
+from __future__ import annotations
+
+from tpud.job.output import LINE_CHARS, TAIL_LINES, WorkerOutput
+
+
+def test_lines_split_across_chunks_are_kept_whole_and_everything_is_relayed():
+    relayed: list[bytes] = []
+    out = WorkerOutput(relayed.append)
+    for chunk in (b'{"event": "st', b'ep"}\nTraceback (most', b" recent call last):\nValueError: bad\nno newline"):
+        out.feed(chunk)
+    assert b"".join(relayed).endswith(b"no newline")
+    assert list(out.tail) == ['{"event": "step"}', "Traceback (most recent call last):", "ValueError: bad"]
+    out.ended()  # the last line counts once the output closes
+    assert out.tail[-1] == "no newline" and out.last_error() == "ValueError: bad"
+
+
+def test_the_tail_is_bounded_by_lines_and_line_length_and_starts_afresh_per_worker():
+    out = WorkerOutput(lambda chunk: None)
+    out.feed(b"x" * (LINE_CHARS + 10) + b"END\n" + b"\xff\xfe invalid utf-8\n" * (TAIL_LINES + 5))
+    assert len(out.tail) == TAIL_LINES and out.tail[0].endswith("invalid utf-8")
+    out.feed(b"a line without end " * 10_000)  # never an unbounded buffer
+    out.new_worker()
+    out.feed(b'{"level": "error", "event": "boom"}\n')
+    assert list(out.tail) == ['{"level": "error", "event": "boom"}'] and out.last_error() == out.tail[0]
+    out.new_worker()
+    assert out.last_error() is None
