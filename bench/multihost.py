@@ -9,8 +9,7 @@ the tiny model. Two arms, one after the other, on the same seeded schedule:
   failure only from a collective's error (gloo sees the killed worker's sockets close) or, when
   none comes, from its daemon's hang bound (`--hang-bound`), and then restarts as a crash would.
 
-Each arm trains undisturbed for --warmup s (the median step time there is the clean step time),
-then for --minutes with --per-minute disruptions a minute: at a seeded moment in each slot, once
+Each arm trains undisturbed for --warmup s, then for --minutes with --per-minute disruptions a minute: at a seeded moment in each slot, once
 every host is training, a seeded host's worker is disrupted; the kinds (--kinds) take turns:
 - sigkill: SIGKILL the worker (its kernel closes its sockets);
 - hang: SIGSTOP it (it stops without closing anything; its daemon's hang bound ends it).
@@ -18,7 +17,8 @@ every host is training, a seeded host's worker is disrupted; the kinds (--kinds)
 Per disruption: peers out s = from the disruption until every other host's worker has exited;
 recovery s = until every host has logged a step from a worker started after it; steps lost = the
 newest step logged before it - the step the gang resumed from. Goodput over the disrupted window =
-steps advanced x clean step time / window seconds. Both arms run the job's restart defaults (a
+steps advanced x clean step time / window seconds, the clean step time being the median interval
+between consecutive steps of both arms. Both arms run the job's restart defaults (a
 warm standby worker, 1 s first backoff for the host whose worker failed).
 Targets: gang recovery after a SIGKILL < 15 s and at least 3x faster than the no-gang-restart
 arm's; peers out within 5 s of a SIGKILL and within the hang bound + 5 s of a hang.
@@ -116,8 +116,6 @@ def run_arm(name: str, root: Path, args, schedule: list[tuple[float, int]]) -> d
         wait(lambda: all(h.step() >= 3 for h in hosts), 300, "the gang training")
         warm_from = time.time()
         time.sleep(args.warmup)
-        steps = [r for r in hosts[0].records("step") if r["_t"] >= warm_from]
-        clean = statistics.median(b["_t"] - a["_t"] for a, b in zip(steps, steps[1:]))
         start, first_step = time.time(), hosts[0].step()
         disruptions = []
         for offset, victim, kind in schedule:
@@ -133,6 +131,10 @@ def run_arm(name: str, root: Path, args, schedule: list[tuple[float, int]]) -> d
         time.sleep(max(0.0, start + args.minutes * 60 - time.time()))
         end = time.time()
         last_step = hosts[0].step()
+        # The clean step time: the median interval between consecutive steps, warm-up and window
+        # (a restart's gap is one interval of hundreds; the spares' imports slow only the first few).
+        steps = [r for r in hosts[0].records("step") if warm_from <= r["_t"] <= end]
+        clean = statistics.median(b["_t"] - a["_t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1)
         wait(lambda: all(h.training_since(disruptions[-1]["killed_unix"]) for h in hosts), 600, "the last recovery")
         for d in disruptions:
             back = [h.training_since(d["killed_unix"]) for h in hosts]
