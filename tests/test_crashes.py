@@ -1,4 +1,4 @@
-"""tpud.job.crashes: real worker-like processes die, and their merged output is classified."""
+"""tpud.job.health.crashes: real worker-like processes die, and their merged output is classified."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections import deque
 import pytest
 
 from tests.conftest import PYTHON, python_env
-from tpud.job import crashes
-from tpud.job.crashes import MAX_MESSAGE, REASONS, classify, oom_kill_count
+from tpud.job.health import crashes
+from tpud.job.health.crashes import MAX_MESSAGE, REASONS, classify, oom_kill_count
 
 
 def run(tmp_path, code: str, *flags: str, **env: str) -> tuple[int, list[str]]:

@@ -1,10 +1,13 @@
 """One job under supervision: its state machine (job.py) and the parts it is made of.
 
-states.py   the states, their groups and the allowed transitions
-restarts.py the restart budget and the backoff between restarts
-hang.py     when a silent worker counts as hung
-standby.py  the warm spare workers
-record.py   job.json: what survives a daemon restart
-checkpoints.py the newest checkpoint, `tpud checkpoint-now` waiters, failing tiers
-goodput.py  the goodput ledger; crashes.py: why a worker died; save_failures.py: failing tiers
+states.py        the states, their groups and the allowed transitions
+health/          why a worker died, when it counts as hung, the restart budget and backoff
+standby.py       the warm spare workers
+inputs.py        what a start fetches from GCS: the newest checkpoint, datasets, the model
+output.py        the worker's output: relayed, its tail kept for crash reports
+gang.py          a job on several hosts: the gang as this host's worker sees it
+record.py        job.json: what survives a daemon restart
+checkpoints.py   the newest checkpoint, `tpud checkpoint-now` waiters, failing tiers
+save_failures.py checkpoint saves that keep failing, per tier
+goodput.py       the goodput ledger
 """

@@ -4,7 +4,7 @@ The states and the transitions allowed between them are in states.py. Everything
 the daemon's main loop thread: the loop hands a job its worker's output, channel events, exit
 status and timer ticks, and the job decides. The worker's exit code says what happened
 (engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
-the restart budget and backoff (restarts.py), the hang bound (hang.py), the warm spares
+the restart budget and backoff, the hang bound and crash reasons (health/), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
 what a worker needs from GCS before it starts (inputs.py), its output (output.py), the gang
 (gang.py), wandb (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
@@ -28,14 +28,15 @@ from engine.checkpoint import manifest as mf
 from engine.hooks import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
-from tpud.job import crashes, goodput, inputs, states
+from tpud.job import goodput, inputs, states
 from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
 from tpud.job.gang import GangView
-from tpud.job.hang import HangWatch
+from tpud.job.health import crashes
+from tpud.job.health.hang import HangWatch
 from tpud.job.output import WorkerOutput
 from tpud.job.record import JobRecord
-from tpud.job.restarts import Restarts
+from tpud.job.health.restarts import Restarts
 from tpud.job.standby import StandbyPool
 from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
