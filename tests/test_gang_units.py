@@ -110,3 +110,20 @@ def test_bad_gang_settings_are_refused(gang):
 
     with pytest.raises(ValidationError):
         Settings.model_validate({"gang": gang})
+
+
+def test_a_tpu_vm_reads_its_worker_number_and_peers_from_the_metadata_server(metadata_server):
+    from tpud.gang.discovery import _from_metadata
+
+    key = "instance/attributes/"
+    assert _from_metadata(metadata_server.host, 8476) is None  # not a TPU slice's VM: no such attributes
+    metadata_server.set(key + "agent-worker-number", "1")
+    metadata_server.set(key + "worker-network-endpoints", "unknown:unknown:10.0.0.2,unknown:unknown:10.0.0.3,"
+                        "unknown:unknown:10.0.0.4")
+    place = _from_metadata(metadata_server.host, 8476)
+    assert (place.host, place.hosts, place.coordinator, place.loopback) == (1, 3, "10.0.0.2:8476", False)
+    for number, endpoints in (("3", None), ("x", None), ("0", "garbage")):
+        metadata_server.set(key + "agent-worker-number", number)
+        if endpoints:
+            metadata_server.set(key + "worker-network-endpoints", endpoints)
+        assert _from_metadata(metadata_server.host, 8476) is None, (number, endpoints)
