@@ -144,3 +144,23 @@ def test_a_job_on_several_hosts_shows_global_commits_and_who_holds_each_part(tmp
     (job_dir / "hosts.json").write_text("{not json")  # never recorded, or garbled: each part's own host
     rows = [re.split(r"\s{2,}", line) for line in tpud("checkpoints", job_file(tmp_path)).stdout.splitlines()[2:]]
     assert [r[7] for r in rows] == ["1 of 3"] * 3
+
+
+def test_special_files_in_place_of_markers_are_no_commits_and_never_block(tmp_path):
+    import os
+
+    job_dir = tmp_path / "ckpt" / "job"
+    for step in (3, 6):
+        directory = make_step(job_dir, step, sizes=(100,))
+        write_manifest(directory, dataclasses.replace(read_manifest(directory), host=0, hosts=2))
+    os.mkfifo(job_dir / "step_000000003" / "global.json")  # a reader would wait forever on it
+    (job_dir / "step_000000006" / "global.json").mkdir()
+    os.mkfifo(job_dir / "hosts.json")
+    make_step(job_dir, 9, sizes=(100,))
+    (job_dir / "step_000000009" / "manifest.json").unlink()
+    os.mkfifo(job_dir / "step_000000009" / "manifest.json")
+
+    result = tpud("checkpoints", job_file(tmp_path), "-o", "json")  # within tpud()'s timeout, not hanging
+    assert result.returncode == 0, result.stderr
+    assert [(s["step"], s["global"], s["held_by"]) for s in json.loads(result.stdout)["tiers"]["local"]] == [
+        (3, False, None), (6, False, None)]  # step 9 has no readable manifest: not listed

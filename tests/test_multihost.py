@@ -162,6 +162,9 @@ def test_a_killed_worker_restarts_the_whole_gang_which_resumes(tmp_path, referen
             wait_until(lambda: [r["status"] for r in other.records("worker exited")].count(77) == n,
                        f"host {other.index}'s worker leaving", timeout=5, interval=0.05)
         assert time.monotonic() - killed_at < 5
+        # At once, from the collective's error, not after the peer timeout of the beats.
+        assert any("connection closed" in r["reason"] for other in (hosts[0], hosts[2])
+                   for r in other.records("the gang is broken; exiting so that every host restarts together"))
         wait_until(lambda: victim.worker() != worker and victim.records("checkpoint restored")[n - 1:],
                    "the gang restored", timeout=120, interval=0.1)
     assert [h.wait() for h in hosts] == [0, 0, 0]

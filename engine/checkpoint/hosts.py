@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint.manifest import read_small
 from engine.layout import atomic_write
 
 Key = tuple[int, int]  # (step, micro_step)
@@ -80,7 +81,7 @@ def holders(job_dir: Path) -> dict[Key, list[int]]:
     """Per step, the hosts that held their part at the last exchange; {} when never recorded
     (or the record is unreadable: it only informs)."""
     try:
-        record = json.loads((job_dir / HELD).read_text())
+        record = json.loads(read_small(job_dir / HELD))
         held: dict[Key, list[int]] = {}
         for host, keys in enumerate(record["parts"]):
             for step, micro in keys:

@@ -26,6 +26,7 @@ import base64
 import json
 import os
 import re
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
@@ -114,9 +115,18 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     atomic_write(directory / MANIFEST, manifest.to_json())
 
 
+def read_small(path: Path, limit: int = 64 << 20) -> str:
+    """A small regular file's text. Anything else in its place (a FIFO, a device, a directory, a
+    huge file) raises OSError instead of blocking the reader or filling its memory."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        raise OSError(f"{path}: not a regular file of at most {limit} bytes")
+    return path.read_text()
+
+
 def read_manifest(directory: Path) -> Manifest | None:
     try:
-        return Manifest.from_json((directory / MANIFEST).read_text())
+        return Manifest.from_json(read_small(directory / MANIFEST))
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
@@ -160,7 +170,7 @@ def is_global(directory: Path, manifest: Manifest) -> bool:
     if manifest.hosts <= 1:
         return True
     try:
-        marker = json.loads((directory / GLOBAL).read_text())
+        marker = json.loads(read_small(directory / GLOBAL))
         return (marker["step"], marker["micro_step"]) == (manifest.step, manifest.micro_step)
     except (OSError, ValueError, TypeError, KeyError):
         return False
