@@ -108,6 +108,7 @@ class _Save(Event):
 class CheckpointStarted(_Save):
     TYPE: ClassVar[str] = "checkpoint_started"
     blocking_s: float = 0.0  # how long the loop was held for it (staging an async save)
+    tier: str = "local"
 
 
 @dataclass(frozen=True, config=_CONFIG)
@@ -116,6 +117,7 @@ class CheckpointCommitted(_Save):
     path: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    tier: str = "local"  # local (its host's part, with several), or memory
 
 
 @dataclass(frozen=True, config=_CONFIG)
@@ -124,6 +126,7 @@ class CheckpointFailed(_Save):
     error: str = ""
     failures: int = 1  # in a row, this one included
     path: str = ""
+    tier: str = "local"
 
 
 @dataclass(frozen=True, config=_CONFIG)

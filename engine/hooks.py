@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ class Hooks:
 
     def emit(self, event: Event) -> None:
         """Step metrics, checkpoint events, the start of the loop (engine/events.py)."""
+
+    def on_request(self, answer: Callable[[Request], bool]) -> None:
+        """Have `answer` called from another thread as soon as a request arrives, before the
+        loop's next boundary; when it returns True the request is answered and not polled.
+        Hooks that hear requests only when polled never call it."""
 
 
 class SignalHooks(Hooks):

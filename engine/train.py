@@ -120,7 +120,7 @@ class Trainer:
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints,
                                          spec_hash(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
-                                         self.hooks.emit, hosts)
+                                         self.hooks.emit, hosts, memory_dir=memory_dir())
         with self.badput.timing("restore"):
             self.progress = self.checkpointer.restore() or Progress()
         if self.checkpointer.restored is not None:
@@ -133,6 +133,7 @@ class Trainer:
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.nonfinite, self.badput, self.hooks.emit)
         self._deferred: Request | None = None
+        self.hooks.on_request(self._between_boundaries)
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
@@ -289,22 +290,43 @@ class Trainer:
         return exit_codes.OK
 
     def _save_if_due(self) -> int | None:
-        """An interval checkpoint when the checkpointer says one is due; at max_steps the final save follows."""
-        if self.step < self.spec.train.max_steps and self.checkpointer.due(self.step):
+        """An interval checkpoint when the checkpointer says one is due (to disk, or to the memory
+        tier only); at max_steps the final save follows."""
+        if self.step >= self.spec.train.max_steps:
+            return None
+        if self.checkpointer.due(self.step):
             return self._save("interval")
+        if self.checkpointer.memory_due(self.step):
+            return self._save("interval", memory_only=True)
         return None
 
-    def _save(self, reason: str, *, wait: bool = False) -> int | None:
+    def _save(self, reason: str, *, wait: bool = False, memory_only: bool = False) -> int | None:
         """Checkpoint, unless the state holds a non-finite step: then the exit code instead."""
         with self.badput.timing("checkpoint"):
             self.reporter.report_pending()  # the finished steps' values, for the guard to check
             if finite := self.nonfinite.state_is_finite(self.progress):
-                self.checkpointer.save(self.progress, reason, wait=wait)
+                if memory_only:
+                    self.checkpointer.save_memory(self.progress)
+                else:
+                    self.checkpointer.save(self.progress, reason, wait=wait)
         return None if finite else self.nonfinite.exit()
+
+    def _between_boundaries(self, request: Request) -> bool:
+        """A request heard while a step runs (the hooks' thread): the newest memory state goes to
+        disk at once. True when that answers it (a checkpoint that lets training go on)."""
+        if request.action is Action.STOP or not self.checkpointer.promote():
+            return False
+        return request.action is Action.CHECKPOINT
 
 
 def spec_hash(spec: JobSpec) -> str:
     return hashlib.sha256(spec.model_dump_json(by_alias=True).encode()).hexdigest()[:16]
+
+
+def memory_dir() -> Path | None:
+    """The memory tier's root, which the supervisor owns (engine.checkpoint.memory); none alone."""
+    value = os.environ.get("TPUD_MEMORY_DIR")
+    return Path(value) if value else None
 
 
 def default_state_dir() -> Path:

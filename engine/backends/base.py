@@ -77,6 +77,7 @@ class Backend:
         return contextlib.nullcontext()
 
     checkpoint_fn: Callable | None = None
+    memory_tier = True  # whether its state can live in the memory tier (engine.checkpoint.memory)
 
     def micro_step_end(self) -> None:
         """Graph boundary after each micro-batch (XLA cuts its graph here)."""

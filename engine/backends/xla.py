@@ -34,6 +34,7 @@ def weight_partition(name: str, param: torch.Tensor) -> tuple | None:
 
 class XlaBackend(Backend):
     name = "xla"
+    memory_tier = False  # sharded state: its shards would need the SPMD planners the disk tier uses
 
     def __init__(self, cfg: DeviceConfig, cache_dir: str | None):
         import torch_xla

@@ -24,6 +24,12 @@ The manifest also carries what must follow the checkpoint to another host but is
 tensor state: the loader's skipped batch ranges (`data_skips`, set by the trainer) and the
 supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
 
+With a memory tier (`memory_dir`, engine.checkpoint.memory) a state is copied into host shared
+memory every checkpoint.memory.interval_steps steps; a disk save of a step the memory tier
+holds (or can take) writes from there, so the loop waits for one copy only. A request that
+arrives between boundaries (`promote`, from the hooks' listening thread) is answered at once by
+writing the newest memory state to disk. Restore takes the newest valid state of both tiers.
+
 A job on several hosts (`hosts`) saves each host's part into its own local tier and commits
 it globally (engine.checkpoint.hosts): the commit event follows the global marker, and restore
 takes the step the hosts agree on.
@@ -35,6 +41,7 @@ import dataclasses
 import errno
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -55,6 +62,7 @@ from engine import events
 from engine.backends.base import Backend
 from engine.checkpoint import hosts as gang
 from engine.checkpoint import manifest as mf
+from engine.checkpoint import memory as mem
 from engine.hooks import Action, Request
 from engine.spec.schema import CheckpointConfig
 from engine.layout import fsync_path
@@ -89,7 +97,7 @@ def _version() -> str:
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, spec_hash: str, backend: Backend,
                  model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit,
-                 hosts: gang.Hosts | None = None):
+                 hosts: gang.Hosts | None = None, memory_dir: Path | None = None):
         self.cfg, self.job, self.spec_hash, self.hosts = cfg, job, spec_hash, hosts
         self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
         self.backend, self.model, self.optimizer = backend, model, optimizer
@@ -101,6 +109,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() and not hosts else 1
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future | None = None
+        self._submit_lock = threading.Lock()  # the disk writer: the training thread, and promote()'s
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
         self.wandb_run_id = os.environ.get("TPUD_WANDB_RUN_ID") or None
         self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
@@ -112,6 +121,26 @@ class Checkpointer:
         if self.rank == 0:
             self._remove_unfinished()
         self._create_optimizer_state()
+        self.memory = self._memory_tier(memory_dir)
+        self._memory_agreed: frozenset = frozenset()  # with several hosts: memory states every host holds
+
+    def _memory_tier(self, memory_dir: Path | None) -> mem.MemoryTier | None:
+        cfg = self.cfg.memory
+        if memory_dir is None or cfg is None or not cfg.interval_steps:
+            return None
+        if not self.backend.memory_tier or self.world > 1:
+            log.info("no memory tier here", why="torch_xla's sharded state" if not self.backend.memory_tier
+                     else "several processes on one host")
+            return None
+        return mem.MemoryTier(Path(memory_dir) / self.job, self._describe, self._memory_failed)
+
+    def _describe(self, directory: Path, step: int, micro_step: int, reason: str,
+                  data_skips: tuple[tuple[int, int], ...] | None = None) -> mf.Manifest:
+        return mf.Manifest.describe(
+            directory, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
+            spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
+            data_skips=self.data_skips if data_skips is None else data_skips, host=self.hosts.index if self.hosts else 0,
+            hosts=self.hosts.count if self.hosts else 1)
 
     def _create_optimizer_state(self) -> None:
         """Create the optimizer's state now, exactly as its first step would.
@@ -132,7 +161,10 @@ class Checkpointer:
     def emit(self, event: events.Event) -> None:
         """To the supervisor through the hooks, and to the log for the operator."""
         fields = dataclasses.asdict(event)
-        (log.warning if isinstance(event, events.CheckpointFailed) else log.info)(event.TYPE.replace("_", " "), **fields)
+        if isinstance(event, events.CheckpointFailed):
+            log.warning(event.TYPE.replace("_", " "), **fields)
+        else:  # the memory tier commits every step or few: not a line each in the operator's log
+            (log.debug if getattr(event, "tier", "") == "memory" else log.info)(event.TYPE.replace("_", " "), **fields)
         self._emit(event)
 
     # --- saving ---
@@ -145,6 +177,46 @@ class Checkpointer:
             # Each rank reads its own clock: they agree, or one rank alone would enter the save's collectives.
             by_time = self.backend.agree(Request(Action.CHECKPOINT) if by_time else None) is not None
         return bool(by_steps or by_time)
+
+    def memory_due(self, step: int) -> bool:
+        """Whether the memory tier saves at this step (every rank alike: no clocks involved)."""
+        return self.memory is not None and step % self.cfg.memory.interval_steps == 0
+
+    def save_memory(self, progress: Progress) -> None:
+        """A memory checkpoint of this boundary, unless the tier is still writing the previous one."""
+        started = time.monotonic()
+        key = (progress.step, progress.micro_step)
+        held = self.memory.save(self._state(progress), key, "interval", self._memory_committed, started)
+        if held is not None:
+            held.release()
+
+    def _memory_committed(self, key: tuple[int, int], path: Path, manifest: mf.Manifest, started: float) -> None:
+        self.emit(events.CheckpointCommitted(key[0], key[1], "interval", str(path), bytes=manifest.total_bytes,
+                                             seconds=round(time.monotonic() - started, 4), tier="memory"))
+
+    def _memory_failed(self, key: tuple[int, int], error: str) -> None:
+        self.emit(events.CheckpointFailed(key[0], key[1], "interval", error, 1, str(self.memory.job_dir),
+                                          tier="memory"))
+
+    def promote(self) -> bool:
+        """Write the newest memory state to disk now, from any thread (a request between
+        boundaries): whether a write began. Not when a disk write is in flight, or the disk
+        tier already has that step."""
+        if self.memory is None or self.hosts is not None:  # several hosts commit together, at boundaries
+            return False
+        key, on_disk = self.memory.newest, self.last_committed_step()
+        if key is None or (on_disk is not None and key[0] <= on_disk):
+            return False
+        with self._submit_lock:
+            if self._pending is not None and not self._pending.done():
+                return False
+            held = self.memory.hold(key)
+            if held is None:
+                return False
+            log.info("writing the newest memory checkpoint to disk", step=key[0], micro_step=key[1])
+            self._pending = self._writer.submit(self._write, held.state, key[0], key[1], "request",
+                                                time.monotonic(), self.data_skips, held.release)
+        return True
 
     def _state(self, progress: Progress) -> dict:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -175,23 +247,45 @@ class Checkpointer:
             return True
         started = time.monotonic()
         blocking = wait or not self.cfg.async_
-        # A save the loop waits for anyway writes the live state; only async saves need a copy.
         state = self._state(progress)
-        staged = self.backend.host_view(state) if blocking else self.backend.stage(state)
+        held = self._in_memory(state, progress, reason, started)
+        if held is not None:  # written from the memory tier's copy: no second one
+            staged, release = held.state, held.release
+        else:  # a save the loop waits for anyway writes the live state; only async saves need a copy
+            staged = self.backend.host_view(state) if blocking else self.backend.stage(state)
+            release = None
         blocked = time.monotonic() - started
         self.last_save_time, self.last_saved_step = time.monotonic(), progress.step
         self.emit(events.CheckpointStarted(progress.step, progress.micro_step, reason, blocking_s=round(blocked, 4)))
-        self._pending = self._writer.submit(self._write, staged, progress.step, progress.micro_step, reason,
-                                            started, self.data_skips)
+        with self._submit_lock:
+            self._pending = self._writer.submit(self._write, staged, progress.step, progress.micro_step, reason,
+                                                started, self.data_skips, release)
         return self.wait() if blocking else None
+
+    def _in_memory(self, state: dict, progress: Progress, reason: str, started: float) -> mem.Held | None:
+        """This boundary's state in the memory tier, held for a disk write; None without one."""
+        if self.memory is None:
+            return None
+        key = (progress.step, progress.micro_step)
+        self.memory.wait()  # a memory save of this very step may still be committing
+        return self.memory.hold(key) or self.memory.save(state, key, reason, self._memory_committed, started)
 
     def wait(self) -> bool | None:
         """Block until the save in flight, if any, is written: whether it committed (None: none was in flight)."""
-        pending, self._pending = self._pending, None
+        with self._submit_lock:
+            pending, self._pending = self._pending, None
         return None if pending is None else pending.result()
 
     def _write(self, staged: dict, step: int, micro_step: int, reason: str, started: float,
-               data_skips: tuple[tuple[int, int], ...]) -> bool:
+               data_skips: tuple[tuple[int, int], ...], release: Callable[[], None] | None = None) -> bool:
+        try:
+            return self._write_to_disk(staged, step, micro_step, reason, started, data_skips)
+        finally:
+            if release is not None:
+                release()
+
+    def _write_to_disk(self, staged: dict, step: int, micro_step: int, reason: str, started: float,
+                       data_skips: tuple[tuple[int, int], ...]) -> bool:
         final = self.job_dir / mf.step_dir_name(step, micro_step)
         tmp = self.job_dir / f".tmp-{final.name}"
         try:
@@ -202,11 +296,7 @@ class Checkpointer:
             dcp.save(staged, storage_writer=writer, planner=save_planner,
                      process_group=self.group, no_dist=self.group is None)
             if self.rank == 0:
-                manifest = mf.Manifest.describe(
-                    tmp, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
-                    spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
-                    data_skips=data_skips, host=self.hosts.index if self.hosts else 0,
-                    hosts=self.hosts.count if self.hosts else 1)
+                manifest = self._describe(tmp, step, micro_step, reason, data_skips)
                 mf.write_manifest(tmp, manifest)
                 if final.exists():  # not committed there (save() looked): a leftover, never trusted
                     self._move_aside(final, ["not committed"])
@@ -326,7 +416,16 @@ class Checkpointer:
         """
         tainted = False
         candidates = mf.committed_steps(self.job_dir) if self.hosts is None else self._agreed_part()
-        for _, path, manifest in reversed(candidates):
+        in_memory = self._memory_states(candidates)
+        # Newest first; of two copies of a step, the memory one (read at memory speed).
+        ordered = sorted([(item, False) for item in candidates] + [(item, True) for item in in_memory],
+                         key=lambda c: (c[0][0], c[0][2].micro_step, c[1]), reverse=True)
+        for (_, path, manifest), from_memory in ordered:
+            if from_memory:
+                restored = self._restore_memory(path, manifest)
+                if restored is not None:
+                    return restored
+                continue
             found = mf.problems(path, manifest, checksums=False)
             if found:
                 self._move_aside(path, found)
@@ -349,20 +448,53 @@ class Checkpointer:
             raise RuntimeError("every checkpoint failed verification (moved aside); restart to begin afresh")
         return None
 
+    def _memory_states(self, on_disk: list[tuple[int, Path, mf.Manifest]]) -> list[tuple[int, Path, mf.Manifest]]:
+        """The memory tier's states worth trying: newer than the disk's newest candidate, and with
+        several hosts, held by every host (the agreement put it in `self._memory_agreed`)."""
+        if self.memory is None:
+            return []
+        newest = max(((step, m.micro_step) for step, _, m in on_disk), default=(-1, -1))
+        held = [(step, path, m) for step, path, m in mf.parts(self.memory.job_dir) if (step, m.micro_step) > newest]
+        if self.hosts is not None:
+            held = [item for item in held if (item[0], item[2].micro_step) in self._memory_agreed]
+        return held
+
+    def _restore_memory(self, path: Path, manifest: mf.Manifest) -> Progress | None:
+        """Load a memory state once every byte matches its manifest; None (and the state discarded) otherwise."""
+        started = time.monotonic()
+        found = mf.problems(path, manifest, checksums=True)
+        if not found:
+            try:
+                template = mem.load(path, self._template(manifest))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                found = [describe_error(e)]
+            else:
+                return self._apply(template, manifest, path, started)
+        self.memory.discard(path, found)
+        return None
+
     def _agreed_part(self) -> list[tuple[int, Path, mf.Manifest]]:
         """This host's part of the step every host restores (engine.checkpoint.hosts), marked
         global here too; none when the hosts have no step in common."""
         held = {(step, m.micro_step): (step, path, m) for step, path, m in mf.parts(self.job_dir)
                 if not mf.problems(path, m, checksums=False)}
         mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
-        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}), self.hosts, self.hosts_group)
+        # Verified before they are offered: every host must restore the step it agreed to.
+        in_memory = frozenset((step, m.micro_step) for step, path, m in mf.parts(self.memory.job_dir)
+                              if m.hosts == self.hosts.count and not mf.problems(path, m, checksums=True)
+                              ) if self.memory is not None else frozenset()
+        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}, in_memory), self.hosts,
+                                 self.hosts_group)
+        # A state every host holds in memory (each verifies its own) may restore them all.
+        self._memory_agreed = frozenset.intersection(*(memory for _, _, memory in everyone))
+        everyone = [(h, made) for h, made, _ in everyone]
         hosts_of = {k: n for _, made in everyone for k, n in made.items()}
         self._record_holdings([h.parts for h, _ in everyone])
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:
             log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
         if key is None:
-            if any(h.marked for h, _ in everyone):
+            if any(h.marked for h, _ in everyone) and not self._memory_agreed:
                 raise RuntimeError(f"no globally committed step is held by every host ({'; '.join(passed)}); "
                                    "give the job a checkpoint.remote so a host can fetch its part")
             return []
@@ -378,7 +510,9 @@ class Checkpointer:
             log.warning("could not record which host holds which part", path=str(self.job_dir),
                         error=describe_error(e))
 
-    def _load(self, path: Path, manifest: mf.Manifest) -> dict:
+    def _template(self, manifest: mf.Manifest) -> dict:
+        """A state of the manifest's shape for a load to fill: the live tensors, and fresh ones for
+        a partial step's accumulated values."""
         progress = Progress(step=manifest.step, micro_step=manifest.micro_step,
                             loss_sum=torch.zeros((), device=self.backend.device))
         self._state(progress)  # creates the optimizer's state, to be laid out before loading into it
@@ -386,6 +520,10 @@ class Checkpointer:
         template = self._state(progress)
         if manifest.micro_step:
             template["partial"]["grads"] = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
+        return template
+
+    def _load(self, path: Path, manifest: mf.Manifest) -> dict:
+        template = self._template(manifest)
         _, load_planner = self.backend.planners()
         dcp.load(template, storage_reader=dcp.FileSystemReader(path), planner=load_planner,
                  process_group=self.group, no_dist=self.group is None)

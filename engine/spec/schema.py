@@ -425,6 +425,14 @@ class DeviceConfig(Section):
     )
 
 
+class MemoryTierConfig(Section):
+    """Checkpoints in host shared memory (a tmpfs the supervisor owns): they survive the worker's
+    death, not the host's, so a crash or hang costs at most interval_steps steps of work."""
+
+    interval_steps: int = Field(1, ge=0, description="A memory checkpoint every N steps (skipped while the "
+                                "previous one is still being written); 0 disables the tier.")
+
+
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="Local root; default <state>/checkpoints. Layout <dir>/<job>/step_N.")
     interval_steps: int = Field(0, ge=0, description="Checkpoint every N steps; 0 disables.")
@@ -432,6 +440,10 @@ class CheckpointConfig(Section):
     async_: bool = Field(True, alias="async", description="Write in the background; the loop blocks only "
                          "while the state is copied to host memory. At most one save is in flight.")
     keep: int = Field(3, ge=2, description="Committed steps kept per tier; the newest is never deleted.")
+    memory: MemoryTierConfig | None = Field(
+        MemoryTierConfig(), description="The memory tier, on by default where the supervisor's memory budget "
+        "holds two states (tpud.yaml memory_tier_max_share); null disables it. Set explicitly, a job whose "
+        "states do not fit is refused. Not used by `python -m engine.train` alone, nor under torch_xla yet.")
     remote: str | None = Field(
         None, pattern=r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$",
         description="GCS tier, gs://bucket[/prefix]: the daemon uploads each committed step to "

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -30,7 +32,10 @@ log = structlog.get_logger()
 
 
 class ChannelHooks(SignalHooks):
-    """The engine's hooks over the daemon's channel, with signals kept as the fallback."""
+    """The engine's hooks over the daemon's channel, with signals kept as the fallback.
+
+    A thread listens to the channel, so a request is heard while a step runs: the engine may
+    answer it at once (on_request), and the loop polls the rest at its next boundary."""
 
     def __init__(self, path: str | None):
         super().__init__()
@@ -39,8 +44,42 @@ class ChannelHooks(SignalHooks):
         self.connection = channel.connect(path) if path else None
         self.heartbeats = channel.HeartbeatClock()
         self.gang: GangMember | None = None
+        self._inbox: list[Request] = []
+        self._answer: Callable[[Request], bool] | None = None
         # The rank tells the daemon whether this host logs the job to wandb (rank 0 only).
         self.emit(events.Hello(os.getpid(), int(os.environ.get("RANK", "0"))))
+        if self.connection is not None:
+            threading.Thread(target=self._listen, name="channel-listener", daemon=True).start()
+
+    def on_request(self, answer: Callable[[Request], bool]) -> None:
+        self._answer = answer
+
+    def _listen(self) -> None:
+        while (connection := self.connection) is not None:
+            try:
+                readable, _, _ = select.select([connection], [], [], 1.0)
+            except (OSError, ValueError):  # closed under us
+                return
+            if not readable:
+                continue
+            with self._lock:
+                messages = self.connection.receive() if self.connection is not None else None
+            if messages is None:  # the daemon is gone: signals still work
+                return
+            for message in messages:
+                if isinstance(message, events.CheckpointRequest):
+                    self._heard(message.request())
+
+    def _heard(self, request: Request) -> None:
+        answer = self._answer
+        if answer is not None and request.action is not Action.STOP:
+            try:
+                if answer(request):
+                    return
+            except Exception as e:  # noqa: BLE001  (the loop still acts on it at its boundary)
+                log.warning("could not answer a request between boundaries", error=str(e))
+        with self._lock:
+            self._inbox.append(request)
 
     def emit(self, event: events.Event) -> None:
         with self._lock:
@@ -64,10 +103,9 @@ class ChannelHooks(SignalHooks):
         """Pending requests: signals, and the daemon's messages."""
         request = super().poll(at)
         with self._lock:
-            messages = (self.connection.receive() or []) if self.connection is not None else []
-        for message in messages:
-            if isinstance(message, events.CheckpointRequest):
-                request = merge(request, message.request())
+            inbox, self._inbox = self._inbox, []
+        for heard in inbox:
+            request = merge(request, heard)
         return request
 
 
