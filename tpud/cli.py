@@ -196,17 +196,23 @@ def _checkpoints(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return EXIT_FAILED
     now = time.time()
-    job_dir = Paths.resolve(args.home).layout.checkpoints(spec.name, spec.checkpoint.dir)
-    tiers: dict[str, list[dict]] = {"local": []}
+    paths = Paths.resolve(args.home)
+    job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
+    memory_dir = paths.memory / spec.name
+    tiers: dict[str, list[dict]] = {"memory": []} if memory_dir.is_dir() else {}
+    tiers["local"] = []
     errors: dict[str, str] = {}
     held = holders(job_dir)
-    for step, directory, manifest in parts(job_dir):
-        issues = problems(directory, manifest, checksums=False)
-        tiers["local"].append(dict(
-            step=step, micro_step=manifest.micro_step, bytes=manifest.total_bytes, files=len(manifest.files),
-            reason=manifest.reason, created_unix=manifest.created_unix, age_seconds=round(now - manifest.created_unix, 1),
-            ok=not issues, problems=issues, location=str(directory), **_hosts_of(manifest, held, is_global(
-                directory, manifest))))
+    for tier_name, directory_of_tier in (("memory", memory_dir), ("local", job_dir)):
+        for step, directory, manifest in parts(directory_of_tier) if tier_name in tiers else ():
+            issues = problems(directory, manifest, checksums=False)
+            # A memory state is its host's own: it restores only when every host holds the step.
+            committed = tier_name == "memory" or is_global(directory, manifest)
+            tiers[tier_name].append(dict(
+                step=step, micro_step=manifest.micro_step, bytes=manifest.total_bytes, files=len(manifest.files),
+                reason=manifest.reason, created_unix=manifest.created_unix,
+                age_seconds=round(now - manifest.created_unix, 1), ok=not issues, problems=issues,
+                location=str(directory), **_hosts_of(manifest, held if tier_name == "local" else {}, committed)))
     if spec.checkpoint.remote:
         from tpud.checkpoints.gcs import GcsTier, RemoteError, RetryPolicy
 
@@ -228,7 +234,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps({"job": spec.name, "tiers": tiers, **({"errors": errors} if errors else {})}, indent=2))
     else:
-        print(f"job {spec.name}: local {job_dir}" + (f", gcs {spec.checkpoint.remote}" if spec.checkpoint.remote else ""))
+        print(f"job {spec.name}: " + (f"memory {memory_dir}, " if "memory" in tiers else "") + f"local {job_dir}"
+              + (f", gcs {spec.checkpoint.remote}" if spec.checkpoint.remote else ""))
         rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "STATUS")]
         for tier_name, steps in tiers.items():
             for s in reversed(steps):  # newest first
@@ -266,7 +273,8 @@ def _add_checkpoints(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "checkpoints",
         help="list committed checkpoints per tier",
-        description="List a job's committed checkpoint steps per tier (local: <checkpoint.dir or "
+        description="List a job's committed checkpoint steps per tier (memory: the daemon's shared-memory "
+        "states of the job on this host, while it has them; local: <checkpoint.dir or "
         "<state>/checkpoints>/<job>; gcs: checkpoint.remote, when set) with micro-step, size and age. "
         "For a job on several hosts, HOSTS is the hosts that held their part of the step at their last "
         "exchange (each global commit and gang start; on GCS, the host whose part it is), and a part "
@@ -317,7 +325,10 @@ def _rate(v: float) -> str:
 
 def _status_row(job: dict) -> tuple[str, ...]:
     step, max_steps = job.get("step"), job.get("max_steps")
-    ckpt = job.get("last_checkpoint")
+    ckpt, in_memory = job.get("last_checkpoint"), job.get("memory_checkpoint")
+    last = f"{ckpt.get('step')}@{ckpt.get('tier')} {_dash(ckpt.get('age_seconds'), _age)}" if ckpt else "-"
+    if in_memory:
+        last += f" ({in_memory.get('step')}@memory)"
     return (
         str(job.get("name", "?")),
         _dash(job.get("state")),
@@ -325,7 +336,7 @@ def _status_row(job: dict) -> tuple[str, ...]:
         _dash(job.get("loss"), lambda v: f"{v:.4g}"),
         _dash(job.get("tokens_per_second"), _rate),
         _dash(job.get("mfu"), lambda v: f"{v * 100:.1f}%"),
-        f"{ckpt.get('step')}@{ckpt.get('tier')} {_dash(ckpt.get('age_seconds'), _age)}" if ckpt else "-",
+        last,
         _dash(job.get("restarts")),
         _dash((job.get("goodput") or {}).get("ratio"), lambda v: f"{v * 100:.1f}%"),
         _dash(job.get("age_seconds"), _age),

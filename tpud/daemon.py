@@ -35,6 +35,7 @@ from engine.spec.schema import JobSpec
 from tpud import __version__
 from tpud.control import ControlError, ControlServer
 from tpud.job.job import Job, State
+from tpud.job.memory import MemoryBudget
 from tpud.jobfiles.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
 from tpud.jobfiles.reading import JobFile
 from tpud.jobfiles.watcher import Watcher
@@ -70,6 +71,7 @@ class Daemon:
         self.invalid: dict[Path, str] = {}  # job files that do not validate, with their errors
         self.notifier = Notifier()
         self.metrics = Metrics()
+        self.memory_budget = MemoryBudget(share=self.settings.memory_tier_max_share)
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._signals: list[int] = []
         self.offloop: OffLoop | None = None  # reads jobs.d and tpud.yaml (the service only)
@@ -134,6 +136,7 @@ class Daemon:
 
         def then(result: Reloaded) -> None:
             self.settings = result.settings
+            self.memory_budget.share = result.settings.memory_tier_max_share
             if result.settings.gang != self._gang_settings:
                 log.warning("the gang settings changed: they take effect when tpud restarts")
             log.info("reloaded settings and rescanned jobs", error=result.error)
@@ -147,7 +150,8 @@ class Daemon:
         spec, file = self.single
         job = self.jobs[spec.name] = Job(spec, file, self.paths, self, self.metrics,
                                          stop_timeout=self.settings.job_stop_timeout_seconds,
-                                         log_format=self.worker_log_format, gang=self.gang)
+                                         log_format=self.worker_log_format, gang=self.gang,
+                                         memory_budget=self.memory_budget)
         job.start()
 
     def reconcile(self, files: dict[Path, JobFile]) -> None:
@@ -171,7 +175,8 @@ class Daemon:
             job = self.jobs.get(name)
             if job is None:
                 job = self.jobs[name] = Job(spec, path, self.paths, self, self.metrics,
-                                            stop_timeout=self.settings.job_stop_timeout_seconds, gang=self.gang)
+                                            stop_timeout=self.settings.job_stop_timeout_seconds, gang=self.gang,
+                                            memory_budget=self.memory_budget)
                 job.digest = job_file.digest
                 if self.notice is not None:  # this host is going away: do not start anything
                     job.preempt(self.settings.preemption_deadline_seconds)

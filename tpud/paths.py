@@ -7,6 +7,7 @@ system paths for root and the XDG paths for an unprivileged user.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,16 @@ class Paths:
     def channel(self, job: str) -> Path:
         return self.runtime / "jobs" / f"{job}.sock"
 
+    @property
+    def memory(self) -> Path:
+        """The memory tier's root: the runtime directory's memory/ when it is a tmpfs (systemd's
+        /run/tpud), else a directory of this runtime's own in /dev/shm. Either way its states
+        survive a worker, not the host."""
+        if _on_tmpfs(self.runtime):
+            return self.runtime / "memory"
+        key = hashlib.sha256(str(self.runtime.absolute()).encode()).hexdigest()[:12]
+        return Path("/dev/shm") / f"tpud-{key}"
+
     @classmethod
     def resolve(cls, home: str | os.PathLike | None = None) -> Paths:
         home = home or os.environ.get("TPUD_HOME")
@@ -57,3 +68,20 @@ class Paths:
             state=first("STATE_DIRECTORY", "/var/lib/tpud", xdg_state),
             runtime=first("RUNTIME_DIRECTORY", "/run/tpud", xdg_runtime),
         )
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (the mount with the longest prefix of it, in /proc/self/mounts)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    path, best, kind = os.path.realpath(path), "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind == "tmpfs"

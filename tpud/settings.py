@@ -63,6 +63,10 @@ class Settings(BaseModel):
         "TPU VM they come from TPU_WORKER_ID / TPU_WORKER_HOSTNAMES or the VM's metadata.")
     gang_port: int = Field(DEFAULT_GANG_PORT, ge=1, le=65535,
                            description="The coordinator's port on TPU VMs (host 0's first address).")
+    memory_tier_max_share: float = Field(
+        0.25, ge=0, le=0.9, description="The most of this host's RAM every job's memory tier together may take "
+        "(two training states per job, in shared memory). A job that sets checkpoint.memory and does not fit is "
+        "refused with what it would need; one that has the tier by default runs without it.")
     allow_fault_injection: bool = Field(
         False, description="Run jobs with a debug.inject block (tests and drills); refused otherwise.")
 

@@ -33,7 +33,8 @@ class Waiter:
 class JobCheckpoints:
     def __init__(self, job: str):
         self.job = job
-        self.last: Checkpoint | None = None
+        self.last: Checkpoint | None = None  # the newest on disk or GCS
+        self.memory: Checkpoint | None = None  # the newest in the memory tier
         self.waiters: list[Waiter] = []
         self.failures = SaveFailures()
         self.save_seconds = 0.0  # how long the last local save took
@@ -63,6 +64,11 @@ class JobCheckpoints:
             waiter.future.set_result({**result, "seconds": round(time.monotonic() - waiter.since, 3)})
         self.waiters = [w for w in self.waiters if w not in answered]
 
+    def in_memory(self, event: events.CheckpointCommitted) -> None:
+        """A memory commit: it survives the worker, not the host, so it answers no checkpoint-now."""
+        self.memory = Checkpoint(event.step, event.micro_step, "memory", event.path, time.time())
+        self.failures.committed("memory")
+
     def failed(self, event: events.CheckpointFailed) -> None:
         self.failures.failed("local", event.error, event.step)
         self.fail_waiters(event.error)
@@ -77,7 +83,8 @@ class JobCheckpoints:
         return max(0.0, deadline_s - 1.5 * self.save_seconds - 1.0)
 
     def snapshot(self) -> dict:
-        last = self.last
-        return {"last_checkpoint": None if last is None else {"step": last.step, "tier": last.tier,
-                                                              "age_seconds": round(time.time() - last.at, 1)},
+        def brief(c: Checkpoint | None) -> dict | None:
+            return None if c is None else {"step": c.step, "tier": c.tier, "age_seconds": round(time.time() - c.at, 1)}
+
+        return {"last_checkpoint": brief(self.last), "memory_checkpoint": brief(self.memory),
                 "warnings": self.failures.warnings(), "checkpoint_failures": self.failures.snapshot()}

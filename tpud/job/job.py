@@ -37,6 +37,7 @@ from tpud.job.health.hang import HangWatch
 from tpud.job.output import WorkerOutput
 from tpud.job.record import JobRecord
 from tpud.job.health.restarts import Restarts
+from tpud.job.memory import JobMemory, MemoryBudget
 from tpud.job.standby import StandbyPool
 from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
@@ -77,7 +78,8 @@ Spawn = Callable[..., WorkerProcess]  # (spec, paths, log_format, extra_env, *, 
 class Job:
     def __init__(self, spec: JobSpec, file: Path, paths: Paths, loop: Loop, metrics: MetricsSink,
                  *, stop_timeout: float, log_format: str = "json", clock=time.monotonic,
-                 spawn: Spawn = WorkerProcess, gang: GangPlace | None = None):
+                 spawn: Spawn = WorkerProcess, gang: GangPlace | None = None,
+                 memory_budget: MemoryBudget | None = None):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
         self.clock, self.stop_timeout, self.log_format = clock, stop_timeout, log_format
         self.name = spec.name
@@ -108,6 +110,8 @@ class Job:
         self.gang = GangView(gang)  # several hosts: this host's place, and the gang as its worker sees it
         # What it owns.
         self.tiers = CheckpointTiers(spec, paths, self._uploaded, uploads=self._uploads)
+        self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25))
+        self._memory_env: dict[str, str] = {}
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
                                     self.name)
         self._record_path = paths.layout.record_file(self.name)
@@ -158,6 +162,8 @@ class Job:
         if state in ENDED:
             self.standbys.discard()
             self.tracker.finish_in_background()
+            if state is State.SUCCEEDED or self.stop_reason == "removed":  # its final checkpoint is on disk
+                self.memory.discard()
         elif state is State.BACKOFF:  # a restart will take a spare: start its successor now
             self.standbys.keep(self.spec, None, 2)
         if self.worker is None and not self._preparing:
@@ -174,6 +180,12 @@ class Job:
         if self.next_spec is not None:  # a reload interrupted by a stop: the new spec wins
             self._adopt(self.next_spec)
         self.error, self.stop_reason, self.kill_at, self.error_detail = None, None, None, []
+        memory_env = self.memory.worker_env(self.spec)
+        if memory_env is None:
+            self.error = f"checkpoint.memory: {self.memory.refused}"
+            self._set(State.FAILED, "the memory tier does not fit in its budget")
+            return
+        self._memory_env = memory_env
         self.ledger.enter(goodput.WORKER)  # fetching from GCS is part of starting up
         urls = inputs.remote_urls(self.spec)
         if self.tiers.tier is None and not urls:
@@ -204,7 +216,7 @@ class Job:
         return self.gang.place is None or self.gang.place.host == 0
 
     def _spawn(self) -> None:
-        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name)), **self.gang.worker_env()}
+        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name)), **self.gang.worker_env(), **self._memory_env}
         if self.spec.logging.wandb is not None:
             env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
         self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
@@ -350,7 +362,8 @@ class Job:
             self.tracker.log_eval(event)
 
     def _checkpoint_started(self, event: events.CheckpointStarted) -> None:
-        self.watch.saving(self.clock())
+        if event.tier != "memory":  # the loop waits for a disk save only
+            self.watch.saving(self.clock())
 
     def _gang(self, event: events.Gang) -> None:
         self.metrics.gang(self.name, event.host, event.present, event.generation)
@@ -365,19 +378,25 @@ class Job:
         self.nonfinite = event
 
     def _committed(self, event: events.CheckpointCommitted) -> None:
+        self.restarts.progressed()  # it made progress: not a crash loop
+        self.metrics.checkpoint(self.name, tier=event.tier, reason=event.reason, seconds=event.seconds,
+                                bytes=event.bytes, step=event.step)
+        if event.tier == "memory":
+            self.checkpoints.in_memory(event)
+            return
         self.watch.saving(None)
         self.checkpoints.committed(event)
-        self.restarts.progressed()  # it made progress: not a crash loop
-        self.metrics.checkpoint(self.name, tier="local", reason=event.reason, seconds=event.seconds,
-                                bytes=event.bytes, step=event.step)
         if self.tiers.uploader is not None:
             self.tiers.uploader.submit(Path(event.path))
         if self.state is State.CHECKPOINTING and not self.checkpoints.waiters:
             self._set(State.RUNNING, f"checkpoint at step {event.step}")
 
     def _checkpoint_failed(self, event: events.CheckpointFailed) -> None:
+        self.metrics.checkpoint_failure(self.name, event.tier)
+        if event.tier == "memory":
+            self.checkpoints.failures.failed("memory", event.error, event.step)
+            return
         self.watch.saving(None)
-        self.metrics.checkpoint_failure(self.name, "local")
         self.checkpoints.failed(event)
         if self.state is State.CHECKPOINTING:
             self._set(State.RUNNING, "checkpoint failed")

@@ -41,7 +41,7 @@ class SaveFailures:
             times = "once" if s.count == 1 else f"{s.count} times in a row"
             step = "" if s.step is None else f" at step {s.step}"
             ago = max(0, round(self.clock() - s.at))
-            then = "training continues and the next save tries again" if tier == "local" else "it is retried"
+            then = "training continues and the next save tries again" if tier in ("local", "memory") else "it is retried"
             lines.append(f"{tier} checkpoint failed {times}, last{step} {ago}s ago: {s.error}; {then}")
         return lines
 
