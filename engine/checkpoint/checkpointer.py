@@ -135,8 +135,11 @@ class Checkpointer:
         return mem.MemoryTier(Path(memory_dir) / self.job, self._describe, self._memory_failed)
 
     def _describe(self, directory: Path, step: int, micro_step: int, reason: str,
+                  files: tuple[mf.FileEntry, ...] | None = None,
                   data_skips: tuple[tuple[int, int], ...] | None = None) -> mf.Manifest:
-        return mf.Manifest.describe(
+        """The manifest of `directory`'s files (checksummed here unless `files` says)."""
+        make = mf.Manifest.describe if files is None else (lambda _, **fields: mf.Manifest(files=files, **fields))
+        return make(
             directory, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
             spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
             data_skips=self.data_skips if data_skips is None else data_skips, host=self.hosts.index if self.hosts else 0,
@@ -296,7 +299,7 @@ class Checkpointer:
             dcp.save(staged, storage_writer=writer, planner=save_planner,
                      process_group=self.group, no_dist=self.group is None)
             if self.rank == 0:
-                manifest = self._describe(tmp, step, micro_step, reason, data_skips)
+                manifest = self._describe(tmp, step, micro_step, reason, data_skips=data_skips)
                 mf.write_manifest(tmp, manifest)
                 if final.exists():  # not committed there (save() looked): a leftover, never trusted
                     self._move_aside(final, ["not committed"])
@@ -449,12 +452,12 @@ class Checkpointer:
         return None
 
     def _memory_states(self, on_disk: list[tuple[int, Path, mf.Manifest]]) -> list[tuple[int, Path, mf.Manifest]]:
-        """The memory tier's states worth trying: newer than the disk's newest candidate, and with
+        """The memory tier's states worth trying: as new as the disk's newest candidate or newer, and with
         several hosts, held by every host (the agreement put it in `self._memory_agreed`)."""
         if self.memory is None:
             return []
         newest = max(((step, m.micro_step) for step, _, m in on_disk), default=(-1, -1))
-        held = [(step, path, m) for step, path, m in mf.parts(self.memory.job_dir) if (step, m.micro_step) > newest]
+        held = [(step, path, m) for step, path, m in mf.parts(self.memory.job_dir) if (step, m.micro_step) >= newest]
         if self.hosts is not None:
             held = [item for item in held if (item[0], item[2].micro_step) in self._memory_agreed]
         return held
@@ -549,6 +552,8 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._writer.shutdown()
+        if self.memory is not None:
+            self.memory.close()
 
 
 def _nbytes(state: object) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import mmap
 import os
 import re
 import stat
@@ -44,6 +45,14 @@ _READ_BLOCK = 8 << 20
 
 def step_dir_name(step: int, micro_step: int = 0) -> str:
     return f"step_{step:09d}" + (f".{micro_step:04d}" if micro_step else "")
+
+
+def crc32c(data: bytes | mmap.mmap) -> str:
+    """The CRC32C of bytes already in memory (or mapped), in the manifest's form."""
+    checksum = google_crc32c.Checksum()
+    for start in range(0, len(data), _READ_BLOCK):
+        checksum.update(data[start:start + _READ_BLOCK])  # the C extension takes bytes, not views
+    return base64.b64encode(checksum.digest()).decode()
 
 
 def file_crc32c(path: Path) -> str:

@@ -55,7 +55,8 @@ class Held:
     release: Callable[[], None]
 
 
-Describe = Callable[[Path, int, int, str], mf.Manifest]  # (directory, step, micro_step, reason) -> its manifest
+# (directory, step, micro_step, reason, files) -> its manifest
+Describe = Callable[[Path, int, int, str, tuple[mf.FileEntry, ...]], mf.Manifest]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -218,8 +219,12 @@ class MemoryTier:
 
     def _commit(self, slot: _Slot, key: Key, reason: str, on_commit, started: float) -> None:
         try:
-            (slot.path / TREE).write_text(json.dumps(slot.tree))
-            manifest = self._describe(slot.path, key[0], key[1], reason)
+            tree = json.dumps(slot.tree).encode()
+            (slot.path / TREE).write_bytes(tree)
+            # Checksummed from the mapping itself: what the loop wrote, without reading a file back.
+            files = (mf.FileEntry(STATE, slot.size, mf.crc32c(slot.mapping)),
+                     mf.FileEntry(TREE, len(tree), mf.crc32c(tree)))
+            manifest = self._describe(slot.path, key[0], key[1], reason, files)
             mf.write_manifest(slot.path, manifest)
             final = self.job_dir / mf.step_dir_name(*key)
             for other in self.slots:

@@ -1,0 +1,181 @@
+"""The memory tier: states in shared memory that outlive the worker (engine.checkpoint.memory),
+their budget in the daemon (tpud.job.memory), and a worker killed under the daemon resuming
+from memory."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import events
+from engine.checkpoint import manifest as mf
+from engine.hooks import Action, Boundary, Request
+from engine.spec.schema import JobSpec
+from engine.train import Trainer
+from tests.helpers import Daemon, metric, wait_until, write
+from tests.recorders import Recorder
+from tests.test_checkpoint import assert_same_training_state, job_dir
+from tpud.job.memory import JobMemory, MemoryBudget, state_bytes
+from tpud.paths import Paths
+
+QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
+         "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4")
+
+
+@pytest.fixture
+def memory(tmp_path, monkeypatch):
+    root = tmp_path / "shm"
+    monkeypatch.setenv("TPUD_MEMORY_DIR", str(root))
+    return root / "tiny-cpu"
+
+
+def memory_steps(root: Path) -> list[tuple[int, int]]:
+    return [(step, m.micro_step) for step, _, m in mf.parts(root)]
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skipped(tiny_spec, tmp_path, memory):
+    spec = tiny_spec(*QUICK)
+    whole = Trainer(spec, tmp_path / "whole", Recorder())
+    assert whole.run() == 0
+    shutil.rmtree(memory)
+    # STOP takes no checkpoint: disk has step 4; memory the two newest steps it could take (every
+    # step, but a step whose save would wait for the previous one's commit is passed over).
+    assert Trainer(spec, tmp_path / "cut", Recorder({Boundary(7, 0): Request(Action.STOP)})).run() == 75
+    assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path / "cut"))] == [4]
+    (older, _), (newer, _) = memory_steps(memory)
+    assert 4 < older < newer and newer >= 6
+    newest = memory / mf.step_dir_name(newer)
+    with open(newest / "state.bin", "r+b") as f:  # one flipped byte: never trusted
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder())
+    assert resumed.progress.step == older
+    assert hooks.of(events.CheckpointRestored)[0].path == str(memory / mf.step_dir_name(older))
+    assert not newest.exists()
+    assert resumed.run() == 0
+    assert_same_training_state(whole, resumed)
+
+
+@pytest.mark.slow
+def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_path, memory):
+    spec = tiny_spec(*QUICK)
+    whole = Trainer(spec, tmp_path / "whole", Recorder())
+    whole.run()
+    shutil.rmtree(memory)
+    stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
+    assert Trainer(spec, tmp_path / "cut", Recorder(stop)).run() == 75
+    assert (5, 1) in memory_steps(memory)
+    on_disk = [(s, m.micro_step) for s, _, m in mf.committed_steps(job_dir(tmp_path / "cut"))]
+    assert (5, 1) in on_disk  # written from the memory copy
+    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder())
+    assert (resumed.progress.step, resumed.progress.micro_step) == (5, 1)
+    assert hooks.of(events.CheckpointRestored)[0].path.startswith(str(memory))
+    resumed.run()
+    assert_same_training_state(whole, resumed)
+
+
+@pytest.mark.slow
+def test_a_request_between_boundaries_writes_the_newest_memory_state_to_disk(tiny_spec, tmp_path, memory):
+    spec = tiny_spec(*QUICK, "train.max_steps=30", "checkpoint.interval_steps=100")
+    promoted = []
+
+    def promote():  # what the worker's channel thread does when a request arrives mid-step
+        trainer.checkpointer.memory.wait()
+        promoted.append(trainer._between_boundaries(Request(Action.CHECKPOINT)))
+
+    hooks = Recorder({Boundary(9, 1): promote})
+    trainer = Trainer(spec, tmp_path, hooks)
+    assert trainer.run() == 0
+    assert promoted == [True]  # answered: the loop never saw the request
+    committed = [e for e in hooks.of(events.CheckpointCommitted) if e.tier == "local"]
+    assert [(e.step, e.reason) for e in committed][:1] == [(9, "request")]
+    memory_commits = [e.step for e in hooks.of(events.CheckpointCommitted) if e.tier == "memory"]
+    assert memory_commits[:3] == [1, 2, 3] and memory_commits[-1] >= 28
+
+
+def test_the_budget_refuses_what_does_not_fit_and_counts_every_job(tmp_path):
+    spec = JobSpec.model_validate({"name": "a", "checkpoint": {"memory": {"interval_steps": 1}}})
+    one = 2 * state_bytes(spec)
+    budget = MemoryBudget(share=0.5, total=int(3.5 * one))  # room for one job's tier, not two
+    first, second = JobMemory("a", tmp_path, budget), JobMemory("b", tmp_path, budget)
+    assert first.worker_env(spec) == {"TPUD_MEMORY_DIR": str(tmp_path)}
+    assert first.worker_env(spec) is not None  # a restart keeps its own reservation
+    assert second.worker_env(spec) is None
+    assert "needs" in second.refused and "memory_tier_max_share 0.5" in second.refused
+    assert "other jobs hold" in second.refused and "a " in second.refused
+    # By default (not in the job file) it runs without the tier instead.
+    default = JobSpec.model_validate({"name": "b"})
+    assert second.worker_env(default) == {} and second.refused is None
+    first.discard()
+    assert second.worker_env(spec) == {"TPUD_MEMORY_DIR": str(tmp_path)}
+
+
+def test_the_state_estimate_covers_the_real_state(tiny_spec):
+    spec = tiny_spec()
+    from engine.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(spec.model, None, None)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    assert weights * 4 <= state_bytes(spec) <= weights * 4 * 1.01  # weights, two moments, gradients
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_memory_under_the_daemon(tmp_path):
+    jobs = tmp_path / "jobs.d"
+    write(jobs, "mem.yaml", """\
+name: mem
+include: {repo}/configs/jobs/tiny-cpu.yaml
+data: {{seq_len: 32, micro_batch_size: 2}}
+train: {{max_steps: 100000, log_interval: 1}}
+scheduler: {{warmup_steps: 1}}
+checkpoint: {{interval_steps: 100000, memory: {{interval_steps: 1}}}}
+""".format(repo=Path(__file__).resolve().parents[1]))
+    memory = Paths.resolve(tmp_path).memory / "mem"
+    daemon = Daemon(tmp_path)
+    try:
+        status = daemon.wait_for(lambda s: (s.get("mem", {}).get("memory_checkpoint") or {}).get("step", 0) >= 5,
+                                 "memory checkpoints")
+        assert metric(tmp_path, "tpud_checkpoint_last_committed_step", job="mem", tier="memory") >= 5
+        pid = status["mem"]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # a step boundary reached while it stands still: nothing moves on
+        step = daemon.status()["mem"]["step"]
+        killed_at = max(s for s, _ in memory_steps(memory))
+        os.kill(pid, signal.SIGKILL)
+        daemon.wait_for(lambda s: s["mem"]["pid"] not in (None, pid) and s["mem"]["state"] == "RUNNING",
+                        "a new worker")
+        restored = wait_until(lambda: daemon.events("checkpoint restored"), "the restore")[-1]
+        assert restored["path"].startswith(str(memory))
+        assert restored["step"] == killed_at >= step - 1  # at most one step of work lost
+        out = daemon.cli("checkpoints", str(jobs / "mem.yaml"))
+        assert out.returncode == 0 and "memory" in out.stdout
+    finally:
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(timeout=60) == 0
+    shutil.rmtree(memory.parent, ignore_errors=True)
+
+
+def test_tpud_checkpoints_lists_the_memory_tier(tmp_path):
+    home = tmp_path / "home"
+    job = write(tmp_path, "mem.yaml", "name: mem\n")
+    root = Paths.resolve(home).memory / "mem" / mf.step_dir_name(3)
+    try:
+        root.mkdir(parents=True)
+        (root / "state.bin").write_bytes(b"x" * 10)
+        mf.write_manifest(root, mf.Manifest.describe(root, job="mem", step=3, micro_step=0, world_size=1,
+                                                     spec_hash="h", version="v", reason="interval"))
+        out = subprocess.run([sys.executable, "-m", "tpud", "--home", str(home), "checkpoints", str(job)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        row = next(line for line in out.stdout.splitlines() if line.startswith("memory"))
+        assert row.split()[1] == "3" and row.rstrip().endswith("ok")
+    finally:
+        shutil.rmtree(root.parent.parent, ignore_errors=True)
