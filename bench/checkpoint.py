@@ -23,6 +23,13 @@ step per parameter: 742 MB more). All four measurements run on it in one process
    against transfer_manager.upload_many_from_filenames of the same files to the same bucket
    under another prefix, with the tier's settings (threads, 8 workers). Target >= 90%.
 
+5. memory tier: the 125m preset (configs/models/125m.yaml) training on CPU with the data bench's
+   geometry (seq_len 256, micro-batch 8) for --memory-steps steps, with checkpoint.memory every
+   step (TPUD_MEMORY_DIR in /dev/shm) and without it. Blocking: how long each memory save holds
+   the loop (the step events' checkpoint badput), against the median step time without the tier.
+   Target <= 5%. The cost: the median step with the tier against the one without (the checksums
+   and manifest run beside training).
+
 Every measurement is repeated (--repeats, default 3; ours and baseline alternate, the order
 flipping each round) and the median is reported (time.perf_counter). Before each one: files
 of the previous one deleted, os.sync(), page cache dropped when possible. GB = 1e9 bytes.
@@ -75,7 +82,8 @@ from tests.gcs_server import GcsServer  # noqa: E402
 from tpud.checkpoints.gcs import GcsTier  # noqa: E402
 from machine import describe  # noqa: E402
 
-TARGETS = {"save_ratio": 0.80, "async_blocking_ratio": 0.15, "restore_gb_s": 1.0, "upload_ratio": 0.90}
+TARGETS = {"save_ratio": 0.80, "async_blocking_ratio": 0.15, "restore_gb_s": 1.0, "upload_ratio": 0.90,
+           "memory_blocking_ratio": 0.05}
 VOCAB, DIM, LAYERS = 32768, 768, 6
 
 
@@ -230,12 +238,47 @@ def raw_read(step_dir: Path, buffer: bytearray) -> float:
 # -----------------------------------------------------------------------------
 
 
+def memory_tier(steps: int) -> dict:
+    """Section 5 (module docstring): the 125m preset with and without the memory tier."""
+    import yaml
+
+    from engine import events
+    from engine.spec.loader import load_spec
+    from engine.train import Trainer
+    from tests.recorders import Recorder
+
+    model = yaml.safe_load((REPO / "configs" / "models" / "125m.yaml").read_text())["model"]
+    common = [f"model={json.dumps(model)}", "data.seq_len=256", "data.micro_batch_size=8",
+              f"train.max_steps={steps + 2}", "train.log_interval=1", "scheduler.warmup_steps=1",
+              "checkpoint.interval_steps=0", "logging.level=warning"]
+    arms = {}
+    for arm, memory in (("without", "checkpoint.memory=null"), ("with", "checkpoint.memory.interval_steps=1")):
+        spec = load_spec(REPO / "configs" / "jobs" / "tiny-cpu.yaml", [*common, memory])
+        with tempfile.TemporaryDirectory() as home, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+            os.environ["TPUD_MEMORY_DIR"] = shm
+            try:
+                hooks = Recorder()
+                Trainer(spec, Path(home), hooks).run()
+            finally:
+                del os.environ["TPUD_MEMORY_DIR"]
+        reports = hooks.of(events.Step)
+        # A save at step N's end holds the loop before step N + 1; the first two steps warm up (and
+        # the first save maps and allocates its slot).
+        blocked = [b.badput.checkpoint - a.badput.checkpoint for a, b in zip(reports[1:], reports[2:])]
+        commits = [e for e in hooks.of(events.CheckpointCommitted) if e.tier == "memory"]
+        arms[arm] = {"step_s": [e.step_time_s for e in reports[2:]], "blocked_s": blocked,
+                     "memory_commits": len(commits), "state_bytes": commits[-1].bytes if commits else 0,
+                     "commit_s": [e.seconds for e in commits]}
+    return arms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--quiet-load", type=float, default=0.8)
     parser.add_argument("--quiet-wait", type=float, default=600.0, help="max seconds to wait for a quiet machine")
+    parser.add_argument("--memory-steps", type=int, default=8, help="125m steps per arm of section 5")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "checkpoint.json")
     args = parser.parse_args()
     logs.configure("warning")  # the checkpointer's info lines would interleave with the table
@@ -403,6 +446,14 @@ def main() -> None:
                     assert all(x is None for x in results), results
                     clear(f"plain{r}/")
         phase("gcs_upload", ticks, server.proc.pid)
+
+        # 5. the memory tier: its blocking against a 125m step ------------------------------------
+        del model, optimizer, sync_ck, async_ck, contents
+        gc.collect()
+        print("memory tier: the 125m preset on CPU, with and without ...", flush=True)
+        ticks = cpu_ticks()
+        memory = memory_tier(args.memory_steps)
+        phase("memory_tier", ticks)
     finally:
         if server is not None:
             server.close()
@@ -415,6 +466,8 @@ def main() -> None:
     restore_gbs, read_gbs = gb / med(restore_s), gb / med(read_s)
     up_gb = upload_total / 1e9
     up_ours, up_plain = up_gb / med(ours_up), up_gb / med(plain_up)
+    memory_ratio = med(memory["with"]["blocked_s"]) / med(memory["without"]["step_s"])
+    memory_cost = med(memory["with"]["step_s"]) / med(memory["without"]["step_s"])
     rows = [
         ("sync save GB/s", f"{save_ours:.3f}", f"{save_raw:.3f} raw write", save_ours / save_raw,
          f">= {TARGETS['save_ratio']:.2f}", save_ours / save_raw >= TARGETS["save_ratio"]),
@@ -424,6 +477,9 @@ def main() -> None:
          f">= {TARGETS['restore_gb_s']:.1f} GB/s", restore_gbs >= TARGETS["restore_gb_s"]),
         ("GCS upload GB/s", f"{up_ours:.3f}", f"{up_plain:.3f} plain tm", up_ours / up_plain,
          f">= {TARGETS['upload_ratio']:.2f}", up_ours / up_plain >= TARGETS["upload_ratio"]),
+        ("memory save block s", f"{med(memory['with']['blocked_s']):.3f}",
+         f"{med(memory['without']['step_s']):.3f} 125m step", memory_ratio,
+         f"<= {TARGETS['memory_blocking_ratio']:.2f}", memory_ratio <= TARGETS["memory_blocking_ratio"]),
     ]
     print(f"\n{'measurement':<20} {'ours':>7}  {'baseline':<20} {'ratio':>6}  {'target':<12} result")
     for name, ours, base, ratio, target, ok in rows:
@@ -438,6 +494,10 @@ def main() -> None:
     print(f"restore {med(restore_s):.3f} s: {breakdown(restore_times)}; CRC32C alone over the same bytes in "
           f"memory {med(crc_compute):.3f} s; raw cold read {med(read_s):.3f} s; page cache "
           + ("dropped before each: read from disk" if dropped else "NOT dropped (not root?): may be from cache"))
+    print(f"memory tier: {memory['with']['memory_commits']} saves of {memory['with']['state_bytes'] / 1e9:.2f} GB, "
+          f"blocked {med(memory['with']['blocked_s']):.3f} s (max {max(memory['with']['blocked_s']):.3f}), committed "
+          f"{med(memory['with']['commit_s']):.3f} s after; step {med(memory['with']['step_s']):.2f} s with the tier, "
+          f"{med(memory['without']['step_s']):.2f} s without ({memory_cost:.3f}x)")
     print(f"{args.repeats} repeats; load {load['load_when_started'][0]:.2f} when measuring began "
           f"(waited {load['waited_s']:.0f} s); other processes' CPU share: "
           + ", ".join(f"{k} {v['others_cpu_share']}" for k, v in phases.items()))
@@ -463,6 +523,8 @@ def main() -> None:
                        "warmup_plain_s": upload_warmup_s,
                        "server": "fake-gcs-server (tests/gcs_server.py), filesystem backend, loopback; "
                                  "others_cpu_share of this phase counts the server as ours"},
+        "memory_tier": {**memory, "preset": "125m", "geometry": "seq_len 256, micro_batch_size 8, CPU",
+                        "ratio": memory_ratio, "step_cost_ratio": memory_cost},
         "missed": missed,
     }, indent=2))
 

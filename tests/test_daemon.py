@@ -15,6 +15,7 @@ import pytest
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO
 from tests.helpers import Daemon, job_text
+from tpud.paths import Paths
 
 pytestmark = pytest.mark.slow
 def worker_pid(daemon: Daemon, job: str) -> int:
@@ -58,12 +59,13 @@ def test_daemon_supervises_jobs_from_the_watched_directory(tmp_path):
         assert f"{jobs_dir / 'typo.yaml'}:7: trian: unknown key" in jobs["typo"]["error"]
         assert jobs["alpha"]["state"] == "RUNNING"
 
-        # SIGKILL a worker: restarted, resumed from the checkpoint, not from zero.
+        # SIGKILL a worker: restarted, resumed from the memory tier's newest state, not from zero.
         os.kill(worker_pid(daemon, "alpha"), signal.SIGKILL)
         jobs = daemon.wait_for(lambda j: j["alpha"]["restarts"] == 1 and j["alpha"]["state"] == "RUNNING",
                                "alpha restarted")
         restored = [r for r in daemon.events("checkpoint restored") if r.get("job") == "alpha"]
-        assert restored and restored[-1]["step"] == saved_step
+        assert restored and restored[-1]["step"] >= saved_step
+        assert restored[-1]["path"].startswith(str(Paths.resolve(tmp_path).memory / "alpha"))
 
         # Change the file with a temp-file rename: restarted with the new spec, resumed.
         before = len(restored)

@@ -20,7 +20,7 @@ include: {REPO}/configs/jobs/tiny-cpu.yaml
 data: {{corpus_bytes: 400000, seq_len: 64, micro_batch_size: 2}}
 train: {{max_steps: 24, log_interval: 1}}
 scheduler: {{warmup_steps: 1}}
-checkpoint: {{interval_steps: 4}}
+checkpoint: {{interval_steps: 4, memory: null}}  # restores from disk steps these tests name
 restart: {{max_restarts: 2, backoff_initial_seconds: 0.5}}
 health: {{heartbeat_timeout_seconds: 3, startup_steps: 1, kill_grace_seconds: 1}}
 """

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import shutil
 import threading
@@ -57,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_flatten
 
 from engine import events
 from engine.backends.base import Backend
@@ -87,6 +89,7 @@ class Progress:
     loss_sum: torch.Tensor | None = None  # summed micro-batch losses of the current step
 
 
+@functools.cache
 def _version() -> str:
     try:
         return metadata.version("tpud")
@@ -123,6 +126,8 @@ class Checkpointer:
         self._create_optimizer_state()
         self.memory = self._memory_tier(memory_dir)
         self._memory_agreed: frozenset = frozenset()  # with several hosts: memory states every host holds
+        self._names: list[str] | bool | None = None  # the optimizer's parameter names (_state_dicts); False: unused
+        self._memory_budget: tuple[float | None, float] = (None, 0.0)  # (first memory save, seconds they held the loop)
 
     def _memory_tier(self, memory_dir: Path | None) -> mem.MemoryTier | None:
         cfg = self.cfg.memory
@@ -132,7 +137,9 @@ class Checkpointer:
             log.info("no memory tier here", why="torch_xla's sharded state" if not self.backend.memory_tier
                      else "several processes on one host")
             return None
-        return mem.MemoryTier(Path(memory_dir) / self.job, self._describe, self._memory_failed)
+        # On a CPU the training threads use every core: the tier's work runs between steps instead.
+        return mem.MemoryTier(Path(memory_dir) / self.job, self._describe, self._memory_committed,
+                              self._memory_failed, background=self.backend.device.type != "cpu")
 
     def _describe(self, directory: Path, step: int, micro_step: int, reason: str,
                   files: tuple[mf.FileEntry, ...] | None = None,
@@ -182,16 +189,22 @@ class Checkpointer:
         return bool(by_steps or by_time)
 
     def memory_due(self, step: int) -> bool:
-        """Whether the memory tier saves at this step (every rank alike: no clocks involved)."""
-        return self.memory is not None and step % self.cfg.memory.interval_steps == 0
+        """Whether the memory tier saves at this step: every interval_steps steps, while the time
+        its saves held the loop stays within max_overhead of the time since the first. No
+        collective: each host's tier is its own."""
+        if self.memory is None or step % self.cfg.memory.interval_steps:
+            return False
+        since, spent = self._memory_budget
+        return since is None or spent <= self.cfg.memory.max_overhead * (time.monotonic() - since)
 
     def save_memory(self, progress: Progress) -> None:
         """A memory checkpoint of this boundary, unless the tier is still writing the previous one."""
         started = time.monotonic()
-        key = (progress.step, progress.micro_step)
-        held = self.memory.save(self._state(progress), key, "interval", self._memory_committed, started)
+        held = self.memory.save(self._state(progress), (progress.step, progress.micro_step), "interval", started)
         if held is not None:
             held.release()
+        since, spent = self._memory_budget
+        self._memory_budget = (since or started, spent + time.monotonic() - started)
 
     def _memory_committed(self, key: tuple[int, int], path: Path, manifest: mf.Manifest, started: float) -> None:
         self.emit(events.CheckpointCommitted(key[0], key[1], "interval", str(path), bytes=manifest.total_bytes,
@@ -221,8 +234,29 @@ class Checkpointer:
                                                 time.monotonic(), self.data_skips, held.release)
         return True
 
+    def _state_dicts(self) -> tuple[dict, dict]:
+        """get_state_dict's model and optimizer state dicts. With a memory tier they are taken every
+        step, and get_state_dict's per-call name lookups cost more than a small model's step: after
+        a first call that proves them equal, they come from the plain state dicts and its names."""
+        if self.memory is None or self._names is False:
+            return get_state_dict(self.model, self.optimizer)
+        if self._names is None:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            by_id = {id(p): name for name, p in self.model.named_parameters()}
+            names = [by_id.get(id(p)) for group in self.optimizer.param_groups for p in group["params"]]
+            self._names = names if None not in names and _same((model_state, optim_state),
+                                                               self._plain_state_dicts(names)) else False
+            return model_state, optim_state
+        return self._plain_state_dicts(self._names)
+
+    def _plain_state_dicts(self, names: list[str]) -> tuple[dict, dict]:
+        plain = self.optimizer.state_dict()  # keyed by the parameters' places in the groups
+        return self.model.state_dict(), {
+            "state": {names[i]: value for i, value in plain["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in plain["param_groups"]]}
+
     def _state(self, progress: Progress) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._state_dicts()
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -271,7 +305,7 @@ class Checkpointer:
             return None
         key = (progress.step, progress.micro_step)
         self.memory.wait()  # a memory save of this very step may still be committing
-        return self.memory.hold(key) or self.memory.save(state, key, reason, self._memory_committed, started)
+        return self.memory.hold(key) or self.memory.save(state, key, reason, started)
 
     def wait(self) -> bool | None:
         """Block until the save in flight, if any, is written: whether it committed (None: none was in flight)."""
@@ -554,6 +588,23 @@ class Checkpointer:
         self._writer.shutdown()
         if self.memory is not None:
             self.memory.close()
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two state trees have one structure, the same values, and tensors over the same memory."""
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if (x.shape, x.dtype, x.device) != (y.shape, y.dtype, y.device) or x.data_ptr() != y.data_ptr():
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _nbytes(state: object) -> int:

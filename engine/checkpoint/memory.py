@@ -12,10 +12,11 @@ without a valid manifest does not exist.
 
 Two slots, each a directory whose state.bin stays mapped in this process. A save takes the
 slot that does not hold the newest state, withdraws its manifest (from then on it does not
-exist), and copies every tensor into the mapping: the only part the training loop waits for,
-and it writes the shared memory itself, into pages allocated once. The checksums, tree.json and
-the manifest follow on this tier's own thread, and a rename gives the directory its step's
-name. At most one save is in flight: a step whose save would wait for one is not saved.
+exist), and copies every tensor into the mapping, which writes the shared memory itself, into
+pages allocated once. The checksums, tree.json and the manifest follow, and a rename gives the
+directory its step's name. With `background`, that second part runs on this tier's thread and
+a step whose save would wait for it is not saved; without, the caller does it too: a thread
+working beside CPU training slows its OpenMP threads by far more than the work itself takes.
 
 A disk checkpoint of a step the memory tier holds is written from the slot's tensors (views,
 no second copy); the slot is held until that write ends, and a save meanwhile uses the other.
@@ -36,7 +37,6 @@ from pathlib import Path
 
 import structlog
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from engine.checkpoint import manifest as mf
 
@@ -45,18 +45,41 @@ log = structlog.get_logger()
 STATE, TREE = "state.bin", "tree.json"
 _ALIGN = 64
 Key = tuple[int, int]  # (step, micro_step)
-
-
-@dataclass(frozen=True)
-class Held:
-    """A slot's state as tensors over its mapping, readable until `release()`."""
-
-    state: dict
-    release: Callable[[], None]
-
-
 # (directory, step, micro_step, reason, files) -> its manifest
 Describe = Callable[[Path, int, int, str, tuple[mf.FileEntry, ...]], mf.Manifest]
+Committed = Callable[[Key, Path, mf.Manifest, float], None]
+
+
+def flatten(tree: object) -> tuple[list, object]:
+    """A state's leaves in order, and its structure as JSON-able nesting: {"d": [keys, children]}
+    for a dict, {"l": [...]} or {"t": [...]} for a list or tuple, None for a leaf. A tenth of
+    torch's pytree's time, which matters when it runs every step."""
+    leaves: list = []
+
+    def walk(node: object) -> object:
+        if isinstance(node, dict):
+            return {"d": [list(node), [walk(v) for v in node.values()]]}
+        if isinstance(node, (list, tuple)):
+            return {"l" if isinstance(node, list) else "t": [walk(v) for v in node]}
+        leaves.append(node)
+        return None
+
+    return leaves, walk(tree)
+
+
+def unflatten(leaves: list, structure: object) -> object:
+    it = iter(leaves)
+
+    def build(node: object) -> object:
+        if node is None:
+            return next(it)
+        if "d" in node:
+            keys, children = node["d"]
+            return {key: build(child) for key, child in zip(keys, children)}
+        children = [build(child) for child in node.get("l", node.get("t", []))]
+        return children if "l" in node else tuple(children)
+
+    return build(structure)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -66,21 +89,45 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    return buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A slot's state as tensors over its mapping, readable until `release()`."""
+
+    slot: _Slot
+    release: Callable[[], None]
+
+    @property
+    def state(self) -> dict:
+        slot = self.slot
+        return unflatten([value if view is None else view for view, value in zip(slot.views, slot.values)],
+                         slot.structure)
+
+
 @dataclass
 class _Slot:
     """One state's place: a directory and its state.bin, mapped while this process lives."""
 
     path: Path
     key: Key | None = None  # the committed state it holds; None while being written or empty
+    staged: Key | None = None  # the state its bytes hold, committed or being committed
+    readers: int = 0  # holders of its tensors: a commit in flight, disk writes
     size: int = 0
     mapping: mmap.mmap | None = None
     buffer: torch.Tensor | None = None  # uint8 over the mapping
-    staged: Key | None = None  # the state its bytes hold, committed or being committed
-    readers: int = 0  # holders of its tensors: a commit in flight, disk writes
-    tree: dict = field(default_factory=dict)  # tree.json's content, for the state it holds
+    # The layout, kept while the state's structure and tensor shapes stay the same (every step):
+    structure: object = None
+    shapes: list = field(default_factory=list)  # (shape, dtype) per tensor leaf, None per other value
+    places: list = field(default_factory=list)  # (offset, nbytes) per tensor leaf, None per other value
+    views: list = field(default_factory=list)  # a tensor over the mapping per tensor leaf, None per other value
+    tree_head: str = ""  # tree.json but for the values
+    values: list = field(default_factory=list)  # the other values of the state it holds
 
     def release(self) -> None:
-        self.buffer = None
+        self.buffer, self.structure, self.views = None, None, []
         if self.mapping is not None:
             try:
                 self.mapping.close()
@@ -91,25 +138,25 @@ class _Slot:
 
 
 class MemoryTier:
-    def __init__(self, job_dir: Path, describe: Describe, emit_failure: Callable[[Key, str], None]):
+    def __init__(self, job_dir: Path, describe: Describe, on_commit: Committed,
+                 on_failure: Callable[[Key, str], None], *, background: bool):
         self.job_dir = Path(job_dir)
-        self._describe, self._emit_failure = describe, emit_failure
+        self._describe, self._on_commit, self._on_failure = describe, on_commit, on_failure
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-checkpoint")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-checkpoint") if background else None
         self._pending: Future | None = None
         self._lock = threading.Lock()  # slot choice and holders: the training, commit and disk threads
         self.slots = self._adopt()
 
     def _adopt(self) -> list[_Slot]:
         """The two newest committed states a previous worker left become the slots; the rest goes."""
-        committed = mf.parts(self.job_dir)
-        keep = committed[-2:]
+        keep = mf.parts(self.job_dir)[-2:]
+        kept = [path for _, path, _ in keep]
         for child in self.job_dir.iterdir():
-            if child not in [path for _, path, _ in keep]:
+            if child not in kept:
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
-        slots: list[_Slot | None] = [_Slot(path, (step, m.micro_step), (step, m.micro_step))
-                                     for step, path, m in keep]
-        slots = [None] * (2 - len(slots)) + slots
+        slots: list[_Slot | None] = [None] * (2 - len(keep)) + [
+            _Slot(path, (step, m.micro_step), (step, m.micro_step)) for step, path, m in keep]
         return [slot or _Slot(self.job_dir / f".slot-{i}") for i, slot in enumerate(slots)]
 
     @property
@@ -122,35 +169,35 @@ class MemoryTier:
         """A save's checksums and manifest are still being written."""
         return self._pending is not None and not self._pending.done()
 
-    def save(self, state: dict, key: Key, reason: str, on_commit: Callable[[Key, Path, mf.Manifest, float], None],
-             started: float) -> Held | None:
-        """Copy `state` into a free slot (the caller waits for this part) and commit it in the
-        background; the slot is held for the caller (release it). None when the newest slot
-        already holds `key`, or no slot is free now (a save still in flight, or a disk write
-        reading the other)."""
+    def save(self, state: dict, key: Key, reason: str, started: float) -> Held | None:
+        """Copy `state` into a free slot and commit it (module docstring); the slot is held for the
+        caller (release it). None when the newest slot already holds `key`, or no slot is free now
+        (a commit still in flight, or a disk write reading the other)."""
         with self._lock:
             newest = max((s.staged for s in self.slots if s.staged is not None), default=None)
             free = [s for s in self.slots if s.readers == 0 and (newest is None or s.staged != newest)]
             if self.busy() or key == newest or not free:
                 return None
             slot = free[0]
-            slot.readers += 1  # for the caller; the commit below holds it too
-        leaves, spec = tree_flatten(state)
+            slot.readers += 2  # the caller's hold, and the commit's
+        leaves, structure = flatten(state)
         try:
             self._withdraw(slot)
-            views = self._place(slot, leaves, spec)
-            for view, leaf in zip(views, leaves):
-                if view is not None:
-                    view.copy_(leaf.detach())
+            self._place(slot, leaves, structure)
         except OSError as e:  # a full tmpfs: fallocate says so before any page is touched
-            self._release(slot)
+            with self._lock:
+                slot.readers -= 2
             self._failed(slot, key, e)
             return None
-        with self._lock:
-            slot.staged = key
-            slot.readers += 1
-        self._pending = self._thread.submit(self._commit, slot, key, reason, on_commit, started)
-        return self._held(slot)
+        pairs = [(view, leaf.detach()) for view, leaf in zip(slot.views, leaves) if view is not None]
+        torch._foreach_copy_([view for view, _ in pairs], [leaf for _, leaf in pairs])  # one call, not hundreds
+        slot.values = [leaf if view is None else None for view, leaf in zip(slot.views, leaves)]
+        slot.staged = key
+        if self._thread is None:
+            self._commit(slot, key, reason, started)
+        else:
+            self._pending = self._thread.submit(self._commit, slot, key, reason, started)
+        return Held(slot, lambda: self._release(slot))
 
     def hold(self, key: Key) -> Held | None:
         """The slot holding `key` (committed, or being committed by this process), held for a disk
@@ -160,14 +207,7 @@ class MemoryTier:
             if slot is None:
                 return None
             slot.readers += 1
-        return self._held(slot)
-
-    def _held(self, slot: _Slot) -> Held:
-        tree = slot.tree
-        leaves = [entry["value"] if "value" in entry else
-                  _view(slot.buffer, entry["offset"], entry["nbytes"], _dtype(entry["dtype"]), tuple(entry["shape"]))
-                  for entry in tree["leaves"]]
-        return Held(tree_unflatten(leaves, treespec_loads(tree["treespec"])), lambda: self._release(slot))
+        return Held(slot, lambda: self._release(slot))
 
     def _release(self, slot: _Slot) -> None:
         with self._lock:
@@ -183,26 +223,30 @@ class MemoryTier:
             slot.path.rename(hidden)
             slot.path = hidden
 
-    def _place(self, slot: _Slot, leaves: list, spec) -> list[torch.Tensor | None]:
-        """Lay the tensors out in the slot's state.bin (resized when the layout changed): one view per tensor."""
-        tensors, values, offset = [], [], 0
+    def _place(self, slot: _Slot, leaves: list, structure: object) -> None:
+        """Lay the tensors out in the slot's state.bin (resized when the layout changed), with a view
+        per tensor; kept from the slot's previous save while the layout is the same."""
+        shapes = [(leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+        slot.path.mkdir(parents=True, exist_ok=True)
+        if slot.buffer is not None and shapes == slot.shapes and structure == slot.structure:
+            return
+        places, offset = [], 0
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 nbytes = leaf.numel() * leaf.element_size()
-                tensors.append((offset, nbytes, leaf.dtype, tuple(leaf.shape)))
-                values.append(None)
+                places.append((offset, nbytes))
                 offset += -(-nbytes // _ALIGN) * _ALIGN
             else:
-                tensors.append(None)
-                values.append(leaf)
-        slot.path.mkdir(parents=True, exist_ok=True)
+                places.append(None)
         if slot.mapping is None or slot.size != offset:
             slot.release()
             self._map(slot, max(offset, 1))
-        slot.tree = {"treespec": treespec_dumps(spec), "leaves": [
-            {"value": v} if t is None else {"offset": t[0], "nbytes": t[1], "dtype": str(t[2]), "shape": list(t[3])}
-            for t, v in zip(tensors, values)]}
-        return [None if t is None else _view(slot.buffer, *t) for t in tensors]
+        slot.structure, slot.shapes, slot.places = structure, shapes, places
+        slot.views = [None if place is None else _view(slot.buffer, place[0], place[1], shape[1], tuple(shape[0]))
+                      for place, shape in zip(places, shapes)]
+        slot.tree_head = json.dumps({"structure": structure, "tensors": [
+            None if place is None else {"offset": place[0], "nbytes": place[1], "dtype": str(shape[1]),
+                                        "shape": list(shape[0])} for place, shape in zip(places, shapes)]})
 
     def _map(self, slot: _Slot, size: int) -> None:
         fd = os.open(slot.path / STATE, os.O_RDWR | os.O_CREAT, 0o600)
@@ -217,11 +261,11 @@ class MemoryTier:
         slot.size = size
         slot.buffer = torch.frombuffer(slot.mapping, dtype=torch.uint8)
 
-    def _commit(self, slot: _Slot, key: Key, reason: str, on_commit, started: float) -> None:
+    def _commit(self, slot: _Slot, key: Key, reason: str, started: float) -> None:
         try:
-            tree = json.dumps(slot.tree).encode()
+            tree = (slot.tree_head[:-1] + ', "values": ' + json.dumps(slot.values) + "}").encode()
             (slot.path / TREE).write_bytes(tree)
-            # Checksummed from the mapping itself: what the loop wrote, without reading a file back.
+            # Checksummed from the mapping itself: what was copied, without reading a file back.
             files = (mf.FileEntry(STATE, slot.size, mf.crc32c(slot.mapping)),
                      mf.FileEntry(TREE, len(tree), mf.crc32c(tree)))
             manifest = self._describe(slot.path, key[0], key[1], reason, files)
@@ -236,7 +280,7 @@ class MemoryTier:
         except Exception as e:  # noqa: BLE001  (a failed memory save never ends the run)
             self._failed(slot, key, e)
         else:
-            on_commit(key, final, manifest, started)
+            self._on_commit(key, final, manifest, started)
         finally:
             self._release(slot)
 
@@ -247,7 +291,7 @@ class MemoryTier:
         if slot.readers == 0:
             slot.release()
         shutil.rmtree(slot.path, ignore_errors=True)
-        self._emit_failure(key, describe_error(error))
+        self._on_failure(key, describe_error(error))
 
     def wait(self) -> None:
         pending, self._pending = self._pending, None
@@ -256,7 +300,8 @@ class MemoryTier:
 
     def close(self) -> None:
         self.wait()
-        self._thread.shutdown()
+        if self._thread is not None:
+            self._thread.shutdown()
         for slot in self.slots:
             slot.release()
 
@@ -269,28 +314,24 @@ class MemoryTier:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    return buffer[offset:offset + nbytes].view(dtype).view(shape)
-
-
 def load(path: Path, template: dict) -> dict:
     """The state saved in `path`, its tensors copied into `template`'s (same structure, shapes and
     dtypes, else ValueError); the caller has verified the files against the manifest."""
     tree = json.loads(mf.read_small(path / TREE))
-    spec = treespec_loads(tree["treespec"])
-    targets, target_spec = tree_flatten(template)
-    if spec != target_spec:
+    targets, structure = flatten(template)
+    if tree["structure"] != structure:
         raise ValueError("the saved state's structure differs from this model and optimizer")
-    if len(tree["leaves"]) != len(targets):
+    entries, values = tree["tensors"], tree["values"]
+    if not len(entries) == len(values) == len(targets):
         raise ValueError("tree.json does not match its structure")
     with open(path / STATE, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         # Private and copy-on-write: nothing here writes, and the saved bytes cannot change under it.
         buffer = torch.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
     leaves = []
-    for entry, target in zip(tree["leaves"], targets):
-        if "value" in entry:
-            leaves.append(entry["value"])
+    for entry, value, target in zip(entries, values, targets):
+        if entry is None:
+            leaves.append(value)
             continue
         dtype, shape = _dtype(entry["dtype"]), tuple(entry["shape"])
         if not isinstance(target, torch.Tensor) or target.dtype != dtype or tuple(target.shape) != shape:
@@ -300,4 +341,4 @@ def load(path: Path, template: dict) -> dict:
             raise ValueError("a tensor lies beyond the end of state.bin")
         target.copy_(_view(buffer, entry["offset"], nbytes, dtype, shape))
         leaves.append(target)
-    return tree_unflatten(leaves, spec)
+    return unflatten(leaves, structure)

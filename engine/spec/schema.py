@@ -431,6 +431,8 @@ class MemoryTierConfig(Section):
 
     interval_steps: int = Field(1, ge=0, description="A memory checkpoint every N steps (skipped while the "
                                 "previous one is still being written); 0 disables the tier.")
+    max_overhead: float = Field(0.05, gt=0, le=1, description="The most of the training time the tier's saves "
+                                "may hold the loop: a save is skipped while they have taken more.")
 
 
 class CheckpointConfig(Section):
