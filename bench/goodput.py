@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.metadata_server import MetadataServer  # noqa: E402
 from tpud.control import ControlClient  # noqa: E402
+from tpud.paths import Paths  # noqa: E402
 from machine import describe  # noqa: E402
 
 KINDS = ("sigkill", "preemption", "hang")
@@ -184,6 +185,7 @@ class TpudArm:
     def close(self) -> None:
         self.kill()
         self.server.close()
+        shutil.rmtree(Paths.resolve(self.home).memory, ignore_errors=True)  # the daemon's, in /dev/shm
 
 
 class BaselineArm:

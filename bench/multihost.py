@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -47,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from goodput import Tail, kill_group, spawn  # noqa: E402
 from machine import describe  # noqa: E402
+from tpud.paths import Paths  # noqa: E402
 
 HOSTS = 3
 JOB = ["data.corpus_bytes=400000", "data.seq_len=64", "data.micro_batch_size=2", "train.global_batch_size=12",
@@ -98,6 +100,7 @@ class Host:
     def stop(self) -> None:
         kill_group(self.proc.pid)
         self.proc.wait()
+        shutil.rmtree(Paths.resolve(self.home).memory, ignore_errors=True)  # its memory tier, in /dev/shm
 
 
 def wait(predicate, timeout: float, what: str):

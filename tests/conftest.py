@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,3 +34,14 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _no_memory_tier_left_behind():
+    """Daemons keep a job's memory tier in /dev/shm (tpud.paths.Paths.memory) after it stops:
+    the states of every test's homes would add up in RAM over a whole run."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("tpud-*")) if shm.is_dir() else set()
+    yield
+    for left in (set(shm.glob("tpud-*")) if shm.is_dir() else set()) - before:
+        shutil.rmtree(left, ignore_errors=True)

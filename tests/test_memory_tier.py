@@ -2,6 +2,7 @@
 their budget in the daemon (tpud.job.memory), and a worker killed under the daemon resuming
 from memory."""
 
+import json
 import os
 import shutil
 import signal
@@ -177,3 +178,14 @@ def test_tpud_checkpoints_lists_the_memory_tier(tmp_path):
         assert row.split()[1] == "3" and row.rstrip().endswith("ok")
     finally:
         shutil.rmtree(root.parent.parent, ignore_errors=True)
+
+
+def test_flatten_keeps_the_structure_and_leaf_order():
+    from engine.checkpoint.memory import flatten, unflatten
+
+    state = {"model": {"w": torch.ones(2), 3: [1, (2.5, None)]}, "empty": {}, "l": [], "t": (), "s": "x"}
+    leaves, structure = flatten(state)
+    assert leaves[0] is state["model"]["w"] and leaves[1:] == [1, 2.5, None, "x"]
+    assert json.loads(json.dumps(structure)) == structure  # it is written to tree.json as is
+    rebuilt = unflatten(leaves, structure)
+    assert rebuilt == state and isinstance(rebuilt["model"][3][1], tuple) and list(rebuilt) == list(state)

@@ -22,6 +22,7 @@ import pytest
 from engine.checkpoint.manifest import committed_steps
 from tests.conftest import PYTHON, TINY_JOB, python_env
 from tests.helpers import Daemon, job_text, metric, wait_until
+from tpud.paths import Paths
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 16
@@ -218,6 +219,32 @@ def test_a_vanished_host_is_waited_for_and_restores_its_part_from_gcs(tmp_path, 
     assert_like_reference(hosts, reference)
     newest = json.loads(tpud(gone, "checkpoints", str(TINY_JOB), "-o", "json"))["tiers"]["local"][-1]
     assert (newest["step"], newest["global"], newest["held_by"]) == (MAX_STEPS, True, [0, 1, 2])
+
+
+def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
+    """Host 2's VM is replaced (its disk and its memory are blank) and there is no GCS tier: the
+    gang resumes from the newest state the others hold in memory, sent to host 2 by a peer."""
+    every_step = ("checkpoint.memory.max_overhead=1",)
+    hosts = [h.start(*every_step) for h in gang(tmp_path)]
+    gone = hosts[2]
+    wait_step(gone, 7)
+    os.kill(gone.worker(), signal.SIGKILL)
+    gone.proc.kill()
+    gone.wait()
+    shutil.rmtree(gone.home / "state")
+    shutil.rmtree(Paths.resolve(gone.home).memory, ignore_errors=True)
+    for other in hosts[:2]:
+        wait_until(lambda: metric(other.home, "tpud_job_gang_hosts_present", host=str(other.index), job="tiny-cpu")
+                   == 2, "the others waiting for host 2", timeout=60)
+    gone.start(*every_step)
+    assert [h.wait() for h in hosts] == [0, 0, 0]
+    restored = [h.records("checkpoint restored")[-1] for h in hosts]
+    steps = {r["step"] for r in restored}
+    assert len(steps) == 1 and steps.pop() >= 7  # newer than the disks' (every 3 steps) could give
+    for h, r in zip(hosts, restored):
+        assert r["path"].startswith(str(Paths.resolve(h.home).memory)), h.index
+    assert gone.records("a peer's memory state restores the hosts that lost theirs", every_run=False)
+    assert_like_reference(hosts, reference)
 
 
 def test_three_hosts_then_two_then_three_keep_the_loss_curve(tmp_path, reference, gcs_server):

@@ -520,16 +520,19 @@ class Checkpointer:
         in_memory = frozenset((step, m.micro_step) for step, path, m in mf.parts(self.memory.job_dir)
                               if m.hosts == self.hosts.count and not mf.problems(path, m, checksums=True)
                               ) if self.memory is not None else frozenset()
-        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}, in_memory), self.hosts,
-                                 self.hosts_group)
+        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}, in_memory,
+                                  self.memory is not None), self.hosts, self.hosts_group)
+        memories, tiers = [memory for _, _, memory, _ in everyone], [tier for *_, tier in everyone]
         # A state every host holds in memory (each verifies its own) may restore them all.
-        self._memory_agreed = frozenset.intersection(*(memory for _, _, memory in everyone))
-        everyone = [(h, made) for h, made, _ in everyone]
+        self._memory_agreed = frozenset.intersection(*memories)
+        everyone = [(h, made) for h, made, _, _ in everyone]
         hosts_of = {k: n for _, made in everyone for k, n in made.items()}
         self._record_holdings([h.parts for h, _ in everyone])
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:
             log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
+        if not self._memory_agreed and all(tiers):
+            self._memory_from_peer(memories, key)
         if key is None:
             if any(h.marked for h, _ in everyone) and not self._memory_agreed:
                 raise RuntimeError(f"no globally committed step is held by every host ({'; '.join(passed)}); "
@@ -539,6 +542,25 @@ class Checkpointer:
         if not mf.is_global(path, manifest):
             mf.write_global(path, manifest)
         return [held[key]]
+
+    def _memory_from_peer(self, memories: list[frozenset], on_disk: tuple[int, int] | None) -> None:
+        """Hosts whose memory states are gone (a replaced VM) take the newest state that every other
+        host holds, newer than the step the disks agree on, from one of them. The engine's state is
+        replicated across hosts (data parallelism), so a peer's state is this host's too. Every
+        host computes the same plan from the exchange; the receivers' checks are agreed again."""
+        empty = [i for i, memory in enumerate(memories) if not memory]
+        holding = [memory for memory in memories if memory]
+        common = frozenset.intersection(*holding) if holding else frozenset()
+        newer = sorted(k for k in common if on_disk is None or k > on_disk)
+        if not empty or not newer:
+            return
+        key = newer[-1]
+        source = next(i for i, memory in enumerate(memories) if key in memory)
+        received = self.memory.transfer(key, source, empty, self.hosts.index, self.hosts_group)
+        if all(gang.exchange(received, self.hosts, self.hosts_group)):
+            log.info("a peer's memory state restores the hosts that lost theirs", step=key[0], micro_step=key[1],
+                     source=source, hosts=empty)
+            self._memory_agreed = frozenset({key})
 
     def _record_holdings(self, parts_by_host: list[frozenset]) -> None:
         try:

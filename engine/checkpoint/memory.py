@@ -25,6 +25,7 @@ Restore (engine.checkpoint.checkpointer) verifies every byte against the manifes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -304,6 +305,52 @@ class MemoryTier:
             self._thread.shutdown()
         for slot in self.slots:
             slot.release()
+
+    def transfer(self, key: Key, source: int, receivers: list[int], me: int, group) -> bool:
+        """Send the committed state `key` from host `source` to each of `receivers` (ranks of
+        `group`, one per host; every host calls this): whether this host now holds it, verified."""
+        import torch.distributed as dist
+
+        path = self.job_dir / mf.step_dir_name(*key)
+        meta: list = [None]
+        if me == source:
+            manifest = mf.read_manifest(path)
+            meta = [(mf.read_small(path / TREE), manifest.to_json() if manifest else None, (path / STATE).stat().st_size)]
+        dist.broadcast_object_list(meta, src=dist.get_global_rank(group, source), group=group)
+        tree, manifest_json, size = meta[0]
+        if me == source:
+            with open(path / STATE, "rb") as f:
+                data = torch.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+            for receiver in receivers:
+                dist.send(data, dst=dist.get_global_rank(group, receiver), group=group)
+            return True
+        if me not in receivers:
+            return True
+        data = torch.empty(size, dtype=torch.uint8)
+        dist.recv(data, src=dist.get_global_rank(group, source), group=group)
+        try:
+            return self._receive(key, data, tree, mf.Manifest.from_json(manifest_json), me)
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("could not keep a peer's memory state", step=key[0], error=str(e))
+            return False
+
+    def _receive(self, key: Key, data: torch.Tensor, tree: str, manifest: mf.Manifest, me: int) -> bool:
+        slot = self.slots[0]
+        self._withdraw(slot)
+        slot.release()
+        slot.path.mkdir(parents=True, exist_ok=True)
+        with open(slot.path / STATE, "wb") as f:
+            f.write(memoryview(data.numpy()))
+        (slot.path / TREE).write_text(tree)
+        mine = dataclasses.replace(manifest, host=me)
+        if mf.problems(slot.path, mine, checksums=True):
+            shutil.rmtree(slot.path, ignore_errors=True)
+            return False
+        mf.write_manifest(slot.path, mine)
+        final = self.job_dir / mf.step_dir_name(*key)
+        slot.path.rename(final)
+        slot.path, slot.key, slot.staged = final, key, key
+        return True
 
     def discard(self, path: Path, why: list[str]) -> None:
         """A state that failed verification: never trusted, and its memory given back."""

@@ -112,9 +112,11 @@ class Job:
         self.tiers = CheckpointTiers(spec, paths, self._uploaded, uploads=self._uploads)
         self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25))
         self._memory_env: dict[str, str] = {}
+        self._record_path = paths.layout.record_file(self.name)
+        if not self._record_path.exists():  # a blank state directory ("delete it to start over")
+            self.memory.discard()  # states a former life of this home left in shared memory
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
                                     self.name)
-        self._record_path = paths.layout.record_file(self.name)
         self.record = JobRecord.load(self._record_path)
         self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
         self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
