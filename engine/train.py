@@ -313,10 +313,14 @@ class Trainer:
 
     def _between_boundaries(self, request: Request) -> bool:
         """A request heard while a step runs (the hooks' thread): the newest memory state goes to
-        disk at once. True when that answers it (a checkpoint that lets training go on)."""
-        if request.action is Action.STOP or not self.checkpointer.promote():
+        disk at once. True when that answers it: a checkpoint that lets training go on, of every
+        step done so far (the memory tier may have passed over the last ones); else the loop
+        still saves at its next boundary."""
+        if request.action is Action.STOP:
             return False
-        return request.action is Action.CHECKPOINT
+        written = self.checkpointer.promote()
+        return (written is not None and request.action is Action.CHECKPOINT
+                and written >= (self.progress.step, 0))
 
 
 def spec_hash(spec: JobSpec) -> str:

@@ -214,25 +214,25 @@ class Checkpointer:
         self.emit(events.CheckpointFailed(key[0], key[1], "interval", error, 1, str(self.memory.job_dir),
                                           tier="memory"))
 
-    def promote(self) -> bool:
+    def promote(self) -> tuple[int, int] | None:
         """Write the newest memory state to disk now, from any thread (a request between
-        boundaries): whether a write began. Not when a disk write is in flight, or the disk
-        tier already has that step."""
+        boundaries): the step being written, or None. Not when a disk write is in flight, or the
+        disk tier already has that step."""
         if self.memory is None or self.hosts is not None:  # several hosts commit together, at boundaries
-            return False
+            return None
         key, on_disk = self.memory.newest, self.last_committed_step()
         if key is None or (on_disk is not None and key[0] <= on_disk):
-            return False
+            return None
         with self._submit_lock:
             if self._pending is not None and not self._pending.done():
-                return False
+                return None
             held = self.memory.hold(key)
             if held is None:
-                return False
+                return None
             log.info("writing the newest memory checkpoint to disk", step=key[0], micro_step=key[1])
             self._pending = self._writer.submit(self._write, held.state, key[0], key[1], "request",
                                                 time.monotonic(), self.data_skips, held.release)
-        return True
+        return key
 
     def _state_dicts(self) -> tuple[dict, dict]:
         """get_state_dict's model and optimizer state dicts. With a memory tier they are taken every
