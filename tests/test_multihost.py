@@ -193,7 +193,8 @@ def test_a_preemption_notice_on_one_host_stops_all_at_the_same_step_and_they_res
                  for h in hosts}
     assert len(requested[1]) == 1 and requested[0] == requested[2] == requested[1]
     for other in (hosts[0], hosts[2]):  # stopped by the gang's agreement, they wait for host 1
-        assert [r["status"] for r in other.records("worker exited")] == [75]
+        exits = wait_until(lambda: other.records("worker exited"), "the other hosts' workers stopping", timeout=60)
+        assert [r["status"] for r in exits] == [75]
         wait_until(lambda: metric(other.home, "tpud_job_gang_hosts_present", host=str(other.index), job="tiny-cpu")
                    == 2, "waiting for hosts (2 of 3)", timeout=60)
     metadata_server.set("instance/preempted", "FALSE")
