@@ -8,12 +8,16 @@ import torch (the daemon and its clients never do).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
 from engine.spec.loader import SpecError, dump_schema, load_job, load_spec
 from tpud import __version__
+from tpud.view import format as fmt
+from tpud.view import status as status_view
 
 # Client exit codes (DESIGN.md, "Command line").
 EXIT_OK = 0
@@ -121,13 +125,27 @@ def _run(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(e, file=sys.stderr)
         return exit_codes.BAD_INPUT
-    worker_log = "console" if sys.stdout.isatty() else "json"
+    view = None
+    if sys.stdout.isatty() and os.environ.get("TPUD_LOG_FORMAT") != "json":
+        from tpud.view.live import LiveView
+
+        view = LiveView(args.job)
     daemon = Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(loaded.spec, Path(args.job)),
-                    worker_log_format=worker_log)
+                    view=view)
     if refused := daemon.refusal(loaded):
         print(refused, file=sys.stderr)
         return exit_codes.BAD_INPUT
-    return daemon.run()
+    if view is None:
+        return daemon.run()
+    view.start()
+    logs.configure(level="warning", fmt="console")  # through the view: only what needs a reader's eye
+    status = None
+    try:
+        status = daemon.run()
+        return status
+    finally:
+        jobs = list(daemon.jobs.values())
+        view.close(jobs[0].snapshot if jobs else None, status)
 
 
 def _add_run(subparsers: Subparsers) -> None:
@@ -157,22 +175,6 @@ HOME_HELP = ("keep jobs.d/, state/ and run/ under DIR (default: $TPUD_HOME, else
 def _add_home(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: a subcommand that is not given --home keeps the one given before its name.
     parser.add_argument("--home", metavar="DIR", default=argparse.SUPPRESS, help=HOME_HELP)
-
-
-def _age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
@@ -243,8 +245,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
                 if not s["ok"]:
                     status = f"damaged: {s['problems'][0]}" + (
                         f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
-                rows.append((tier_name, str(s["step"]), str(s["micro_step"]), _size(s["bytes"]), str(s["files"]),
-                             _age(s["age_seconds"]), s["reason"], _holders_column(s), status))
+                rows.append((tier_name, str(s["step"]), str(s["micro_step"]), fmt.size(s["bytes"]), str(s["files"]),
+                             fmt.age(s["age_seconds"]), s["reason"], _holders_column(s), status))
             if not steps:
                 rows.append((tier_name, "-", "-", "-", "-", "-", "-", "-", "no committed steps"
                              if tier_name not in errors else "error (see stderr)"))
@@ -300,8 +302,6 @@ def _control(args: argparse.Namespace, command: str, **request: object) -> tuple
     try:
         return EXIT_OK, ControlClient(path).call(command, **request)
     except DaemonUnreachable as e:
-        import os
-
         where = (f"from --home {args.home}" if args.home else f"from TPUD_HOME={os.environ['TPUD_HOME']}"
                  if os.environ.get("TPUD_HOME") else "the default path; no --home or TPUD_HOME given")
         print(f"tpud {name}: {e}\n  ({where}) the daemon may not be running; if it runs with another home, "
@@ -312,66 +312,62 @@ def _control(args: argparse.Namespace, command: str, **request: object) -> tuple
         return (EXIT_JOB_UNKNOWN if e.code in ("unknown_job", "not_running") else EXIT_FAILED), None
 
 
-def _dash(value: object, fmt: Callable[[float], str] = str) -> str:
-    return "-" if value is None else fmt(value)
-
-
-def _rate(v: float) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if v >= size * 0.99995:
-            return f"{v / size:.2f}{unit}" if unit != "k" else f"{v / size:.1f}{unit}"
-    return f"{v:.0f}"
-
-
-def _status_row(job: dict) -> tuple[str, ...]:
-    step, max_steps = job.get("step"), job.get("max_steps")
-    ckpt, in_memory = job.get("last_checkpoint"), job.get("memory_checkpoint")
-    last = f"{ckpt.get('step')}@{ckpt.get('tier')} {_dash(ckpt.get('age_seconds'), _age)}" if ckpt else "-"
-    if in_memory:
-        last += f" ({in_memory.get('step')}@memory)"
-    return (
-        str(job.get("name", "?")),
-        _dash(job.get("state")),
-        "-" if step is None and max_steps is None else f"{_dash(step)}/{_dash(max_steps)}",
-        _dash(job.get("loss"), lambda v: f"{v:.4g}"),
-        _dash(job.get("tokens_per_second"), _rate),
-        _dash(job.get("mfu"), lambda v: f"{v * 100:.1f}%"),
-        last,
-        _dash(job.get("restarts")),
-        _dash((job.get("goodput") or {}).get("ratio"), lambda v: f"{v * 100:.1f}%"),
-        _dash(job.get("age_seconds"), _age),
-    )
-
-
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    code, result = _control(args, "status", jobs=args.jobs)
+    interval, jobs = _watch_interval(args)
+    if interval is not None:
+        return _watch(args, jobs, interval)
+    code, result = _control(args, "status", jobs=jobs)
     if result is None:
         return code
-    jobs = result.get("jobs", [])
     if args.output == "json":
         print(json.dumps(result, indent=2))
         return EXIT_OK
-    rows = [("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "AGE")]
-    rows += [_status_row(job) for job in jobs]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    if not jobs:
-        print("(no jobs)")
-    for job in jobs:
-        if job.get("error"):
-            print(f"\n{job.get('name', '?')}: error:")
-            for line in str(job["error"]).splitlines():
-                print(f"  {line}")
-        for line in job.get("warnings") or []:
-            print(f"\n{job.get('name', '?')}: warning: {line}")
-        if gang := job.get("gang"):
-            generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
-            print(f"\n{job.get('name', '?')}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"
-                  f"{generation}, {gang.get('peer_restarts', 0)} restarts caused by other hosts")
+    print("\n".join(status_view.lines(result.get("jobs", []))))
     return EXIT_OK
+
+
+def _watch_interval(args: argparse.Namespace) -> tuple[float | None, list[str]]:
+    """--watch's seconds, and the job names: `--watch JOB` means the default interval and a job."""
+    jobs, watch = list(args.jobs), args.watch
+    if watch is None:
+        return None, jobs
+    try:
+        seconds = float(watch)
+    except ValueError:
+        return WATCH_DEFAULT_S, [watch, *jobs]
+    if not 0.1 <= seconds <= 86400:
+        raise SystemExit(f"tpud status: --watch takes seconds between 0.1 and 86400, not {watch}")
+    return seconds, jobs
+
+
+def _watch(args: argparse.Namespace, jobs: list[str], interval: float) -> int:
+    """The table redrawn in place every `interval` seconds until Ctrl-C; a daemon that stops
+    answering is shown, and watched for, not fatal."""
+    import io
+    from contextlib import redirect_stderr
+    from datetime import datetime
+
+    from rich.live import Live
+    from rich.text import Text
+
+    try:
+        with Live(auto_refresh=False, transient=False) as live:
+            while True:
+                errors = io.StringIO()
+                with redirect_stderr(errors):
+                    _, result = _control(args, "status", jobs=jobs)
+                body = (status_view.lines(result.get("jobs", [])) if result is not None
+                        else errors.getvalue().rstrip().splitlines())
+                head = f"every {interval:g}s: tpud status {' '.join(jobs)}".rstrip()
+                live.update(Text("\n".join([f"{head}   {datetime.now():%H:%M:%S}", "", *body])), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+WATCH_DEFAULT_S = 2.0
 
 
 def _add_status(subparsers: Subparsers) -> None:
@@ -387,6 +383,8 @@ def _add_status(subparsers: Subparsers) -> None:
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all)")
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    parser.add_argument("-w", "--watch", nargs="?", const=str(WATCH_DEFAULT_S), default=None, metavar="SECONDS",
+                        help=f"redraw the table in place every SECONDS (default {WATCH_DEFAULT_S:g}) until Ctrl-C")
     _add_home(parser)
     parser.set_defaults(func=_status)
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -47,6 +48,9 @@ from tpud.gang.coordinator import Coordinator
 from tpud.gang.discovery import discover
 from tpud.settings import load_settings
 
+if TYPE_CHECKING:
+    from tpud.view.live import LiveView
+
 log = structlog.get_logger()
 TICK_S = 0.5
 
@@ -56,8 +60,9 @@ class Daemon:
     and the loop ends when that job does."""
 
     def __init__(self, paths: Paths, metrics_addr: str | None = None, single: tuple[JobSpec, Path] | None = None,
-                 worker_log_format: str = "json"):
+                 worker_log_format: str = "json", view: LiveView | None = None):
         self.paths, self.single, self.worker_log_format = paths, single, worker_log_format
+        self.view = view  # `tpud run` on a terminal: the worker's output goes to it, not to stdout
         self.settings, settings_error = load_settings(paths.config)
         if settings_error:
             log.error("invalid settings file; using defaults", error=settings_error)
@@ -94,6 +99,9 @@ class Daemon:
             pass
 
     def relay(self, output: bytes) -> None:
+        if self.view is not None:
+            self.view.relay(output)
+            return
         sys.stdout.buffer.write(output)
         sys.stdout.buffer.flush()
 
@@ -405,6 +413,8 @@ class Daemon:
                     self._guard(self.coordinator.ensure)
                 for job in list(self.jobs.values()):
                     self._guard(job.tick, job)
+                    if self.view is not None:
+                        self.view.update(job.snapshot)
                 self.notifier.watchdog()
                 if (summary := self._summary()) != last_status:
                     self.notifier.status(summary)

@@ -10,7 +10,9 @@ tpud_job_eval_loss{job},
 tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_restarts_total{job,reason},
 tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier,reason}
 (histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
-tpud_checkpoint_last_committed_step{job,tier}, tpud_heartbeat_age_seconds{job},
+tpud_checkpoint_last_committed_step{job,tier},
+tpud_checkpoint_last_committed_timestamp_seconds{job,tier}, tpud_job_checkpoint_interval_seconds{job},
+tpud_heartbeat_age_seconds{job},
 tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
 tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
 
@@ -39,6 +41,9 @@ from tpud.job.states import State
 DEFAULT_ADDRESS = "127.0.0.1:9477"
 
 JOB_STATES = tuple(state.value for state in State)
+# tpud_preemption_notices_total{source}: created at 0 for each (tpud/metadata.py's sources, and
+# the SIGTERM of a host going down).
+NOTICE_SOURCES = ("preempted", "maintenance_event", "upcoming_maintenance", "sigterm")
 
 # A checkpoint takes from a fraction of a second (a small local save) to tens of minutes
 # (a large model to GCS): 0.1 s .. 30 min, then +Inf.
@@ -151,6 +156,8 @@ class Metrics:
         self._preemptions = Counter("tpud_preemption_notices_total",
                                     "Preemption or maintenance notices received, by source.",
                                     ["source"], registry=r)
+        for source in NOTICE_SOURCES:
+            self._preemptions.labels(source)
         self._ckpt_seconds = Histogram("tpud_checkpoint_duration_seconds",
                                        "Wall time of committed checkpoints.",
                                        ["job", "tier", "reason"], buckets=CHECKPOINT_BUCKETS,
@@ -162,6 +169,12 @@ class Metrics:
         self._ckpt_step = Gauge("tpud_checkpoint_last_committed_step",
                                 "Step of the newest committed checkpoint.", ["job", "tier"],
                                 registry=r)
+        self._ckpt_time = Gauge("tpud_checkpoint_last_committed_timestamp_seconds",
+                                "Unix time of the newest committed checkpoint (time() minus it: its age).",
+                                ["job", "tier"], registry=r)
+        self._ckpt_interval = Gauge("tpud_job_checkpoint_interval_seconds",
+                                    "The job's local checkpoint interval in seconds (checkpoint.interval_seconds, "
+                                    "else interval_steps times the recent step time).", ["job"], registry=r)
         self._goodput = Gauge("tpud_goodput_ratio",
                               "Productive training time over total job time (0..1).", ["job"],
                               registry=r)
@@ -226,14 +239,28 @@ class Metrics:
         with self._lock:
             self._child(self._restarts, job, reason).inc()
 
+    def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None:
+        """Create the job's counters at 0, so that increase() sees the first restart or failure
+        and a dashboard shows 0 rather than no data."""
+        with self._lock:
+            for tier in tiers:
+                self._child(self._ckpt_failures, job, tier)
+            for reason in restart_reasons:
+                self._child(self._restarts, job, reason)
+
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int,
-                   step: int) -> None:
-        """A committed checkpoint: duration, bytes written and its step, per tier."""
+                   step: int, at: float | None = None) -> None:
+        """A committed checkpoint: duration, bytes written, its step and when (unix time), per tier."""
         with self._lock:
             self._child(self._ckpt_seconds, job, tier, reason).observe(float(seconds))
             self._child(self._ckpt_bytes, job, tier).inc(bytes)
             self._child(self._ckpt_step, job, tier).set(step)
+            self._child(self._ckpt_time, job, tier).set(time.time() if at is None else at)
             self._child(self._ckpt_failures, job, tier)  # exists at 0, so rate() sees the first
+
+    def checkpoint_interval(self, job: str, seconds: float) -> None:
+        with self._lock:
+            self._child(self._ckpt_interval, job).set(float(seconds))
 
     def checkpoint_failure(self, job: str, tier: str) -> None:
         with self._lock:

@@ -35,6 +35,7 @@ class JobCheckpoints:
         self.job = job
         self.last: Checkpoint | None = None  # the newest on disk or GCS
         self.memory: Checkpoint | None = None  # the newest in the memory tier
+        self.tiers: dict[str, Checkpoint] = {}  # the newest on each tier (local, memory, gcs)
         self.waiters: list[Waiter] = []
         self.failures = SaveFailures()
         self.save_seconds = 0.0  # how long the last local save took
@@ -54,7 +55,7 @@ class JobCheckpoints:
         """A local commit: the newest checkpoint, and the answer to the waiters it satisfies."""
         if event.seconds > 0:
             self.save_seconds = event.seconds
-        self.last = Checkpoint(event.step, event.micro_step, "local", event.path, time.time())
+        self.last = self.tiers["local"] = Checkpoint(event.step, event.micro_step, "local", event.path, time.time())
         self.failures.committed("local")
         result = {"job": self.job, "ok": True, "step": event.step, "micro_step": event.micro_step,
                   "tier": "local", "path": event.path}
@@ -66,7 +67,8 @@ class JobCheckpoints:
 
     def in_memory(self, event: events.CheckpointCommitted) -> None:
         """A memory commit: it survives the worker, not the host, so it answers no checkpoint-now."""
-        self.memory = Checkpoint(event.step, event.micro_step, "memory", event.path, time.time())
+        self.memory = self.tiers["memory"] = Checkpoint(event.step, event.micro_step, "memory", event.path,
+                                                        time.time())
         self.failures.committed("memory")
 
     def failed(self, event: events.CheckpointFailed) -> None:
@@ -75,6 +77,7 @@ class JobCheckpoints:
 
     def uploaded(self, step: int, micro_step: int) -> None:
         self.failures.committed("gcs")
+        self.tiers["gcs"] = Checkpoint(step, micro_step, "gcs", "", time.time())
         if self.last is None or (step, micro_step) >= (self.last.step, self.last.micro_step):
             self.last = Checkpoint(step, micro_step, "gcs", "", time.time())
 
@@ -87,4 +90,5 @@ class JobCheckpoints:
             return None if c is None else {"step": c.step, "tier": c.tier, "age_seconds": round(time.time() - c.at, 1)}
 
         return {"last_checkpoint": brief(self.last), "memory_checkpoint": brief(self.memory),
+                "checkpoints": {tier: brief(c) for tier, c in self.tiers.items()},
                 "warnings": self.failures.warnings(), "checkpoint_failures": self.failures.snapshot()}

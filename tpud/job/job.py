@@ -16,7 +16,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +49,8 @@ log = structlog.get_logger()
 
 # Where the goodput ledger books the time a job spends in a state without a worker.
 _LEDGER_PHASE = {State.BACKOFF: goodput.BACKOFF, State.PREEMPTED: goodput.DOWN}
+# tpud_job_restarts_total{reason}, each created at 0: a crash's reasons, and the supervisor's own.
+RESTART_REASONS = (*crashes.REASONS, "hang", "nonfinite", "peer")
 SAVE_EVERY_S = 10.0  # job.json between state changes, for the goodput ledger
 
 
@@ -66,7 +68,9 @@ class MetricsSink(Protocol):
     def job_progress(self, job: str, **values) -> None: ...
     def heartbeat(self, job: str, at: float) -> None: ...
     def restart(self, job: str, reason: str) -> None: ...
+    def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None: ...
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int, step: int) -> None: ...
+    def checkpoint_interval(self, job: str, seconds: float) -> None: ...
     def checkpoint_failure(self, job: str, tier: str) -> None: ...
     def goodput(self, job: str, ratio: float) -> None: ...
     def badput(self, job: str, kind: str, seconds: float) -> None: ...
@@ -123,9 +127,11 @@ class Job:
                                      on_badput=lambda kind, seconds: self.metrics.badput(self.name, kind, seconds))
         for kind, seconds in self.ledger.badput.items():
             self.metrics.badput(self.name, kind, seconds)
+        self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=RESTART_REASONS)
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
                                   saved=self.record.wandb, newest_run_id=self._newest_run_id)
         self._saved_at = self.clock()
+        self.restart_reasons: dict[str, int] = {}  # this daemon's restarts of the job, by reason
         self._handlers: dict[type[events.Event], Callable] = {
             events.Hello: self._hello, events.Heartbeat: self._heartbeat, events.Started: self._started,
             events.Step: self._step, events.CheckpointStarted: self._checkpoint_started,
@@ -343,8 +349,15 @@ class Job:
         if self.state is State.STARTING:
             self._set(State.RUNNING)
 
+    @staticmethod
+    def _tier_names(spec: JobSpec) -> list[str]:
+        return ["local"] + ["memory"] * (spec.checkpoint.memory is not None) + ["gcs"] * bool(spec.checkpoint.remote)
+
     def _step(self, event: events.Step) -> None:
         self.watch.stepped(event.step, event.step_time_s)
+        interval = self.spec.checkpoint.interval_seconds or self.spec.checkpoint.interval_steps * event.step_time_s
+        if interval:
+            self.metrics.checkpoint_interval(self.name, interval)
         self.progress = event
         self.metrics.heartbeat(self.name, self.clock())
         self.metrics.job_progress(self.name, step=event.step, loss=event.loss,
@@ -475,7 +488,7 @@ class Job:
         rollback = event is not None and event.policy == "rollback"
         max_rollbacks = self.spec.health.max_rollbacks
         if rollback and self.restarts.rollback(self.spec):
-            self.metrics.restart(self.name, "nonfinite")
+            self._restarted("nonfinite")
             self.error = what
             self.backoff_until = self.clock()
             self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {max_rollbacks}")
@@ -489,8 +502,12 @@ class Job:
         generation. The failing host spends its own restart budget; this one spends none."""
         self.restarts.peer()
         self.gang.peer_restarts += 1
-        self.metrics.restart(self.name, "peer")
+        self._restarted("peer")
         self.start()
+
+    def _restarted(self, reason: str) -> None:
+        self.restart_reasons[reason] = self.restart_reasons.get(reason, 0) + 1
+        self.metrics.restart(self.name, reason)
 
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error
@@ -498,7 +515,7 @@ class Job:
         if delay is None:
             self._set(State.FAILED, f"{self.restarts.budget_spent_reason(self.spec)}; last: {reason}: {error}")
             return
-        self.metrics.restart(self.name, reason)
+        self._restarted(reason)
         self.backoff_until = self.clock() + delay
         self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")
 
@@ -560,6 +577,8 @@ class Job:
             "loss": None if progress is None else progress.loss,
             "tokens_per_second": None if progress is None else progress.tokens_per_s,
             "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
+            "restart_reasons": dict(self.restart_reasons),
+            "step_time_s": None if progress is None else progress.step_time_s,
             "eval_loss": None if self.evaluated is None else self.evaluated.loss,
             "eval_step": None if self.evaluated is None else self.evaluated.step,
             "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),

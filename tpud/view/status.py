@@ -1,0 +1,51 @@
+"""`tpud status`'s table: a row per job, then each job's errors, warnings and gang, as lines."""
+
+from __future__ import annotations
+
+from tpud.view.format import age, percent, rate
+
+HEADER = ("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "AGE")
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def row(job: dict) -> tuple[str, ...]:
+    step, max_steps = job.get("step"), job.get("max_steps")
+    ckpt, in_memory = job.get("last_checkpoint"), job.get("memory_checkpoint")
+    last = f"{ckpt.get('step')}@{ckpt.get('tier')} {age(ckpt.get('age_seconds'))}" if ckpt else "-"
+    if in_memory:
+        last += f" ({in_memory.get('step')}@memory)"
+    loss = job.get("loss")
+    return (
+        str(job.get("name", "?")),
+        _dash(job.get("state")),
+        "-" if step is None and max_steps is None else f"{_dash(step)}/{_dash(max_steps)}",
+        "-" if loss is None else f"{loss:.4g}",
+        rate(job.get("tokens_per_second")),
+        percent(job.get("mfu")),
+        last,
+        _dash(job.get("restarts")),
+        percent((job.get("goodput") or {}).get("ratio")),
+        age(job.get("age_seconds")),
+    )
+
+
+def lines(jobs: list[dict]) -> list[str]:
+    rows = [HEADER, *(row(job) for job in jobs)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if not jobs:
+        out.append("(no jobs)")
+    for job in jobs:
+        name = job.get("name", "?")
+        if job.get("error"):
+            out += ["", f"{name}: error:", *(f"  {line}" for line in str(job["error"]).splitlines())]
+        for line in job.get("warnings") or []:
+            out += ["", f"{name}: warning: {line}"]
+        if gang := job.get("gang"):
+            generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
+            out += ["", f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"
+                    f"{generation}, {gang.get('peer_restarts', 0)} restarts caused by other hosts"]
+    return out
