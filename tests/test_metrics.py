@@ -162,6 +162,20 @@ def test_checkpoint_histogram_bytes_step_and_failures(metrics):
     assert value(s, "tpud_checkpoint_failures_total", job="llm", tier="local") == 0
 
 
+def test_a_jobs_counters_exist_at_zero_and_commits_carry_their_time(metrics):
+    metrics.job_series("llm", tiers=["local", "gcs"], restart_reasons=["crash", "hang"])
+    metrics.checkpoint("llm", tier="local", reason="interval", seconds=1.0, bytes=10, step=5, at=1234.5)
+    metrics.checkpoint_interval("llm", 60.0)
+    s = scrape(metrics)
+    assert value(s, "tpud_job_restarts_total", job="llm", reason="hang") == 0
+    assert value(s, "tpud_checkpoint_failures_total", job="llm", tier="gcs") == 0
+    assert value(s, "tpud_preemption_notices_total", source="sigterm") == 0  # the daemon's, from the start
+    assert value(s, "tpud_checkpoint_last_committed_timestamp_seconds", job="llm", tier="local") == 1234.5
+    assert value(s, "tpud_job_checkpoint_interval_seconds", job="llm") == 60.0
+    metrics.remove_job("llm")
+    assert not series_of_job(scrape(metrics), "llm")
+
+
 def test_goodput_and_badput(metrics):
     metrics.goodput("llm", 0.93)
     metrics.badput("llm", "restart", 12.0)
