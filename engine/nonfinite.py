@@ -70,7 +70,7 @@ class NonFiniteGuard:
 
         A checkpoint taken after a non-finite step would hold its update, and a rollback to it
         would only fail again; so no save starts before the steps it covers are known finite.
-        The finished steps' values must have been read already (Reporter.report_pending).
+        The finished steps' values must have been read already (Reporter.report_pending or check_pending).
         """
         p = progress
         if p.micro_step and self._checked_at != (p.step, p.micro_step):

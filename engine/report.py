@@ -52,6 +52,7 @@ class Reporter:
         self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
         self.nonfinite, self.badput, self.emit = nonfinite, badput, emit
         self.pending: list[StepResult] = []  # finished steps whose values are not read yet
+        self._checked = 0  # of pending, how many the non-finite guard has seen (check_pending)
         self._interval_start = time.monotonic()
 
     def start(self) -> None:
@@ -64,9 +65,24 @@ class Reporter:
         if result.step % self.train.log_interval == 0 or result.step == self.train.max_steps:
             self.report_pending()
 
+    def check_pending(self) -> None:
+        """Read the finished steps' values for the non-finite guard only, before a memory save:
+        the memory tier saves every step or few, and the log still gets a line every
+        log_interval steps."""
+        unchecked, self._checked = self.pending[self._checked:], len(self.pending)
+        if not unchecked:
+            return
+
+        def check(rows: list[list[float]]) -> None:
+            for result, row in zip(unchecked, rows):
+                if not self.nonfinite.publishable(result.step, *row):
+                    break
+
+        self.backend.read_values([result.values for result in unchecked], check)
+
     def report_pending(self) -> None:
-        """Report the steps done since the last report (the trainer also calls this before a save)."""
-        pending, self.pending = self.pending, []
+        """Report the steps done since the last report (the trainer also calls this before a disk save)."""
+        pending, self.pending, self._checked = self.pending, [], 0
         if pending:
             now = time.monotonic()
             seconds, self._interval_start = now - self._interval_start, now

@@ -303,7 +303,10 @@ class Trainer:
     def _save(self, reason: str, *, wait: bool = False, memory_only: bool = False) -> int | None:
         """Checkpoint, unless the state holds a non-finite step: then the exit code instead."""
         with self.badput.timing("checkpoint"):
-            self.reporter.report_pending()  # the finished steps' values, for the guard to check
+            if memory_only:  # the finished steps' values, for the guard to check
+                self.reporter.check_pending()
+            else:
+                self.reporter.report_pending()
             if finite := self.nonfinite.state_is_finite(self.progress):
                 if memory_only:
                     self.checkpointer.save_memory(self.progress)

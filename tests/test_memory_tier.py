@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 
 from engine import events
@@ -62,6 +64,19 @@ def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skippe
     assert not newest.exists()
     assert resumed.run() == 0
     assert_same_training_state(whole, resumed)
+
+
+def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tiny_spec, tmp_path, memory):
+    spec = tiny_spec("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=1", "data.seq_len=32",
+                     "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.max_overhead=1",
+                     "debug.inject.nan_at_step=6", "health.nonfinite=stop")
+    with structlog.testing.capture_logs() as logged:
+        assert Trainer(spec, tmp_path, hooks := Recorder()).run() == 76
+    # Every step saved to memory, one report of steps 1-4 (their events, and one log line).
+    assert [r["step"] for r in logged if r["event"] == "step"] == [4]
+    assert [e.step for e in hooks.of(events.Step)] == [1, 2, 3, 4]
+    assert [c.step for c in hooks.of(events.CheckpointCommitted)] == [1, 2, 3, 4, 5]
+    assert max(memory_steps(memory)) == (5, 0)  # step 6 trained on a NaN: never saved
 
 
 @pytest.mark.slow
