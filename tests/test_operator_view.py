@@ -218,7 +218,12 @@ def test_a_worker_warning_scrolls_above_the_panel_as_one_readable_line():
         "10:00:01 warning checkpoint failed  error=No space left on device",
         "Traceback (most recent call last):",
     ]
-    assert view.history.best_loss == 2.5 and view.history.tokens == 50.0
+    # A line stands for every step since the last (3 steps of 50 tokens), and a restart redoes
+    # the steps after its restore.
+    assert view.history.best_loss == 2.5 and view.history.tokens == 150.0
+    view.relay(b'{"event": "checkpoint restored", "step": 2, "level": "info"}\n'
+               b'{"event": "step", "step": 4, "loss": 2.0, "tokens_per_s": 100.0, "step_time_s": 0.5, "level": "info"}\n')
+    assert view.history.tokens == 250.0 and view.history.best_loss == 2.0 and view.history.resumed_from is None
 
 
 # --- tpud status --watch ------------------------------------------------------------------------

@@ -27,16 +27,18 @@ class History:
             if event == "step":
                 step = int(record["step"])
                 self.loss(float(record["loss"]))
-                # A line may stand for several steps (log_interval); after a restart, steps repeat.
-                done = step - (self._last_step if self._last_step is not None and self._last_step < step else step - 1)
+                # A line stands for the steps since the last one (log_interval), or since a restore.
+                done = max(0, step - (self._last_step or 0))
                 self.tokens += float(record["tokens_per_s"]) * float(record["step_time_s"]) * done
                 self._last_step = step
             elif event == "eval":
                 loss = float(record["eval_loss"])
                 if self.best_eval_loss is None or loss < self.best_eval_loss:
                     self.best_eval_loss = loss
-            elif event == "checkpoint restored" and self.resumed_from is None and self._last_step is None:
-                self.resumed_from = int(record["step"])
+            elif event == "checkpoint restored":
+                if self.resumed_from is None and self._last_step is None:
+                    self.resumed_from = int(record["step"])
+                self._last_step = int(record["step"])  # a restart redoes the steps after it
         except (KeyError, TypeError, ValueError):
             pass  # a record of another shape: nothing to learn from it
 
