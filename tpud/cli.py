@@ -153,7 +153,9 @@ def _add_run(subparsers: Subparsers) -> None:
         "run",
         help="run one job in the foreground",
         description="Validate a job file and run it in the foreground under the same supervisor as the daemon "
-        "(crash restarts with backoff, GCS tier, metrics), streaming the worker's log; exit with the worker's "
+        "(crash restarts with backoff, GCS tier, metrics). On a terminal: a live view (progress, losses, "
+        "throughput, checkpoints per tier, goodput) with warnings and errors above it, and a summary at the end; "
+        "otherwise the worker's log as JSON lines. Exit with the worker's "
         "last exit code when the job ends (0 done, 75 stopped, 76 non-finite loss, 78 invalid job, other: "
         "crashed beyond its restart budget). Ctrl-C or SIGTERM checkpoints and stops; a second one kills.",
     )
