@@ -259,6 +259,31 @@ def test_status_watch_shows_an_unreachable_daemon_and_keeps_watching(tmp_path):
     assert term.finish(timeout=20) == 0
 
 
+def test_status_watch_piped_prints_one_screen_after_another_and_json_with_o_json(tmp_path):
+    home = tmp_path / "home"
+    (home / "jobs.d").mkdir(parents=True)
+    daemon = Daemon(home)
+    try:
+        wait_until(lambda: daemon.cli("status").returncode == 0, "the daemon answering", timeout=60)
+        proc = subprocess.Popen([PYTHON, "-m", "tpud", "status", "-o", "json", "--watch", "0.2", "--home", str(home)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if sum(x.startswith("every 0.2s: tpud status") for x in lines) == 3:
+                break
+        proc.send_signal(2)  # Ctrl-C
+        proc.communicate(timeout=20)
+        assert proc.returncode == 0
+        assert sum(x.startswith('  "jobs": []') for x in lines) >= 2, lines
+        head = subprocess.run(f"{PYTHON} -m tpud status -w 0.1 --home {home} | head -1", shell=True, env=python_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert head.stdout.startswith("every 0.1s") and "Error" not in head.stderr, head.stderr
+    finally:
+        daemon.proc.terminate()
+        daemon.proc.wait(timeout=120)
+
+
 @pytest.mark.parametrize("argv, interval, jobs", [
     (["--watch"], 2.0, []), (["--watch", "5"], 5.0, []), (["-w", "0.5", "a"], 0.5, ["a"]),
     (["--watch", "a", "b"], 2.0, ["a", "b"]), (["a", "--watch"], 2.0, ["a"]), ([], None, []),

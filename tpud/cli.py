@@ -345,27 +345,43 @@ def _watch_interval(args: argparse.Namespace) -> tuple[float | None, list[str]]:
 
 
 def _watch(args: argparse.Namespace, jobs: list[str], interval: float) -> int:
-    """The table redrawn in place every `interval` seconds until Ctrl-C; a daemon that stops
-    answering is shown, and watched for, not fatal."""
+    """The table (or -o json) redrawn in place every `interval` seconds until Ctrl-C; a daemon
+    that stops answering is shown, and watched for, not fatal. Piped, each one is printed after
+    the last, as vmstat does."""
     import io
-    from contextlib import redirect_stderr
+    import json
+    from contextlib import redirect_stderr, nullcontext
     from datetime import datetime
 
     from rich.live import Live
     from rich.text import Text
 
+    def screen() -> str:
+        errors = io.StringIO()
+        with redirect_stderr(errors):
+            _, result = _control(args, "status", jobs=jobs)
+        if result is None:
+            body = errors.getvalue().rstrip().splitlines()
+        elif args.output == "json":
+            body = json.dumps(result, indent=2).splitlines()
+        else:
+            body = status_view.lines(result.get("jobs", []))
+        head = f"every {interval:g}s: tpud status {' '.join(jobs)}".rstrip()
+        return "\n".join([f"{head}   {datetime.now():%H:%M:%S}", "", *body])
+
+    live = Live(auto_refresh=False, transient=False) if sys.stdout.isatty() else None
     try:
-        with Live(auto_refresh=False, transient=False) as live:
+        with live or nullcontext():
             while True:
-                errors = io.StringIO()
-                with redirect_stderr(errors):
-                    _, result = _control(args, "status", jobs=jobs)
-                body = (status_view.lines(result.get("jobs", [])) if result is not None
-                        else errors.getvalue().rstrip().splitlines())
-                head = f"every {interval:g}s: tpud status {' '.join(jobs)}".rstrip()
-                live.update(Text("\n".join([f"{head}   {datetime.now():%H:%M:%S}", "", *body])), refresh=True)
+                if live is not None:
+                    live.update(Text(screen()), refresh=True)
+                else:
+                    print(screen() + "\n", flush=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:  # `tpud status --watch | head`: done; nothing more to flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
 
 

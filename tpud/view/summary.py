@@ -72,7 +72,7 @@ def render(job: dict, history: History, wall_s: float, job_file: str, exit_statu
                                                                  sorted(badput.items(), key=lambda kv: -kv[1]))))
     reasons = job.get("restart_reasons") or {}
     out.add_row("restarts", str(job.get("restarts", 0))
-                + ("" if not reasons else " (" + ", ".join(f"{k} {n}" for k, n in sorted(reasons.items())) + ")"))
+                + ("" if not reasons else " (this run: " + ", ".join(f"{k} {n}" for k, n in sorted(reasons.items())) + ")"))
     if job.get("error"):
         out.add_row("error", Text(str(job["error"]).splitlines()[0], style="red"))
     checkpoints = job.get("checkpoints") or {}
