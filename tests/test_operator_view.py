@@ -178,12 +178,13 @@ def test_tpud_run_on_a_terminal_draws_a_live_view_every_dashboard_query_has_data
     assert re.search(r"loss \d\S* \(best \d\S*\)", screen) and re.search(r"tokens/s \d", screen), screen
     assert re.search(r"MFU \d+\.\d%", screen) and re.search(r"remaining \d+:\d\d:\d\d", screen), screen
     assert "memory " in screen and "goodput " in screen and "━" in screen, screen
+    address = (Paths.resolve(home).runtime / "metrics.addr").read_text().strip()
+    assert f"metrics      http://{address}/metrics" in screen, screen
     term.wait_for(rf"^view  RUNNING  step (?!{first}/)\d+/100000", "the panel redrawn with a later step")
     assert term.text().count("view  RUNNING") == 1, term.text()
     assert '"event"' not in term.text()  # no JSON step lines scroll: the panel says it
 
     # Every dashboard query answers with data from this run, scraped by a real Prometheus.
-    address = (Paths.resolve(home).runtime / "metrics.addr").read_text().strip()
     server = prometheus([address])
     for title, expr in dashboard_queries():
         server.wait_for(concrete(expr, "view"), lambda samples: len(samples) > 0 and all(

@@ -354,6 +354,8 @@ class Daemon:
             directory.mkdir(parents=True, exist_ok=True)
         host, port = self.metrics.serve(self.metrics_addr)
         write_address_file(self.paths.runtime / "metrics.addr", host, port)
+        if self.view is not None:
+            self.view.metrics_address = f"{host}:{port}"
         control = watcher = None
         settings = self.settings
         metadata = MetadataWatcher(

@@ -35,6 +35,7 @@ class LiveView:
         self._snapshot: dict = {}
         self._drawn_at = 0.0
         self._partial = b""
+        self.metrics_address: str | None = None  # the supervisor's Prometheus listener, once serving
         # stdout is redirected through the display, so the supervisor's own log lines print above it.
         self.live = Live(console=self.console, auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
 
@@ -48,6 +49,7 @@ class LiveView:
         JSON (a traceback, a native library's message) too."""
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         self._partial = self._partial[-65536:]
+        shown: list[Text] = []
         for raw in lines:
             line = raw.decode(errors="replace").rstrip()
             if not line:
@@ -57,11 +59,13 @@ class LiveView:
             except ValueError:
                 record = None
             if not isinstance(record, dict):
-                self.console.print(Text(line))
+                shown.append(Text(line))
                 continue
             self.history.record(record)
             if record.get("level") in SHOWN_LEVELS:
-                self.console.print(log_line(record))
+                shown.append(log_line(record))
+        if shown:  # one print: the panel is redrawn once per chunk, not per line, however chatty the worker
+            self.console.print(Text("\n").join(shown))
 
     # --- the panel ---
 
@@ -93,6 +97,8 @@ class LiveView:
                 f"{tier} {c['step']} ({age(c.get('age_seconds'))} ago)" if c else f"{tier} -"
                 for tier, c in tiers(job).items()),
         ]
+        if self.metrics_address:
+            lines.append(f"metrics      http://{self.metrics_address}/metrics")
         return Group(head, *(Text(line) for line in lines))
 
     def close(self, snapshot: Callable[[], dict] | None, exit_status: int | None) -> None:
