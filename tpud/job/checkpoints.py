@@ -71,6 +71,10 @@ class JobCheckpoints:
                                                         time.time())
         self.failures.committed("memory")
 
+    def memory_discarded(self) -> None:
+        self.memory = None
+        self.tiers.pop("memory", None)
+
     def failed(self, event: events.CheckpointFailed) -> None:
         self.failures.failed("local", event.error, event.step)
         self.fail_waiters(event.error)

@@ -172,6 +172,7 @@ class Job:
             self.tracker.finish_in_background()
             if state is State.SUCCEEDED or self.stop_reason == "removed":  # its final checkpoint is on disk
                 self.memory.discard()
+                self.checkpoints.memory_discarded()
         elif state is State.BACKOFF:  # a restart will take a spare: start its successor now
             self.standbys.keep(self.spec, None, 2)
         if self.worker is None and not self._preparing:
