@@ -459,3 +459,17 @@ def test_a_validation_loss_reaches_status_and_metrics(make_job):
     job.handle(events.Eval(step=10, loss=1.25, perplexity=3.49, seconds=0.4))
     assert job.snapshot()["eval_loss"] == 1.25 and job.snapshot()["eval_step"] == 10
     assert b'tpud_job_eval_loss{job="j"} 1.25' in metrics.exposition()
+
+
+def test_the_checkpoint_interval_metric_is_the_shorter_of_the_step_and_time_intervals(make_job):
+    from tpud.metrics import Metrics as RealMetrics
+
+    make, now = make_job
+    metrics = RealMetrics()
+    job = make(metrics=metrics)
+    interval = lambda: metrics.registry.get_sample_value("tpud_job_checkpoint_interval_seconds", {"job": "j"})  # noqa: E731
+    for steps, seconds, expected in ((100, 0, 50.0), (100, 20, 20.0), (10, 20, 5.0), (0, 30, 30.0)):
+        job.spec = job.spec.model_copy(update={"checkpoint": job.spec.checkpoint.model_copy(
+            update={"interval_steps": steps, "interval_seconds": seconds})})
+        job.handle(step(1, step_time=0.5))
+        assert interval() == expected, (steps, seconds)

@@ -300,3 +300,19 @@ def test_watch_refuses_an_interval_out_of_range(capsys):
 
     with pytest.raises(SystemExit, match="between 0.1 and 86400"):
         main(["status", "--watch", "0"])
+
+
+def test_the_summary_gives_commands_that_paste_into_a_shell_and_names_this_runs_restarts():
+    from rich.console import Console
+
+    from tpud.view.summary import History, render
+
+    console = Console(file=open(os.devnull, "w"), record=True, width=COLUMNS)
+    job = {"name": "j", "state": "FAILED", "step": 5, "max_steps": 10, "restarts": 3,
+           "restart_reasons": {"oom": 1}, "error": "exited with status 1 (boom)\ntraceback",
+           "checkpoints": {"gcs": {"step": 4, "age_seconds": 30}}}
+    console.print(render(job, History(), 12, "my jobs/a b.yaml", 1))
+    shown = [line.rstrip() for line in console.export_text().splitlines()]
+    assert "resume            tpud run 'my jobs/a b.yaml'" in shown
+    assert "export            tpud export 'my jobs/a b.yaml' OUT_DIR --tier gcs" in shown  # no local tier
+    assert "restarts          3 (this run: oom 1)" in shown and "error             exited with status 1 (boom)" in shown

@@ -292,6 +292,7 @@ class Job:
         self.spec, self.next_spec = spec, None
         self.standbys.discard()  # they warmed up for the old spec (another backend, perhaps)
         self.tracker.cfg = spec.logging.wandb
+        self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=())  # a tier it gained
         if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
             # The old uploader finishes its upload in flight in the background, then stops.
             threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
@@ -356,9 +357,9 @@ class Job:
 
     def _step(self, event: events.Step) -> None:
         self.watch.stepped(event.step, event.step_time_s)
-        interval = self.spec.checkpoint.interval_seconds or self.spec.checkpoint.interval_steps * event.step_time_s
-        if interval:
-            self.metrics.checkpoint_interval(self.name, interval)
+        ckpt = self.spec.checkpoint  # a save comes at whichever interval ends first
+        if intervals := [s for s in (ckpt.interval_seconds, ckpt.interval_steps * event.step_time_s) if s]:
+            self.metrics.checkpoint_interval(self.name, min(intervals))
         self.progress = event
         self.metrics.heartbeat(self.name, self.clock())
         self.metrics.job_progress(self.name, step=event.step, loss=event.loss,

@@ -3,6 +3,8 @@ where its newest checkpoints are (with the commands that resume or export them).
 
 from __future__ import annotations
 
+import shlex
+
 from rich.table import Table
 from rich.text import Text
 
@@ -51,6 +53,7 @@ class History:
 
 
 def render(job: dict, history: History, wall_s: float, job_file: str, exit_status: int | None) -> Table:
+    job_file = shlex.quote(job_file)  # the commands below are for pasting into a shell
     name, step, max_steps = job.get("name", "?"), job.get("step"), job.get("max_steps")
     goodput = job.get("goodput") or {}
     badput = {k: v for k, v in (goodput.get("badput_seconds") or {}).items() if v >= 0.05}
