@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## train the tiny demo on CPU under the supervisor
 	$(BIN)/tpud run configs/jobs/tiny-cpu.yaml --home .tpud
 
-test: $(STAMP)  ## the whole test suite (unit, xla-on-CPU, end-to-end)
-	$(BIN)/python -m pytest
+test: $(STAMP)  ## the whole test suite (unit and xla-on-CPU side by side, then end-to-end)
+	PYTHON=$(BIN)/python bash tests/run_all.sh
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow and not xla"

@@ -36,12 +36,28 @@ def python_env(**extra: str) -> dict[str, str]:
 PYTHON = sys.executable
 
 
-@pytest.fixture(autouse=True)
-def _no_memory_tier_left_behind():
+def drop_memory_tiers(root: Path, depth: int = 4) -> None:
     """Daemons keep a job's memory tier in /dev/shm (tpud.paths.Paths.memory) after it stops:
-    the states of every test's homes would add up in RAM over a whole run."""
-    shm = Path("/dev/shm")
-    before = set(shm.glob("tpud-*")) if shm.is_dir() else set()
+    drop those of the homes (directories with a run/) under `root`, else the states of every
+    test's homes would add up in RAM over a whole run. Only these homes': a pytest run beside
+    this one (tests/run_all.sh) has live tiers of its own there."""
+    from tpud.paths import Paths
+
+    for level in range(depth):
+        for runtime in root.glob("/".join(["*"] * level + ["run"])):
+            tier = Paths(config=runtime.parent, state=runtime.parent / "state", runtime=runtime).memory
+            if tier.parent == Path("/dev/shm"):  # a tmpfs runtime keeps it inside, gone with the directory
+                shutil.rmtree(tier, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_memory_tier_left_behind(request):
     yield
-    for left in (set(shm.glob("tpud-*")) if shm.is_dir() else set()) - before:
-        shutil.rmtree(left, ignore_errors=True)
+    if (tmp := request.node.funcargs.get("tmp_path")) is not None:
+        drop_memory_tiers(tmp)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_memory_tier_left_behind_by_module_fixtures(tmp_path_factory):
+    yield
+    drop_memory_tiers(tmp_path_factory.getbasetemp(), depth=5)

@@ -164,3 +164,19 @@ def test_special_files_in_place_of_markers_are_no_commits_and_never_block(tmp_pa
     assert result.returncode == 0, result.stderr
     assert [(s["step"], s["global"], s["held_by"]) for s in json.loads(result.stdout)["tiers"]["local"]] == [
         (3, False, None), (6, False, None)]  # step 9 has no readable manifest: not listed
+
+
+@pytest.mark.parametrize("field, value", [("step", "12"), ("micro_step", None), ("created_unix", "yesterday"),
+                                          ("files", [{"path": 7, "size": 1, "crc32c": "x"}]), ("step", -12),
+                                          ("created_unix", float("nan"))])
+def test_a_hand_edited_manifest_with_a_wrong_type_is_no_commit_and_breaks_no_listing(tmp_path, field, value):
+    job_dir = tmp_path / "ckpt" / "job"
+    make_step(job_dir, 6, sizes=(100,))
+    edited = make_step(job_dir, 12, sizes=(100,))
+    data = json.loads((edited / "manifest.json").read_text())
+    (edited / "manifest.json").write_text(json.dumps({**data, field: value}))
+
+    assert read_manifest(edited) is None
+    result = tpud("checkpoints", job_file(tmp_path), "-o", "json")
+    assert result.returncode == 0, result.stderr
+    assert [s["step"] for s in json.loads(result.stdout)["tiers"]["local"]] == [6]

@@ -428,7 +428,9 @@ def test_uploader_clears_stale_pins_and_unpins_on_close(gcs_server, tmp_path):
 def test_uploader_reports_each_attempt(gcs_server, tmp_path, monkeypatch):
     local = tmp_path / "local" / JOB
     results = []
-    uploader = Uploader(make_tier(), local, keep=3, retry_initial=0.1, retry_maximum=0.2,
+    # An attempt gives up after 2 s of refused connections (FAST: 30 s), so that the failure comes soon.
+    tier = make_tier(retry=RetryPolicy(initial=0.05, maximum=0.2, deadline=2.0, request_timeout=2.0))
+    uploader = Uploader(tier, local, keep=3, retry_initial=0.1, retry_maximum=0.2,
                         on_result=lambda key, transfer: results.append((key, transfer))).start()
     uploader.submit(make_step(local, 4))
     assert uploader.wait(60)

@@ -473,3 +473,22 @@ def test_the_checkpoint_interval_metric_is_the_shorter_of_the_step_and_time_inte
             update={"interval_steps": steps, "interval_seconds": seconds})})
         job.handle(step(1, step_time=0.5))
         assert interval() == expected, (steps, seconds)
+
+
+def test_a_checkpoint_committed_before_the_daemon_started_is_in_status_and_metrics_from_the_start(make_job, tmp_path):
+    """Else a daemon restarted on a job whose saves then stall never raises TpudCheckpointOverdue."""
+    from engine.checkpoint.manifest import Manifest, step_dir_name, write_manifest
+    from tpud.metrics import Metrics as RealMetrics
+
+    job_dir = Paths.resolve(tmp_path).layout.checkpoints("j", None)
+    for step, at in ((40, 1_700_000_000.0), (80, 1_700_000_600.0)):
+        (directory := job_dir / step_dir_name(step)).mkdir(parents=True)
+        (directory / "state").write_bytes(b"x")
+        write_manifest(directory, Manifest.describe(directory, job="j", step=step, micro_step=0, world_size=1,
+                                                    spec_hash="h", version="v", reason="interval", created_unix=at))
+    make, now = make_job
+    job = make(metrics=(metrics := RealMetrics()))
+    sample = lambda name: metrics.registry.get_sample_value(name, {"job": "j", "tier": "local"})  # noqa: E731
+    assert sample("tpud_checkpoint_last_committed_step") == 80
+    assert sample("tpud_checkpoint_last_committed_timestamp_seconds") == 1_700_000_600.0
+    assert job.snapshot()["last_checkpoint"]["step"] == 80 and job.snapshot()["checkpoints"]["local"]["step"] == 80

@@ -197,7 +197,8 @@ def test_under_xla_the_asynchronous_reads_are_checked_before_a_save_and_the_roll
     """On XLA the values reach the host on a reader thread: the save at step 4 must wait for them."""
     pytest.importorskip("torch_xla")
     args = [*QUICK, "train.log_interval=10", "data.corpus_bytes=400000", "data.micro_batch_size=4",
-            "device.backend=xla", "train.mixed_precision=fp32", "attention.kernel=eager", "debug.inject.nan_at_step=3"]
+            "device.backend=xla", "train.mixed_precision=fp32", "attention.kernel=eager", "debug.inject.nan_at_step=3",
+            "model.n_layers=1"]  # XLA's compile time grows with the layers traced
 
     def train():
         return subprocess.run([PYTHON, "-m", "engine.train", str(TINY_JOB), *args, "--state-dir", str(tmp_path)],

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -98,6 +99,12 @@ def test_the_dashboard_is_an_importable_model_with_datasource_and_job_variables(
 # --- a real run: the live view, the summary, and every dashboard query with data ------------------
 
 
+def hear_ctrl_c() -> None:
+    """In the child: Ctrl-C's default action, which a runner started in the background (`cmd &`
+    in a script) passes down as ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Terminal:
     """A command under a pseudo-terminal, its screen kept as a terminal would draw it."""
 
@@ -106,7 +113,8 @@ class Terminal:
         self.stream = pyte.ByteStream(self.screen)
         self.raw = b""
         self.child = pexpect.spawn(args[0], args[1:], cwd=str(REPO), dimensions=(ROWS, COLUMNS),
-                                   env={**env, "TERM": "xterm-256color", "COLUMNS": str(COLUMNS)})
+                                   env={**env, "TERM": "xterm-256color", "COLUMNS": str(COLUMNS)},
+                                   preexec_fn=hear_ctrl_c)
 
     def pump(self, seconds: float = 0.2) -> bool:
         """Read what arrived within `seconds`; False once the program has ended."""
@@ -267,7 +275,8 @@ def test_status_watch_piped_prints_one_screen_after_another_and_json_with_o_json
     try:
         wait_until(lambda: daemon.cli("status").returncode == 0, "the daemon answering", timeout=60)
         proc = subprocess.Popen([PYTHON, "-m", "tpud", "status", "-o", "json", "--watch", "0.2", "--home", str(home)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
+                                preexec_fn=hear_ctrl_c)
         lines = []
         for line in proc.stdout:
             lines.append(line)

@@ -5,7 +5,9 @@ torch_xla's runtime settings are per process, so the xla side runs in a child pr
 """
 
 import json
+import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,9 +18,12 @@ from tests.recorders import StepLosses
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
 
-# fp32 and the eager kernel on both sides, so the only difference is the backend.
+# fp32 and the eager kernel on both sides, so the only difference is the backend. Two layers
+# of the tiny model's four: XLA traces every layer into the step's graph, and its compile time is
+# most of these tests' time.
 COMMON = ["train.mixed_precision=fp32", "attention.kernel=eager", "train.max_steps=6", "train.log_interval=1",
-          "scheduler.warmup_steps=2", "data.micro_batch_size=8", "data.seq_len=64", "data.corpus_bytes=400000"]
+          "scheduler.warmup_steps=2", "data.micro_batch_size=8", "data.seq_len=64", "data.corpus_bytes=400000",
+          "model.n_layers=2"]
 
 
 def run_xla(state_dir, *overrides):
@@ -100,17 +105,18 @@ def test_graphs_compile_once_then_steps_reuse_them(xla_run):
     assert compiles[2] > 0 and compiles[2:] == [compiles[2]] * (len(compiles) - 2)
 
 
-def test_restart_finds_every_graph_in_the_persistent_compilation_cache(tmp_path):
-    # Same state directory (so the same cache), separate checkpoints: the second run repeats
-    # the first instead of resuming from its final checkpoint.
-    first = run_xla(tmp_path, "train.max_steps=3", f"checkpoint.dir={tmp_path / 'first'}")
-    cache = tmp_path / "jobs" / "tiny-cpu" / "xla_cache"
-    assert first["cache"]["Miss"] >= 2 and len(list(cache.iterdir())) == first["cache"]["Miss"]
-    second = run_xla(tmp_path, "train.max_steps=3", f"checkpoint.dir={tmp_path / 'second'}")
+def test_restart_finds_every_graph_in_the_persistent_compilation_cache(xla_run, tmp_path):
+    # The same job again with a copy of the first run's cache and no checkpoint: it repeats the
+    # first run instead of resuming from its final checkpoint.
+    first = xla_run["cache"]
+    cache = xla_run["state_dir"] / "jobs" / "tiny-cpu" / "xla_cache"
+    assert first["Miss"] >= 2 and len(list(cache.iterdir())) == first["Miss"]
+    shutil.copytree(cache, tmp_path / "jobs" / "tiny-cpu" / "xla_cache")
+    second = run_xla(tmp_path)
     assert second["exit"] == 0 and second["cache"]["Miss"] == 0  # every graph's key was found on disk
     # torch_xla 2.9.0's PJRT clients cannot deserialize what they wrote (pytorch/xla#9094),
     # so today those lookups end in DeserializeFailure and a recompile; a Hit once fixed.
-    assert second["cache"]["Hit"] + second["cache"]["DeserializeFailure"] == first["cache"]["Miss"]
+    assert second["cache"]["Hit"] + second["cache"]["DeserializeFailure"] == first["Miss"]
 
 
 def resume_probe(home, stop, *overrides):
@@ -126,8 +132,9 @@ def resume_probe(home, stop, *overrides):
 def test_resume_from_a_sharded_partial_step_checkpoint_equals_the_uninterrupted_run(tmp_path):
     import torch
 
-    whole = resume_probe(tmp_path / "whole", "-1,0")
-    cut = resume_probe(tmp_path / "cut", "3,1")  # one micro-batch into step 4
+    # The whole run and one cut a micro-batch into step 4, at once: each compiles on about one core.
+    with ThreadPoolExecutor(2) as pool:
+        whole, cut = pool.map(resume_probe, (tmp_path / "whole", tmp_path / "cut"), ("-1,0", "3,1"))
     assert cut["exit"] == 75
     resumed = resume_probe(tmp_path / "cut", "-1,0")
     assert resumed["exit"] == 0 and resumed["resumed_at"] == [3, 1]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.xla
 
 COMMON = ["optimizer.name=muon", "train.mixed_precision=fp32", "attention.kernel=eager", "train.max_steps=6",
           "train.log_interval=1", "scheduler.warmup_steps=2", "data.micro_batch_size=8", "data.seq_len=64",
-          "data.corpus_bytes=400000"]
+          "data.corpus_bytes=400000", "model.n_layers=2"]  # half the layers: half the XLA compile time
 
 
 def test_muon_trains_under_spmd_with_sharded_weights_and_state_without_recompiling(tiny_spec, tmp_path):

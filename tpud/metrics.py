@@ -258,6 +258,13 @@ class Metrics:
             self._child(self._ckpt_time, job, tier).set(time.time() if at is None else at)
             self._child(self._ckpt_failures, job, tier)  # exists at 0, so rate() sees the first
 
+    def checkpoint_found(self, job: str, *, tier: str, step: int, at: float) -> None:
+        """A checkpoint committed before this daemon started (its manifest's time): the newest
+        step and age, so that an overdue checkpoint shows before the first new commit."""
+        with self._lock:
+            self._child(self._ckpt_step, job, tier).set(step)
+            self._child(self._ckpt_time, job, tier).set(at)
+
     def checkpoint_interval(self, job: str, seconds: float) -> None:
         with self._lock:
             self._child(self._ckpt_interval, job).set(float(seconds))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import mmap
 import os
 import re
@@ -105,7 +106,23 @@ class Manifest:
         data["data_skips"] = tuple((int(first), int(count)) for first, count in data.get("data_skips") or ())
         # Fields a newer writer added are ignored: a rolling upgrade must not make steps vanish.
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        manifest = cls(**{k: v for k, v in data.items() if k in known})
+        manifest._check_types()
+        return manifest
+
+    def _check_types(self) -> None:
+        """A hand-edited or damaged manifest ("step": "5") is not a manifest: readers format and
+        compare these fields, and a wrong type there would raise far from here."""
+        ints = [self.step, self.micro_step, self.world_size, self.host, self.hosts, self.format,
+                *(f.size for f in self.files)]
+        strs = [self.job, self.spec_hash, self.version, self.reason, *(f.path for f in self.files),
+                *(f.crc32c for f in self.files)]
+        if (any(type(v) is not int for v in ints) or any(not isinstance(v, str) for v in strs)
+                or type(self.created_unix) not in (int, float) or not math.isfinite(self.created_unix)
+                or not (self.wandb_run_id is None or isinstance(self.wandb_run_id, str))):
+            raise ValueError("a manifest field has the wrong type")
+        if min(self.step, self.micro_step, *(f.size for f in self.files)) < 0:
+            raise ValueError("a manifest field is negative")
 
     @classmethod
     def describe(cls, directory: Path, **fields) -> Manifest:

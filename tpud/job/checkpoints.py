@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine import events
+from engine.checkpoint import manifest as mf
 from tpud.job.save_failures import SaveFailures
 
 
@@ -39,6 +41,20 @@ class JobCheckpoints:
         self.waiters: list[Waiter] = []
         self.failures = SaveFailures()
         self.save_seconds = 0.0  # how long the last local save took
+
+    def found_local(self, job_dir: Path) -> Checkpoint | None:
+        """The newest committed step a former worker (or daemon) left on the local tier, from its
+        manifest: status and metrics show it from the start, not from the first new commit."""
+        try:
+            committed = mf.committed_steps(job_dir)
+        except OSError:  # an unreadable directory: the worker's restore says more
+            return None
+        if not committed:
+            return None
+        step, path, manifest = committed[-1]
+        self.last = self.tiers["local"] = Checkpoint(step, manifest.micro_step, "local", str(path),
+                                                     manifest.created_unix)
+        return self.last
 
     def wait_for_next(self, after_step: int) -> Future:
         """A future resolved with the next local commit of `after_step` or later."""

@@ -70,6 +70,7 @@ class MetricsSink(Protocol):
     def restart(self, job: str, reason: str) -> None: ...
     def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None: ...
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int, step: int) -> None: ...
+    def checkpoint_found(self, job: str, *, tier: str, step: int, at: float) -> None: ...
     def checkpoint_interval(self, job: str, seconds: float) -> None: ...
     def checkpoint_failure(self, job: str, tier: str) -> None: ...
     def goodput(self, job: str, ratio: float) -> None: ...
@@ -128,6 +129,8 @@ class Job:
         for kind, seconds in self.ledger.badput.items():
             self.metrics.badput(self.name, kind, seconds)
         self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=RESTART_REASONS)
+        if (found := self.checkpoints.found_local(self.tiers.local_job_dir)) is not None:
+            self.metrics.checkpoint_found(self.name, tier="local", step=found.step, at=found.at)
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
                                   saved=self.record.wandb, newest_run_id=self._newest_run_id)
         self._saved_at = self.clock()
@@ -536,7 +539,7 @@ class Job:
             self.hang = self.watch.verdict(now)
             if self.hang is not None:
                 log.error("worker hung; terminating it", job=self.name, silent_s=round(now - self.watch.last_heard, 3),
-                          bound_s=round(self.watch.bound(), 1), step=self.watch.step)
+                          bound_s=round(self.watch.bound(), 3), step=self.watch.step)
                 # Stopped by a signal, SIGTERM would wait for a SIGCONT. In a gang no checkpoint can be
                 # taken without the hung worker, so the others' wait ends soonest with this one's death.
                 if self.worker.stopped() or self.gang.place is not None:
