@@ -1,4 +1,5 @@
-"""Run by tests/test_distributed.py under torchrun; rank 0 prints one JSON line."""
+"""Run by tests/test_distributed.py under torchrun; rank 0 writes its result to STATE_DIR/probe.json
+(not stdout: both ranks write there, and a block-buffered rank can split another's line)."""
 
 import json
 import os
@@ -31,7 +32,8 @@ def main(job: str, state_dir: str, *overrides: str) -> None:
     trainer.run()
     if dist.get_rank() == 0:
         weights = [p.detach().sum().item() for p in trainer.model.parameters()]
-        print(json.dumps({"world": dist.get_world_size(), "losses": hooks.losses, "weights": weights}))
+        result = {"world": dist.get_world_size(), "losses": hooks.losses, "weights": weights}
+        (Path(state_dir) / "probe.json").write_text(json.dumps(result))
     trainer.backend.close()
 
 

@@ -4,6 +4,7 @@ writing job files."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import textwrap
@@ -59,6 +60,7 @@ class Daemon:
     def __init__(self, home: Path, env: dict | None = None):
         self.home = home
         self.log = open(home / "daemon.log", "ab")
+        self.log_start = self.log.seek(0, os.SEEK_END)  # a home's earlier daemons logged before it
         self.proc = subprocess.Popen([PYTHON, "-m", "tpud", "daemon", "--home", str(home), "--metrics-addr",
                                       "127.0.0.1:0"], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=python_env(**(env or {})))
@@ -89,8 +91,12 @@ class Daemon:
         return (self.home / "daemon.log").read_text()[-4000:]
 
     def events(self, event: str) -> list[dict]:
+        """This daemon's log records of `event` (not those of the home's earlier daemons)."""
+        with open(self.home / "daemon.log", "rb") as log:
+            log.seek(self.log_start)
+            lines = log.read().decode(errors="replace").splitlines()
         records = []
-        for line in (self.home / "daemon.log").read_text().splitlines():
+        for line in lines:
             try:
                 record = json.loads(line)
             except ValueError:
