@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,15 +70,19 @@ class SignalHooks(Hooks):
     """The signal fallback (DESIGN.md): SIGTERM = checkpoint then exit, SIGUSR1 = checkpoint
     and continue, both at the very next boundary. Handlers only record; the loop acts."""
 
-    def __init__(self) -> None:
+    def __init__(self, early: Iterable[int] = ()) -> None:
+        """early: signals a handler of the process's own recorded before these hooks existed."""
         import signal
 
         self._pending: Request | None = None
-        signal.signal(signal.SIGTERM, lambda *_: self._record(Action.CHECKPOINT_AND_EXIT))
-        signal.signal(signal.SIGUSR1, lambda *_: self._record(Action.CHECKPOINT))
+        self._actions = {signal.SIGTERM: Action.CHECKPOINT_AND_EXIT, signal.SIGUSR1: Action.CHECKPOINT}
+        for signum in self._actions:
+            signal.signal(signum, lambda signum, _frame: self._record(signum))
+        for signum in list(early):  # after the handlers: one arriving meanwhile is not lost
+            self._record(signum)
 
-    def _record(self, action: Action) -> None:
-        self._pending = merge(self._pending, Request(action, deadline_s=0.0))
+    def _record(self, signum: int) -> None:
+        self._pending = merge(self._pending, Request(self._actions[signum], deadline_s=0.0))
 
     def poll(self, at: Boundary) -> Request | None:
         request, self._pending = self._pending, None

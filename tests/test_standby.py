@@ -109,3 +109,23 @@ def test_a_reader_never_sees_a_half_written_spec(standby):
     done.set()
     reader.join()
     assert texts and set(texts) == {worker.spec_file.read_text()}
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for `signum` (/proc's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_a_worker_asked_to_stop_before_its_hooks_exist_stops_as_asked(standby):
+    """SIGTERM while a worker starts (here: a spare waiting for its release, before the hooks
+    that record signals exist) is recorded from the first instant, not fatal: once it runs, the
+    worker stops as asked, exit 75, not killed by the signal's default (143)."""
+    spec, paths, worker = standby
+    wait_until(lambda: catches(worker.pid, signal.SIGTERM), "a SIGTERM handler from the start", timeout=10)
+    worker.signal(signal.SIGTERM)
+    assert worker.release(spec)
+    assert worker.proc.wait(timeout=120) == 75, worker.stdout.read().decode(errors="replace")[-3000:]
+    assert [step for step, _ in committed(paths.layout.checkpoints(spec.name))] <= [0]  # it trained no step

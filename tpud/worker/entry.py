@@ -16,7 +16,7 @@ import os
 import select
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import structlog
@@ -37,8 +37,8 @@ class ChannelHooks(SignalHooks):
     A thread listens to the channel, so a request is heard while a step runs: the engine may
     answer it at once (on_request), and the loop polls the rest at its next boundary."""
 
-    def __init__(self, path: str | None):
-        super().__init__()
+    def __init__(self, path: str | None, early_signals: Iterable[int] = ()):
+        super().__init__(early_signals)
         # The checkpoint writer's thread emits events while the training thread polls.
         self._lock = threading.Lock()
         self.connection = channel.connect(path) if path else None
@@ -137,7 +137,8 @@ def standby(spec: JobSpec) -> bool:
     return released
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> int:
+    """early_signals: SIGTERM and SIGUSR1 that __main__'s handlers recorded before the hooks."""
     parser = argparse.ArgumentParser(prog="python -m tpud.worker", description="tpud training worker (internal).")
     parser.add_argument("spec", type=Path, help="resolved job spec, JSON")
     parser.add_argument("--state-dir", type=Path, required=True)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(spec.logging.level)
     structlog.contextvars.bind_contextvars(job=spec.name)
     # Before torch is imported (seconds): a stop asked meanwhile is recorded, not fatal (SIGTERM's default).
-    hooks = ChannelHooks(os.environ.get("TPUD_CHANNEL"))
+    hooks = ChannelHooks(os.environ.get("TPUD_CHANNEL"), early_signals)
     from engine.backends import resolve_backend_name
     from engine.train import train  # torch is imported here, after argument checks
 
