@@ -100,14 +100,18 @@ def test_a_deadline_shorter_than_a_step_takes_a_partial_step_checkpoint_that_res
     (home / "tpud.yaml").write_text("preemption_deadline_seconds: 0.2\n")
     partial = None
     # The earliest boundary after a notice is mid-step 11 times in 12; a notice landing on a
-    # step boundary rightly takes a full-step checkpoint, so try again from there.
+    # step boundary rightly takes a full-step checkpoint, so try again from there. Status shows
+    # a step just after its boundary, whose work (the memory save) a loaded machine stretches:
+    # the notice waits a random part of a step, or every one could land in that work.
+    rng = random.Random(11)
     for attempt in range(4):
         metadata_server.set("instance/preempted", "FALSE")
         daemon = Daemon(home, env={"GCE_METADATA_HOST": metadata_server.host})
         try:
             target = 2 + 3 * attempt
-            daemon.wait_for(lambda jobs: jobs["pre"]["state"] == "RUNNING" and (jobs["pre"]["step"] or 0) >= target,
-                            f"step {target}")
+            jobs = daemon.wait_for(lambda jobs: jobs["pre"]["state"] == "RUNNING" and (jobs["pre"]["step"] or 0) >= target,
+                                   f"step {target}")
+            time.sleep(rng.uniform(0.2, 0.8) * (jobs["pre"]["step_time_s"] or 0.0))
             metadata_server.set("instance/preempted", "TRUE")
             daemon.wait_for(lambda jobs: jobs["pre"]["state"] == "PREEMPTED", "PREEMPTED")
             assert exits(daemon) == [75]
