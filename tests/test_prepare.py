@@ -220,3 +220,125 @@ def test_an_output_inside_an_input_directory_is_not_read_back(tmp_path):
     assert [s.url for s in first.sources] == [str(tmp_path / "in" / "a.jsonl")]
     again = run(tmp_path / "in" / "ds", tmp_path / "in", tokenizer="train:300")  # tokenizer.json is there now
     assert again == first
+
+
+# --- memory bounded whatever the input: --max-doc-bytes, and a tokenizer process that dies ---
+
+LIMIT = 1000
+
+
+def _bomb(path: Path, size: int, compression: str) -> Path:
+    """One jsonl line of `size` bytes, then a fine record, compressed."""
+    path.write_bytes(b'{"text": "' + b"a" * size + b'"}\n{"text": "after"}\n')
+    return corpus.compress(path, compression)
+
+
+def _parquet(path: Path, texts) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": list(texts)}), path)
+    return path
+
+
+TOO_LONG = {
+    "line.jsonl.gz": (lambda p: _bomb(p.with_suffix(""), 5 * LIMIT, ".gz"), "line.jsonl.gz:1: a line of more than"),
+    "line.jsonl.zst": (lambda p: _bomb(p.with_suffix(""), 5 * LIMIT, ".zst"), "line.jsonl.zst:1: a line of more than"),
+    # A quoted field may span lines, so after an over-long line or field the rest of the file is lost.
+    "line.csv": (lambda p: p.write_text("text\nafter\n" + "b" * 5 * LIMIT + "\nlost\n") and p,
+                 "line.csv:3: a line of more"),
+    # Each line of this quoted field is short, the field is not.
+    "field.csv": (lambda p: p.write_text('text\nafter\n"' + ("c" * 99 + "\n") * 50 + '"\nlost\n') and p,
+                  "field.csv:3: a field of more than"),
+    "value.parquet": (lambda p: _parquet(p, ["ok", "d" * 5 * LIMIT, "after"]), "value.parquet:row 2: field 'text'"),
+}
+
+
+@pytest.mark.parametrize("name", TOO_LONG)
+def test_a_record_past_max_doc_bytes_is_a_named_problem_and_skip_keeps_the_rest(tmp_path, name):
+    make, message = TOO_LONG[name]
+    bad = make(tmp_path / name)
+    with pytest.raises(PrepareError, match=f"{message}.*--max-doc-bytes"):
+        run(tmp_path / "out", bad, max_doc_bytes=LIMIT)
+    assert not (tmp_path / "out" / mf.MANIFEST).exists() and not (tmp_path / "out" / ".incomplete").exists()
+    manifest = run(tmp_path / "out", bad, max_doc_bytes=LIMIT, on_error="skip")
+    assert manifest.skipped.count == 1 and manifest.skipped.by_reason == {"too long": 1}
+    assert [bytes(d[:-1]).decode() for d in documents(tmp_path / "out")][-1] == "after"
+    # The same record is fine under the default limit.
+    assert run(tmp_path / "whole", bad).skipped.count == 0
+
+
+def test_reading_a_decompression_bomb_holds_no_more_than_the_limit(tmp_path):
+    import tracemalloc
+
+    from engine.data import sources
+
+    bomb = _bomb(tmp_path / "bomb.jsonl", 64 << 20, ".gz")  # 64 MiB in one line, 64 KiB on disk
+    [source] = sources.discover([str(bomb)])
+    tracemalloc.start()
+    try:
+        items = list(sources.read(source, "text", 1 << 20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [type(i).__name__ for i in items] == ["Problem", "Record"] and items[0].kind == "too long"
+    assert peak < 8 << 20, f"reading held {peak >> 20} MiB"
+
+
+def test_a_text_file_past_the_limit_is_cut_into_documents_at_line_breaks(tmp_path):
+    lines = "".join(f"line {i} " + "é" * 100 + "\n" for i in range(40))  # 212 bytes a line
+    (tmp_path / "lines.txt").write_text(lines)
+    (tmp_path / "oneline.txt").write_text("ü" * 3 * LIMIT)  # no break: cut between characters
+    for name, whole in [("lines.txt", lines), ("oneline.txt", "ü" * 3 * LIMIT)]:
+        run(tmp_path / name[:-4], tmp_path / name, max_doc_bytes=LIMIT)
+        docs = [bytes(d[:-1]) for d in documents(tmp_path / name[:-4])]
+        assert len(docs) > 1 and all(len(d) <= LIMIT for d in docs)
+        assert b"".join(docs).decode() == whole
+        if name == "lines.txt":
+            assert all(d.endswith(b"\n") for d in docs)
+
+
+def test_a_long_document_encodes_in_pieces_to_the_same_ids(hf_tokenizer):
+    from engine.data import tokenizer as tk
+
+    tok = tk.load(str(hf_tokenizer))
+    texts = [" ".join(TEXTS[:40]), TEXTS[0], "\n\n".join(TEXTS[40:60])]
+    whole_ids, whole_lengths = tok.encode_batch(texts, piece_chars=1 << 30)
+    ids, lengths = tok.encode_batch(texts, piece_chars=300)
+    assert len(texts[0]) > 10 * 300 and lengths.tolist() == whole_lengths.tolist()
+    assert np.array_equal(ids, whole_ids)
+    assert all(len(p) <= 300 for p in tk.pieces(texts[0], 300)) and "".join(tk.pieces(texts[0], 300)) == texts[0]
+
+
+@pytest.mark.slow
+def test_a_tokenizer_process_that_dies_fails_prepare_at_once_naming_the_records(tmp_path):
+    big = corpus.write(tmp_path / "big.jsonl", list(TEXTS) * 300, "jsonl")  # ~20 MB
+    out = tmp_path / "out"
+    proc = subprocess.Popen([PYTHON, "-m", "tpud", "prepare", str(big), "--tokenizer", "bytes", "--out", str(out),
+                             "--workers", "2", "--no-progress"], cwd=REPO, env=python_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (workers := _workers(proc.pid)) or not (out / ".incomplete").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer does
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, stderr
+    assert "a tokenizer process died (killed by SIGKILL" in stderr and f"while encoding {big}:" in stderr
+    assert not (out / mf.MANIFEST).exists() and not (out / ".incomplete").exists()
+
+
+def _workers(pid: int) -> list[int]:
+    """The pool's worker processes among `pid`'s children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in _cmdline(int(c)) and b"resource_tracker" not in _cmdline(int(c))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -6,8 +6,11 @@ as shards with a document index (engine.data.shards) and manifest.json last
 (engine.data.manifest). Training then only memory-maps the shards.
 
 The main process reads records and writes shards; `--workers` processes tokenize, at most a
-few chunks ahead, so memory stays bounded for inputs larger than RAM. Results are taken in
-submission order, so the same inputs and options give byte-identical shards.
+few chunks' worth of text ahead, so memory stays bounded for inputs larger than RAM (and one
+document is bounded by --max-doc-bytes, see engine.data.sources). Results are taken in
+submission order, so the same inputs and options give byte-identical shards. A worker that
+dies (the kernel's out-of-memory killer, a signal, a crash) fails the run at once, naming the
+records it was encoding.
 
 Everything is written to DIR/.incomplete/ and moved into DIR before the manifest is
 written, so an interrupted run leaves nothing that looks complete; running it again starts
@@ -25,10 +28,13 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 
@@ -68,38 +74,67 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 class Encoder:
     """Chunks of texts encoded in worker processes, results in submission order, few in flight.
 
-    With one worker the main process encodes itself: a lone worker process would only add the
-    copying between the two, and its start-up.
+    In flight is bounded by text, not by chunks: a chunk holding one long document counts for
+    what it is. With one worker the main process encodes itself: a lone worker process would
+    only add the copying between the two, and its start-up.
     """
 
     def __init__(self, tokenizer: tk.Tokenizer, workers: int):
         self.tokenizer = tokenizer
-        self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
-        self.pending: collections.deque = collections.deque()
-        self.limit = 2 * workers
+        self.pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker,
+                                        (tokenizer,)) if workers > 1 else None
+        self.pending: collections.deque[tuple[Future, object, int, str]] = collections.deque()
+        self.in_flight, self.budget = 0, 2 * workers * CHUNK_CHARS
+        self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
 
-    def submit(self, texts: list[str], tag: object) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
-        """Queue a chunk; yields the results that had to be collected to make room."""
+    def submit(self, texts: list[str], tag: object, span: str) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
+        """Queue a chunk (`span` names its records); yields the results collected to make room."""
         if self.pool is None:
             yield (*self.tokenizer.encode_batch(texts), tag)
             return
-        self.pending.append((self.pool.apply_async(_encode, (texts,)), tag))
-        while len(self.pending) > self.limit:
+        chars = sum(map(len, texts))
+        while self.pending and self.in_flight + chars > self.budget:
             yield self._collect()
+        try:
+            self.pending.append((self.pool.submit(_encode, texts), tag, chars, span))
+        except BrokenProcessPool:
+            raise self._died(span) from None
+        self.in_flight += chars
+        # The pool starts its workers as work arrives; keep them to tell how one died.
+        self.processes.update((p.pid, p) for p in multiprocessing.active_children())
 
     def drain(self) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
         while self.pending:
             yield self._collect()
 
     def _collect(self) -> tuple[np.ndarray, np.ndarray, object]:
-        result, tag = self.pending.popleft()
-        ids, lengths = result.get()
+        future, tag, chars, span = self.pending.popleft()
+        try:
+            ids, lengths = future.result()
+        except BrokenProcessPool:
+            raise self._died(span) from None
+        self.in_flight -= chars
         return ids, lengths, tag
+
+    def _died(self, span: str) -> PrepareError:
+        for process in self.processes.values():
+            process.join(timeout=1)
+        how = sorted({_how(p.exitcode) for p in self.processes.values() if p.exitcode not in (None, 0)})
+        return PrepareError(f"a tokenizer process died ({', '.join(how) or 'it exited'}) while encoding {span}; "
+                            f"nothing was written (for a document too large for memory, lower --max-doc-bytes)")
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _how(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"exit status {exitcode}"
+    name = signal.Signals(-exitcode).name
+    if name == "SIGKILL":
+        return "killed by SIGKILL, as the kernel's out-of-memory killer does: see `dmesg`"
+    return f"killed by {name}"
 
 
 # --- reading, with the --on-error policy ---
@@ -120,7 +155,7 @@ class Reader:
         examples: list[str] = []
         for source in self.inputs:
             counts = self.per_source[source.url]
-            for item in sources.read(source, self.opts.text_field):
+            for item in sources.read(source, self.opts.text_field, self.opts.max_doc_bytes):
                 if isinstance(item, sources.Problem):
                     if self.opts.on_error == "fail":
                         raise PrepareError(f"{item} (--on-error skip skips such records and counts them)")
@@ -175,7 +210,8 @@ class Progress:
 def fingerprint(inputs: list[sources.Source], opts: Options, tokenizer_id: str) -> str:
     what = {"format": mf.FORMAT, "inputs": [(s.url, s.size, s.mtime) for s in inputs], "tokenizer": tokenizer_id,
             "text_field": opts.text_field, "val_fraction": opts.val_fraction, "val_docs": opts.val_docs,
-            "seed": opts.seed, "shard_tokens": opts.shard_tokens, "on_error": opts.on_error}
+            "seed": opts.seed, "shard_tokens": opts.shard_tokens, "on_error": opts.on_error,
+            "max_doc_bytes": opts.max_doc_bytes}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -301,10 +337,10 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
 
     try:
         ordinal = 0
-        for texts, text_bytes in _chunks(reader.records()):
+        for texts, text_bytes, span in _chunks(reader.records()):
             val = is_val(np.arange(ordinal, ordinal + len(texts)))
             ordinal += len(texts)
-            for result in encoder.submit(texts, (val, text_bytes, reader.bytes_done)):
+            for result in encoder.submit(texts, (val, text_bytes, reader.bytes_done), span):
                 store(*result)
         for result in encoder.drain():
             store(*result)
@@ -329,19 +365,26 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
                                 skipped=reader.per_source[s.url][1]) for s in inputs],
         skipped=reader.skips,
         options={k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "val_docs", "seed",
-                                                                "shard_tokens", "on_error", "tokenizer")})
+                                                                "shard_tokens", "on_error", "tokenizer",
+                                                                "max_doc_bytes")})
 
 
-def _chunks(records: Iterator[sources.Record]) -> Iterator[tuple[list[str], int]]:
-    texts, size = [], 0
+def _chunks(records: Iterator[sources.Record]) -> Iterator[tuple[list[str], int, str]]:
+    """Texts in chunks of about CHUNK_CHARS, each with its size and the span of records it holds."""
+    texts, size, first = [], 0, None
     for record in records:
         texts.append(record.text)
         size += len(record.text)
+        first = first or record.where
         if size >= CHUNK_CHARS:
-            yield texts, size
-            texts, size = [], 0
+            yield texts, size, _span(first, record.where)
+            texts, size, first = [], 0, None
     if texts:
-        yield texts, size
+        yield texts, size, _span(first, record.where)
+
+
+def _span(first: str, last: str) -> str:
+    return first if first == last else f"{first} to {last}"
 
 
 def _resolve_tokenizer(spec: str, reader: Reader) -> tk.Tokenizer:

@@ -27,6 +27,7 @@ class Options:
     val_docs: int | None = None
     seed: int = 0
     shard_tokens: int = 1 << 27
+    max_doc_bytes: int = 64 << 20  # far past any real document, far below a host's memory
     on_error: str = "fail"  # or "skip"
     workers: int = 0  # 0: every core
     work_dir: str | None = None  # where a gs:// output is staged
@@ -42,6 +43,8 @@ class Options:
             raise PrepareError("--val-fraction and --val-docs: give one of them")
         if self.shard_tokens < 1:
             raise PrepareError(f"--shard-tokens {self.shard_tokens}: must be positive")
+        if self.max_doc_bytes < 1:
+            raise PrepareError(f"--max-doc-bytes {self.max_doc_bytes}: must be positive")
         if self.on_error not in ("fail", "skip"):
             raise PrepareError(f"--on-error {self.on_error}: fail or skip")
 
@@ -74,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokenizer processes (default: one per core)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N",
                         help="tokens per shard file (default 2^27: 256 MiB of uint16)")
+    parser.add_argument("--max-doc-bytes", type=_size, default=Options.max_doc_bytes, metavar="SIZE",
+                        help="the longest document read, in bytes of UTF-8 (e.g. 64M, 1G; default 64M), which bounds "
+                        "memory whatever the input: a longer jsonl/json line, csv/tsv field or parquet value is a bad "
+                        "record (too long; see --on-error), and a longer .txt file is cut into documents of at most "
+                        "this size at line breaks")
     parser.add_argument("--work-dir", metavar="DIR", help="where a gs:// output is staged (default: $TMPDIR)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a dataset prepared from other inputs or options")
@@ -81,10 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log lines instead of a progress bar, even on a terminal")
 
 
+def _size(text: str) -> int:
+    """A byte count: 1048576, 1M, 1MiB, 512K, 2G."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = number[-1:] if number[-1:] in units else ""
+    try:
+        return int(float(number.removesuffix(unit)) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size in bytes, e.g. 67108864, 64M or 1G") from None
+
+
 def options(args: argparse.Namespace) -> Options:
     return Options(inputs=tuple(args.inputs), tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
                    val_fraction=args.val_fraction, val_docs=args.val_docs, seed=args.seed,
-                   shard_tokens=args.shard_tokens, on_error=args.on_error, workers=max(0, args.workers),
+                   shard_tokens=args.shard_tokens, max_doc_bytes=args.max_doc_bytes, on_error=args.on_error,
+                   workers=max(0, args.workers),
                    work_dir=args.work_dir, overwrite=args.overwrite, progress=args.progress)
 
 

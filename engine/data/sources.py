@@ -8,9 +8,12 @@ by suffix, each optionally compressed (.gz, .zst):
     .csv .tsv      a header row names the columns; the text is one column
     .txt           the whole file is one document
 
-Readers stream (nothing holds a whole file) and never raise on bad content: they yield a
-`Problem` naming the file and line or row, and the caller decides whether to stop or skip.
-Torch-free.
+Readers stream and never raise on bad content: they yield a `Problem` naming the file and line
+or row, and the caller decides whether to stop or skip. Memory is bounded whatever the input
+(a line that decompresses to gigabytes, say): nothing holds more than `max_doc_bytes` of one
+line, field or document, or one parquet row group of at most ROW_GROUP_BYTES. A longer record
+is a "too long" problem; a longer .txt file, whose lines no structure ties together, is cut into
+documents of at most `max_doc_bytes` (at a line break where there is one). Torch-free.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from typing import BinaryIO
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "txt"}
 COMPRESSIONS = (".gz", ".zst")
 _GLOB = re.compile(r"[*?\[]")
-csv.field_size_limit(2**31 - 1)  # a document may be long; the default limit is 128 KiB
+ROW_GROUP_BYTES = 512 << 20  # a parquet row group's text column is read whole: larger ones are refused
+TOO_LONG = "too long"
 
 
 class InputError(ValueError):
@@ -162,22 +166,27 @@ def _remote_sources(arg: str) -> list[Source]:
     return sorted(sources, key=lambda s: s.url)
 
 
-def read(source: Source, text_field: str) -> Iterator[Record | Problem]:
+def read(source: Source, text_field: str, max_doc_bytes: int) -> Iterator[Record | Problem]:
     """The source's documents in order, or the problems found instead of them."""
     try:
         with source.open() as stream:
-            yield from _READERS[source.format](source.url, stream, text_field)
+            yield from _READERS[source.format](source.url, stream, text_field, max_doc_bytes)
     except (OSError, EOFError) as e:  # unreadable, truncated or corrupt compressed data
         yield Problem(source.url, f"cannot read: {e}", "unreadable")
 
 
-def _jsonl(url: str, stream: BinaryIO, field: str) -> Iterator[Record | Problem]:
-    empty = True
-    for number, raw in enumerate(stream, 1):
+def _jsonl(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Record | Problem]:
+    empty, number = True, 0
+    while raw := stream.readline(limit + 1):
+        number += 1
         if not raw.strip():
             continue  # blank lines (a trailing newline, say) hold no record
         empty = False
         where = f"{url}:{number}"
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            _skip_line(stream)
+            yield _too_long(where, "a line", limit)
+            continue
         try:
             obj = json.loads(raw)
         except UnicodeDecodeError as e:
@@ -186,42 +195,69 @@ def _jsonl(url: str, stream: BinaryIO, field: str) -> Iterator[Record | Problem]
         except (json.JSONDecodeError, RecursionError) as e:
             yield Problem(where, f"malformed JSON: {e}", "malformed JSON")
             continue
-        yield _field(obj, field, where)
+        yield _field(obj, field, where, limit)
     if empty:
         yield Problem(url, "empty file", "empty file")
 
 
-def _field(obj: object, field: str, where: str) -> Record | Problem:
+def _skip_line(stream: BinaryIO) -> None:
+    """Read past the rest of an over-long line, a bounded piece at a time."""
+    while (piece := stream.readline(1 << 20)) and not piece.endswith(b"\n"):
+        pass
+
+
+def _too_long(where: str, what: str, limit: int, then: str = "") -> Problem:
+    return Problem(where, f"{what} of more than {limit} bytes (--max-doc-bytes raises the limit){then}", TOO_LONG)
+
+
+def _field(obj: object, field: str, where: str, limit: int) -> Record | Problem:
     if not isinstance(obj, dict):
         return Problem(where, f"not a JSON object but {type(obj).__name__}", "not an object")
     if field not in obj:
         return Problem(where, f"no field {field!r} (fields: {', '.join(map(repr, list(obj)[:8])) or 'none'})",
                        "missing field")
-    return _text(obj[field], field, where)
+    return _text(obj[field], field, where, limit)
 
 
-def _text(value: object, field: str, where: str) -> Record | Problem:
+def _text(value: object, field: str, where: str, limit: int) -> Record | Problem:
     if not isinstance(value, str):
         return Problem(where, f"field {field!r} is {'null' if value is None else type(value).__name__}, not a string",
                        "not a string")
     if not value:
         return Problem(where, f"field {field!r} is empty", "empty text")
     try:
-        value.encode("utf-8")
+        size = len(value.encode("utf-8"))
     except UnicodeEncodeError as e:  # lone surrogates: from \ud800 escapes, or undecodable bytes
         return Problem(where, f"invalid UTF-8 in field {field!r} at character {e.start}", "invalid UTF-8")
+    if size > limit:
+        return _too_long(where, f"field {field!r}", limit)
     return Record(value, where)
 
 
+class _LineTooLong(Exception):
+    pass
+
+
+def _bounded_lines(text: io.TextIOWrapper, limit: int) -> Iterator[str]:
+    while line := text.readline(limit + 1):
+        if len(line) > limit and not line.endswith(("\n", "\r")):
+            raise _LineTooLong
+        yield line
+
+
 def _delimited(delimiter: str):
-    def reader(url: str, stream: BinaryIO, field: str) -> Iterator[Record | Problem]:
+    def reader(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Record | Problem]:
         # Undecodable bytes are kept as surrogates and reported on the record that holds them.
         text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape", newline="")
-        rows = csv.reader(text, delimiter=delimiter)
+        csv.field_size_limit(limit)  # a quoted field spanning lines is bounded by the parser
+        rows = csv.reader(_bounded_lines(text, limit), delimiter=delimiter)
         try:
             header = next(rows)
         except StopIteration:
             yield Problem(url, "empty file", "empty file")
+            return
+        except _LineTooLong:
+            yield _too_long(f"{url}:1", "a header line", limit)
             return
         except csv.Error as e:
             yield Problem(f"{url}:1", f"malformed header: {e}", "malformed CSV")
@@ -230,13 +266,21 @@ def _delimited(delimiter: str):
             yield Problem(f"{url}:1", f"no column {field!r} (columns: {', '.join(map(repr, header[:8]))})", "missing field")
             return
         column, records = header.index(field), 0
+        lost = "; the rest of the file is not read"  # the parser cannot tell where the next row starts
         while True:
+            start = rows.line_num + 1
             try:
                 row = next(rows)
             except StopIteration:
                 break
+            except _LineTooLong:
+                yield _too_long(f"{url}:{start}", "a line", limit, lost)
+                break
             except csv.Error as e:
-                yield Problem(f"{url}:{rows.line_num}", f"malformed row: {e}", "malformed CSV")
+                if "field larger than field limit" in str(e):
+                    yield _too_long(f"{url}:{start}", "a field", limit, lost)
+                else:
+                    yield Problem(f"{url}:{rows.line_num}", f"malformed row: {e}", "malformed CSV")
                 break  # the parser's state is unknown after an error
             if not row:
                 continue
@@ -245,26 +289,61 @@ def _delimited(delimiter: str):
             if column >= len(row):
                 yield Problem(where, f"row has {len(row)} columns, no {field!r}", "missing field")
             else:
-                yield _text(row[column], field, where)
+                yield _text(row[column], field, where, limit)
         if not records:
             yield Problem(url, "no rows after the header", "empty file")
 
     return reader
 
 
-def _txt(url: str, stream: BinaryIO, field: str) -> Iterator[Record | Problem]:
-    data = stream.read()
-    if not data.strip():
-        yield Problem(url, "empty file", "empty file")
+def _txt(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Record | Problem]:
+    """The file as one document, or, past `limit` bytes, as documents cut at line breaks."""
+    data = _read_up_to(stream, limit + 1)
+    if len(data) <= limit:
+        if not data.strip():
+            yield Problem(url, "empty file", "empty file")
+            return
+        yield _decoded(url, data, url, 1, 0)
         return
+    line, offset = 1, 0
+    while data:
+        cut = _cut(data, limit) if len(data) > limit else len(data)
+        piece, data = data[:cut], data[cut:]
+        if piece.strip():
+            yield _decoded(url, piece, f"{url}:{line}", line, offset)
+        line, offset = line + piece.count(b"\n"), offset + cut
+        data += _read_up_to(stream, limit + 1 - len(data))
+
+
+def _read_up_to(stream: BinaryIO, size: int) -> bytes:
+    parts, wanted = [], size
+    while wanted > 0 and (part := stream.read(min(wanted, 8 << 20))):
+        parts.append(part)
+        wanted -= len(part)
+    return b"".join(parts)
+
+
+def _cut(data: bytes, limit: int) -> int:
+    """Where to end a piece of at most `limit` bytes: after its last line break in the second
+    half, else on a UTF-8 character boundary."""
+    newline = data.rfind(b"\n", limit // 2, limit)
+    if newline >= 0:
+        return newline + 1
+    cut = limit
+    while cut > 0 and data[cut] & 0xC0 == 0x80:  # a continuation byte: back up to its character's start
+        cut -= 1
+    return cut or limit
+
+
+def _decoded(url: str, data: bytes, where: str, line: int, offset: int) -> Record | Problem:
     try:
-        yield Record(data.decode("utf-8"), url)
+        return Record(data.decode("utf-8"), where)
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        yield Problem(f"{url}:{line}", f"invalid UTF-8 at byte {e.start}", "invalid UTF-8")
+        at = line + data.count(b"\n", 0, e.start)
+        return Problem(f"{url}:{at}", f"invalid UTF-8 at byte {offset + e.start}", "invalid UTF-8")
 
 
-def _parquet(url: str, stream: BinaryIO, field: str) -> Iterator[Record | Problem]:
+def _parquet(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Record | Problem]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -283,10 +362,20 @@ def _parquet(url: str, stream: BinaryIO, field: str) -> Iterator[Record | Proble
             return
         row = 0
         try:
-            for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
-                for value in batch.column(0).to_pylist():
-                    row += 1
-                    yield _text(value, field, f"{url}:row {row}")
+            for group in range(parquet.num_row_groups):
+                meta = parquet.metadata.row_group(group)
+                size = sum(meta.column(i).total_uncompressed_size for i in range(meta.num_columns)
+                           if meta.column(i).path_in_schema.split(".")[0] == field)
+                if size > ROW_GROUP_BYTES:
+                    yield Problem(f"{url}:row {row + 1}", f"row group {group} holds {size} bytes of {field!r}, "
+                                  f"more than the {ROW_GROUP_BYTES} read at once (write it with smaller row groups)",
+                                  TOO_LONG)
+                    row += meta.num_rows
+                    continue
+                for batch in parquet.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
+                    for value in batch.column(0).to_pylist():
+                        row += 1
+                        yield _text(value, field, f"{url}:row {row}", limit)
         except (pa.ArrowException, OSError) as e:
             yield Problem(f"{url}:row {row + 1}", f"unreadable parquet data: {e}", "unreadable")
 

@@ -11,7 +11,6 @@ well-known names below. Torch-free; instances pickle (workers get the JSON, not 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +21,10 @@ import numpy as np
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>")
 TRAINED_EOS = "<|endoftext|>"
+# A Hugging Face encoding costs about 300 bytes of memory a token (its offsets, tokens and masks),
+# so a document longer than this is encoded a piece at a time: a 16 MiB document encoded whole
+# peaks at 2 GB. Pieces are cut before whitespace, where pre-tokenizers split anyway.
+PIECE_CHARS = 1 << 20
 
 
 class TokenizerError(ValueError):
@@ -55,14 +58,11 @@ class Tokenizer:
             self._hf = HfTokenizer.from_str(self.json)
         return self._hf
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch(self, texts: list[str], piece_chars: int = PIECE_CHARS) -> tuple[np.ndarray, np.ndarray]:
         """The documents' framed ids, concatenated (uint32), and each document's framed length."""
-        if self.kind == "bytes":
-            seqs = [text.encode("utf-8") for text in texts]
-        else:
-            seqs = [e.ids for e in self._backend().encode_batch_fast(texts, add_special_tokens=False)]
+        seqs = self._contents(texts, piece_chars)
         lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-        content = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.uint32, count=int(lengths.sum()))
+        content = np.concatenate(seqs, dtype=np.uint32) if seqs else np.empty(0, np.uint32)
         head = 0 if self.bos_id is None else 1
         framed = lengths + head + 1
         ends = np.cumsum(framed)
@@ -74,11 +74,39 @@ class Tokenizer:
             out[ends - framed] = self.bos_id
         return out, framed
 
+    def _contents(self, texts: list[str], piece_chars: int) -> list[np.ndarray]:
+        """Each document's ids, unframed; short documents in one batch, long ones a piece at a time."""
+        if self.kind == "bytes":
+            return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+        hf = self._backend()
+        short = [i for i, text in enumerate(texts) if len(text) <= piece_chars]
+        seqs: list[np.ndarray | None] = [None] * len(texts)
+        for i, encoding in zip(short, hf.encode_batch_fast([texts[i] for i in short], add_special_tokens=False)):
+            seqs[i] = np.asarray(encoding.ids, dtype=np.uint32)
+        for i, text in enumerate(texts):
+            if seqs[i] is None:
+                seqs[i] = np.concatenate([np.asarray(hf.encode(piece, add_special_tokens=False).ids, dtype=np.uint32)
+                                          for piece in pieces(text, piece_chars)])
+        return seqs
+
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         if self.kind == "bytes":
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return self._backend().decode(ids, skip_special_tokens=True)
+
+
+def pieces(text: str, size: int) -> Iterable[str]:
+    """`text` in pieces of at most `size` characters, each cut before a whitespace character in its
+    second half where there is one."""
+    start = 0
+    while len(text) - start > size:
+        end = start + size
+        cut = max(text.rfind("\n", start + size // 2, end), text.rfind(" ", start + size // 2, end))
+        cut = end if cut <= start else cut
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def byte_tokenizer() -> Tokenizer:
