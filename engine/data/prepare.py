@@ -96,7 +96,7 @@ def _size(text: str) -> int:
     unit = number[-1:] if number[-1:] in units else ""
     try:
         return int(float(number.removesuffix(unit)) * units[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, nan, inf
         raise argparse.ArgumentTypeError(f"{text!r}: a size in bytes, e.g. 67108864, 64M or 1G") from None
 
 
