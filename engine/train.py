@@ -102,7 +102,11 @@ class Trainer:
         micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
         inject = spec.debug.inject
         self.faults = Faults(inject, self.job_dir, accum) if inject is not None else NoFaults()
-        self.module = self.backend.prepare_model(LanguageModel(self.model, build_loss(spec.loss, spec.model)))
+        # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
+        per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
+        self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device)
+        loss_fn = build_loss(spec.loss, spec.model, per_device)
+        self.module = self.backend.prepare_model(LanguageModel(self.model, loss_fn))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
         skips_path = layout.skips_file(spec.name)
@@ -137,7 +141,7 @@ class Trainer:
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
-                 loss=resolve_loss_name(spec.loss, spec.model), resumed_at=self.progress.step,
+                 loss=self.loss_name, resumed_at=self.progress.step,
                  precision="bf16" if self.bf16 else "fp32", **data.description,
                  data_skips=[list(s) for s in self.loader.skips], **self.backend.describe())
         self.badput.startup_ends()

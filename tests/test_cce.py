@@ -1,10 +1,11 @@
-"""Cut cross-entropy against F.cross_entropy on the full logits."""
+"""The chunked losses (cut cross-entropy, token-chunked) against F.cross_entropy on the full logits."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.losses.cce import default_chunk_size, linear_cross_entropy
+from engine.losses.chunked import chunked_cross_entropy
 
 
 def reference(hidden, weight, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
@@ -101,13 +102,18 @@ def test_the_full_logits_ce_path_matches_the_written_out_definition(case):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
-def test_auto_uses_cce_when_the_vocabulary_outgrows_the_hidden_size():
+def test_auto_uses_the_full_logits_while_they_fit_the_budget_else_token_chunks():
+    from engine.losses import build_loss, resolve_loss_name
     from engine.spec.schema import LossConfig, ModelConfig
-    from engine.losses import resolve_loss_name
 
-    assert resolve_loss_name(LossConfig(), ModelConfig(vocab_size=32768, dim=768, n_heads=12)) == "cce"
-    assert resolve_loss_name(LossConfig(), ModelConfig(vocab_size=256, dim=512, n_heads=8)) == "ce"
-    assert resolve_loss_name(LossConfig(name="ce"), ModelConfig(vocab_size=32768, dim=768, n_heads=12)) == "ce"
+    model = ModelConfig(vocab_size=32768, dim=768, n_heads=12)
+    assert resolve_loss_name(LossConfig(), model, 8192) == "ce"  # 1 GiB of fp32 logits: the default budget
+    assert resolve_loss_name(LossConfig(), model, 8193) == "chunked"
+    assert resolve_loss_name(LossConfig(logits_budget_mib=4096), model, 16384) == "ce"
+    assert resolve_loss_name(LossConfig(name="cce"), model, 1) == "cce"
+    chosen = build_loss(LossConfig(chunk_tokens=40, z_loss=1e-3), ModelConfig(vocab_size=1000, dim=32, n_heads=4), 1 << 20)
+    hidden, weight, targets = inputs()
+    torch.testing.assert_close(chosen(hidden, weight, targets), reference(hidden, weight, targets, z_loss=1e-3))
 
 
 def test_all_tokens_ignored_gives_zero_loss_and_gradients():
@@ -142,3 +148,45 @@ def test_default_chunk_keeps_scratch_near_8_mib():
     assert default_chunk_size(1 << 20, 65536) == 128
     # Under XLA the loop is unrolled into the graph: a fixed count of 8 chunks.
     assert default_chunk_size(1 << 21, 128256, "xla") == 16128 and -(-128256 // 16128) == 8
+
+
+MEAN_CASES = [case for case in CASES if "reduction" not in CASES[case]]
+
+
+@pytest.mark.parametrize("chunk", [7, 40, 96])  # 96 = one chunk; 7 and 40 leave a ragged last chunk
+@pytest.mark.parametrize("case", MEAN_CASES)
+def test_token_chunked_matches_cross_entropy_within_1e_5(case, chunk):
+    hidden, weight, targets = inputs()
+    ours = loss_and_grads(chunked_cross_entropy, hidden, weight, targets, torch.tensor(0.7), chunk_tokens=chunk,
+                          **CASES[case])
+    ref = loss_and_grads(reference, hidden, weight, targets, torch.tensor(0.7), **CASES[case])
+    for got, want in zip(ours, ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_token_chunked_keeps_its_gradients_in_fp32_and_returns_the_inputs_dtype():
+    hidden, weight, targets = inputs(n=256, d=64, v=3000)
+    ref = loss_and_grads(reference, hidden.double(), weight.double(), targets)
+    ours = loss_and_grads(chunked_cross_entropy, hidden.bfloat16(), weight.bfloat16(), targets, chunk_tokens=64)
+    assert ours[1].dtype == torch.bfloat16 and ours[2].dtype == torch.bfloat16
+    torch.testing.assert_close(ours[0].double(), ref[0].double(), rtol=1e-2, atol=0)
+    for got, want in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=0.02 * want.abs().max().item())
+    loss, gh, gw = loss_and_grads(chunked_cross_entropy, hidden, weight, torch.full((256,), -100), chunk_tokens=64)
+    assert loss.item() == 0.0 and not gh.any() and not gw.any()
+
+
+def test_token_chunked_holds_one_chunk_of_logits_at_a_time():
+    hidden, weight, targets = inputs(n=512, d=16, v=8192)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    sizes = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes.extend(t.numel() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+            return out
+
+    with Watch():
+        chunked_cross_entropy(h, w, targets, chunk_tokens=64).backward()
+    assert max(sizes) == 64 * 8192  # one chunk's logits; the full [512, 8192] never

@@ -354,9 +354,14 @@ class SchedulerConfig(Section):
 
 
 class LossConfig(Section):
-    name: Literal["auto", "cce", "ce"] = Field(
-        "auto", description="cce: cut cross-entropy, never holds the logits; ce: full logits. "
-        "auto: cce when model.vocab_size > model.dim, else ce.")
+    name: Literal["auto", "ce", "chunked", "cce"] = Field(
+        "auto", description="ce: the full logits, fastest while they fit; chunked: the logits of chunk_tokens "
+        "tokens at a time, each chunk's backward done in forward; cce: cut cross-entropy, never holds more than "
+        "a small tile of logits (the least memory, the slowest). auto: ce while one micro-batch's fp32 logits "
+        "on one device fit logits_budget_mib, else chunked.")
+    logits_budget_mib: PositiveInt = Field(
+        1024, description="auto: the most memory a micro-batch's fp32 logits may take on one device for ce.")
+    chunk_tokens: PositiveInt | None = Field(None, description="chunked only: tokens per chunk (default 4096).")
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     z_loss: float = Field(0.0, ge=0, description="Weight of PaLM's auxiliary z-loss, logsumexp(logits)^2 per token.")
     softcap: float | None = Field(None, gt=0, description="Soft-cap the logits as c * tanh(logits / c) (Gemma 2).")
@@ -373,8 +378,10 @@ class LossConfig(Section):
             problems.append(("focal_gamma", self.focal_gamma, "must be 0 (off) or at least 1"))
         if self.focal_gamma and self.label_smoothing:
             problems.append(("label_smoothing", self.label_smoothing, "cannot be combined with focal_gamma"))
-        if self.chunk_size and self.name == "ce":
-            problems.append(("chunk_size", self.chunk_size, "only the cce loss is chunked"))
+        if self.chunk_size and self.name in ("ce", "chunked"):
+            problems.append(("chunk_size", self.chunk_size, "vocabulary chunks are the cce loss's"))
+        if self.chunk_tokens and self.name in ("ce", "cce"):
+            problems.append(("chunk_tokens", self.chunk_tokens, "token chunks are the chunked loss's"))
         if problems:
             raise ValidationError.from_exception_data(type(self).__name__, [
                 InitErrorDetails(type=PydanticCustomError("loss_option", message), loc=(key,), input=value)

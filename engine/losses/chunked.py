@@ -1,0 +1,60 @@
+"""Token-chunked cross-entropy: the logits of a few thousand tokens at a time, each chunk's
+backward done inside forward (the design torchtitan calls ChunkedLossWrapper).
+
+Forward walks the tokens in chunks of `chunk_tokens`. Each chunk's loss is the full-logits
+one (engine.losses.ce.token_losses: every term, whole vocabulary rows in one matmul), and its
+gradients are taken at once, while its chunk x vocab logits exist: d hidden for the chunk's
+rows, d weight accumulated over chunks, both in fp32. Backward only scales them by the
+upstream gradient. So the logits never exist for all tokens, and, unlike cut cross-entropy's
+vocabulary tiles, each chunk is a few large matmuls: fast where launches and elementwise
+passes dominate small tiles (bench/cce.py).
+
+The cost is memory for the fp32 gradients until backward (N x D and V x D): far below the
+N x V logits whenever the vocabulary is large, which is when this loss is picked.
+Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.losses.ce import token_losses
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, **terms) -> torch.Tensor:
+    """Mean token loss of hidden [N, D] against weight [V, D], equal to engine.losses.ce.cross_entropy."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden [N, D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, {"ignore_index": ignore_index, **terms})
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, terms):
+        count = (targets != terms["ignore_index"]).sum().clamp(min=1)
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.detach().requires_grad_()
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            h = hidden[rows].detach().requires_grad_()
+            with torch.enable_grad():
+                loss = token_losses(h, w, targets[rows], **terms).sum()
+                d_hidden, d_weight = torch.autograd.grad(loss, (h, w))
+            grad_hidden[rows] = d_hidden
+            grad_weight += d_weight
+            total += loss.detach()
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        scale = grad_output / count
+        return ((grad_hidden * scale).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None,
+                (grad_weight * scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None, None, None)
