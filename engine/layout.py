@@ -4,6 +4,7 @@
     <state>/jobs/<job>/spec.json         the validated spec a worker trains
     <state>/jobs/<job>/data_skips.json   micro-batches skipped after non-finite losses
     <state>/jobs/<job>/xla_cache/        torch_xla's compilation cache
+    <state>/jobs/<job>/inductor_cache/   torch.compile's (Inductor's and Triton's) caches, cpu and cuda
     <checkpoint.dir or <state>/checkpoints>/<job>/step_*/   the local checkpoint tier
     <state>/datasets/<key>/              gs:// datasets fetched to this host, shared by its jobs
     <state>/models/<key>/                gs:// model.init_from directories fetched, likewise
@@ -43,6 +44,9 @@ class StateLayout:
 
     def xla_cache(self, job: str) -> Path:
         return self.job_dir(job) / "xla_cache"
+
+    def inductor_cache(self, job: str) -> Path:
+        return self.job_dir(job) / "inductor_cache"
 
     def datasets(self) -> Path:
         return self.state / "datasets"

@@ -80,7 +80,8 @@ class Trainer:
         self.spec, self.hooks = spec, hooks or Hooks()
         layout = StateLayout(Path(state_dir))
         self.job_dir = layout.job_dir(spec.name)
-        self.backend = build_backend(spec.device, cache_dir=str(layout.xla_cache(spec.name)))
+        self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
+                                     inductor_cache=str(layout.inductor_cache(spec.name)))
         kernel, attention = build_attention(spec.attention, self.backend)
         torch.manual_seed(spec.train.seed)
         # Built on the meta device, then given its weights one tensor at a time in their final
@@ -105,7 +106,9 @@ class Trainer:
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
         self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device)
-        loss_fn = build_loss(spec.loss, spec.model, per_device)
+        loss_fn = build_loss(spec.loss, spec.model, per_device, self.backend.compile)
+        for block in self.model.layers:
+            self.backend.compile(block)
         self.module = self.backend.prepare_model(LanguageModel(self.model, loss_fn))
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)

@@ -34,8 +34,10 @@ def preload(cfg: DeviceConfig) -> None:
         import torch_xla.runtime  # noqa: F401
 
 
-def build_backend(cfg: DeviceConfig, cache_dir: str | None = None) -> Backend:
+def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cache: str | None = None) -> Backend:
     name = resolve_backend_name(cfg)
+    if name == "xla" and cfg.compile is True:
+        raise ConfigError("device.compile", "xla compiles whole steps by itself: leave it auto (or false)")
     if name == "xla":
         try:
             import torch_xla  # noqa: F401  (imported here first, so a missing one is a config error)
@@ -43,9 +45,10 @@ def build_backend(cfg: DeviceConfig, cache_dir: str | None = None) -> Backend:
             raise ConfigError("device.backend", f"xla needs torch_xla (pip install 'tpud[tpu]'): {e}") from e
         from engine.backends.xla import XlaBackend
 
-        return XlaBackend(cfg, cache_dir if cfg.compile_cache else None)
+        return XlaBackend(cfg, xla_cache if cfg.compile_cache else None)
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device.backend", "cuda was asked for but torch sees no CUDA device")
     from engine.backends.torch_native import TorchBackend
 
-    return TorchBackend(name, cfg.peak_flops)
+    compiling = cfg.compile if cfg.compile != "auto" else name == "cuda"
+    return TorchBackend(name, cfg.peak_flops, compiling, inductor_cache if cfg.compile_cache else None)

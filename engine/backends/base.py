@@ -58,6 +58,10 @@ class Backend:
         """Place (and shard or wrap) the model; returns the module to call."""
         raise NotImplementedError
 
+    def compile(self, target: Callable) -> Callable:
+        """`target` (a module, compiled in place, or a function) as this backend runs it best."""
+        return target
+
     @torch.no_grad()
     def materialise(self, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Give a Transformer built on the meta device its weights on this backend's device, from

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine.losses.cce import linear_cross_entropy
-from engine.losses.ce import cross_entropy
+from engine.losses.ce import cross_entropy, token_losses
 from engine.losses.chunked import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from engine.spec.schema import LossConfig, ModelConfig
 
@@ -28,12 +28,15 @@ def resolve_loss_name(cfg: LossConfig, model: ModelConfig, tokens_per_device: in
     return "ce" if logits_bytes <= cfg.logits_budget_mib << 20 else "chunked"
 
 
-def build_loss(cfg: LossConfig, model: ModelConfig, tokens_per_device: int) -> LossFn:
+def build_loss(cfg: LossConfig, model: ModelConfig, tokens_per_device: int,
+               compile: Callable[[Callable], Callable] = lambda fn: fn) -> LossFn:
+    """The loss function; `compile` (the backend's) is applied to the full-logits math it runs."""
     terms = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=cfg.softcap,
                  focal_gamma=cfg.focal_gamma)
     name = resolve_loss_name(cfg, model, tokens_per_device)
-    if name == "cce":
+    if name == "cce":  # its own hand-written backward: nothing for a compiler to fuse across
         return functools.partial(linear_cross_entropy, chunk_size=cfg.chunk_size, **terms)
     if name == "chunked":
-        return functools.partial(chunked_cross_entropy, chunk_tokens=cfg.chunk_tokens or DEFAULT_CHUNK_TOKENS, **terms)
-    return functools.partial(cross_entropy, **terms)
+        return functools.partial(chunked_cross_entropy, chunk_tokens=cfg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                                 losses=compile(token_losses), **terms)
+    return compile(functools.partial(cross_entropy, **terms))

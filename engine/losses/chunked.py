@@ -16,6 +16,8 @@ Nothing is read back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.losses.ce import token_losses
@@ -24,16 +26,20 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, **terms) -> torch.Tensor:
-    """Mean token loss of hidden [N, D] against weight [V, D], equal to engine.losses.ce.cross_entropy."""
+                          ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                          losses: Callable = token_losses, **terms) -> torch.Tensor:
+    """Mean token loss of hidden [N, D] against weight [V, D], equal to engine.losses.ce.cross_entropy.
+
+    `losses` computes a chunk's token losses: token_losses, or a compiled token_losses."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [N, D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, {"ignore_index": ignore_index, **terms})
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, losses,
+                                      {"ignore_index": ignore_index, **terms})
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, terms):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, losses, terms):
         count = (targets != terms["ignore_index"]).sum().clamp(min=1)
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -43,7 +49,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             h = hidden[rows].detach().requires_grad_()
             with torch.enable_grad():
-                loss = token_losses(h, w, targets[rows], **terms).sum()
+                loss = losses(h, w, targets[rows], **terms).sum()
                 d_hidden, d_weight = torch.autograd.grad(loss, (h, w))
             grad_hidden[rows] = d_hidden
             grad_weight += d_weight
@@ -57,4 +63,4 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_output / count
         return ((grad_hidden * scale).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None,
-                (grad_weight * scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None, None, None)
+                (grad_weight * scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None, None, None, None)

@@ -426,7 +426,11 @@ class DeviceConfig(Section):
         "auto", description="auto: xla on a TPU host, else cuda when present, else cpu."
     )
     mesh: MeshConfig = MeshConfig()
-    compile_cache: bool = Field(True, description="Persistent XLA compilation cache under the job's state directory.")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile each transformer block and the loss (cpu and cuda). auto: on for cuda, "
+        "off for cpu; xla compiles whole steps by itself.")
+    compile_cache: bool = Field(True, description="Persistent compilation caches (XLA's, or torch.compile's) under "
+                                "the job's state directory, so a restart does not compile from nothing.")
     peak_flops: float | None = Field(
         None, gt=0, description="Peak FLOP/s per device for MFU; detected for known TPUs and GPUs."
     )
