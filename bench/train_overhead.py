@@ -33,6 +33,8 @@ timed steps only when more than 99 steps are asked for.
 
     .venv/bin/python bench/train_overhead.py                      # tiny and 125m, ~70 s on 2 idle cores
     .venv/bin/python bench/train_overhead.py --presets tiny --steps 40 --warmup 5
+    .venv/bin/python bench/train_overhead.py --compile   # the engine with device.compile=true against
+                                                         # the same eager baseline: compiled vs eager
 
 Results: a table on stdout and bench/results/train_overhead.json (raw step times included).
 """
@@ -107,7 +109,7 @@ def others_cpu_share(start, end) -> float | None:
 # The engine side: the demo job with the preset's model section.
 
 
-def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int) -> JobSpec:
+def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, compile: bool) -> JobSpec:
     model = yaml.safe_load((REPO / "configs" / "models" / f"{preset}.yaml").read_text())["model"]
     overrides = [
         f"name=bench-{preset}",
@@ -117,6 +119,7 @@ def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int) ->
         f"train.max_steps={max(steps + 1, 100)}",  # the loop is stopped after `steps`, before its final save
         "train.grad_accum_steps=1",
         "device.backend=cpu",
+        f"device.compile={str(compile).lower()}",
         "attention.kernel=sdpa",
     ]
     return load_spec(JOB, overrides)
@@ -204,8 +207,8 @@ class Interleaved(ChannelHooks):
 # One case: the loop runs warmup + steps steps, the baseline's interleaved.
 
 
-def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmup: int) -> dict:
-    spec = engine_spec(preset, seq_len, micro_batch_size, warmup + steps)
+def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmup: int, compile: bool) -> dict:
+    spec = engine_spec(preset, seq_len, micro_batch_size, warmup + steps, compile)
     model, optimizer = baseline_model(spec)
     grad_clip = spec.train.grad_clip
     with tempfile.TemporaryDirectory(prefix="tpud-bench-") as state_dir:
@@ -233,7 +236,7 @@ def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmu
     engine_med, baseline_med = statistics.median(engine_s), statistics.median(baseline_s)
     ratio = engine_med / baseline_med
     return {
-        "preset": preset, "params": params, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
+        "preset": preset, "compile": compile, "params": params, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
         "tokens_per_step": seq_len * micro_batch_size, "warmup": warmup, "steps": steps,
         "log_interval": spec.train.log_interval,
         "baseline_median_s": baseline_med, "engine_median_s": engine_med, "ratio": ratio,
@@ -257,8 +260,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per side (default: per preset)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps per side, not counted, >= 1 (default: per preset)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "train_overhead.json")
+    parser.add_argument("--compile", action="store_true",
+                        help="the engine with device.compile=true (its first warm-up step compiles)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/train_overhead.json (train_overhead-compile.json with --compile)")
     args = parser.parse_args()
+    args.out = args.out or REPO / "bench" / "results" / f"train_overhead{'-compile' if args.compile else ''}.json"
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in CASES]
     if unknown:
@@ -279,7 +286,7 @@ def main() -> int:
             case["warmup"] = args.warmup
         case["warmup"] = max(1, case["warmup"])  # step 0 (the loss check) is always a warm-up step
         print(f"running {preset}: {case}", flush=True)
-        r = run_case(preset, **case)
+        r = run_case(preset, **case, compile=args.compile)
         gc.collect()  # free this case's two models before the next one allocates
         loss0 = r["step0_loss"]
         engine = "not reported (fewer steps than log_interval)" if loss0["engine"] is None else f"{loss0['engine']:.6f}"
