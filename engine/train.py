@@ -27,6 +27,7 @@ from pathlib import Path
 import structlog
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from engine import events, exit_codes
 from engine.attention import build_attention
@@ -71,7 +72,8 @@ class LanguageModel(nn.Module):
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
             hidden = hidden.to(torch.get_autocast_dtype(device))
-        return self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
+        with record_function("tpud.loss"):
+            return self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
 
 
 class Trainer:
@@ -203,21 +205,24 @@ class Trainer:
         p = self.progress
         accum = self.loader.accum.at(p.step)
         started = time.monotonic()
-        with self.badput.timing("data"):
+        # The phases are record_function scopes so `tpud profile` (engine.profiling) can tell them apart.
+        with self.badput.timing("data"), record_function("tpud.data"):
             batch = self.backend.to_device(self.loader.batch(p.step, p.micro_step))
         last = p.micro_step == accum - 1
         with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
-            with self.backend.autocast(self.bf16):
+            with self.backend.autocast(self.bf16), record_function("tpud.forward"):
                 loss = self.module(batch[:, :-1], batch[:, 1:])
             if self.faults.poisons(self.loader.index(p.step, p.micro_step)):
                 loss = loss * float("nan")  # NaN gradients too, and so NaN weights: a real blow-up
-            (loss / accum).backward()
+            with record_function("tpud.backward"):
+                (loss / accum).backward()
         p.loss_sum = loss.detach() if p.loss_sum is None else p.loss_sum + loss.detach()
         self.backend.micro_step_end()
         p.micro_step += 1
         p.tokens_seen += batch.shape[0] * (batch.shape[1] - 1) * self.backend.data.world
         self._micro_seconds = time.monotonic() - started
 
+    @record_function("tpud.optimizer")
     def optimizer_step(self) -> StepResult:
         p, train = self.progress, self.spec.train
         factor = lr_factor(self.spec.scheduler, p.step, train.max_steps)

@@ -190,3 +190,9 @@ def test_token_chunked_holds_one_chunk_of_logits_at_a_time():
     with Watch():
         chunked_cross_entropy(h, w, targets, chunk_tokens=64).backward()
     assert max(sizes) == 64 * 8192  # one chunk's logits; the full [512, 8192] never
+
+
+def test_token_chunks_default_to_an_eighth_of_the_tokens_and_at_least_256():
+    from engine.losses.chunked import default_chunk_tokens
+
+    assert default_chunk_tokens(16384) == 2048 and default_chunk_tokens(1000) == 256

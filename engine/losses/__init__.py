@@ -15,7 +15,7 @@ import torch
 
 from engine.losses.cce import linear_cross_entropy
 from engine.losses.ce import cross_entropy, token_losses
-from engine.losses.chunked import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from engine.losses.chunked import chunked_cross_entropy
 from engine.spec.schema import LossConfig, ModelConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,6 +37,6 @@ def build_loss(cfg: LossConfig, model: ModelConfig, tokens_per_device: int,
     if name == "cce":  # its own hand-written backward: nothing for a compiler to fuse across
         return functools.partial(linear_cross_entropy, chunk_size=cfg.chunk_size, **terms)
     if name == "chunked":
-        return functools.partial(chunked_cross_entropy, chunk_tokens=cfg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+        return functools.partial(chunked_cross_entropy, chunk_tokens=cfg.chunk_tokens,
                                  losses=compile(token_losses), **terms)
     return compile(functools.partial(cross_entropy, **terms))

@@ -1,7 +1,7 @@
 """Token-chunked cross-entropy: the logits of a few thousand tokens at a time, each chunk's
 backward done inside forward (the design torchtitan calls ChunkedLossWrapper).
 
-Forward walks the tokens in chunks of `chunk_tokens`. Each chunk's loss is the full-logits
+Forward walks the tokens in chunks of `chunk_tokens` (default: an eighth of them). Each chunk's loss is the full-logits
 one (engine.losses.ce.token_losses: every term, whole vocabulary rows in one matmul), and its
 gradients are taken at once, while its chunk x vocab logits exist: d hidden for the chunk's
 rows, d weight accumulated over chunks, both in fp32. Backward only scales them by the
@@ -22,17 +22,24 @@ import torch
 
 from engine.losses.ce import token_losses
 
-DEFAULT_CHUNK_TOKENS = 4096
+CHUNKS, MIN_CHUNK_TOKENS = 8, 256
+
+
+def default_chunk_tokens(n_tokens: int) -> int:
+    """An eighth of the tokens (so an eighth of the logits at a time), at least 256: a 16k-token
+    micro-batch is walked in chunks of 2048."""
+    return max(MIN_CHUNK_TOKENS, -(-n_tokens // CHUNKS))
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                          ignore_index: int = -100, chunk_tokens: int | None = None,
                           losses: Callable = token_losses, **terms) -> torch.Tensor:
     """Mean token loss of hidden [N, D] against weight [V, D], equal to engine.losses.ce.cross_entropy.
 
     `losses` computes a chunk's token losses: token_losses, or a compiled token_losses."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [N, D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    chunk_tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0])
     return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, losses,
                                       {"ignore_index": ignore_index, **terms})
 

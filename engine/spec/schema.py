@@ -361,7 +361,8 @@ class LossConfig(Section):
         "on one device fit logits_budget_mib, else chunked.")
     logits_budget_mib: PositiveInt = Field(
         1024, description="auto: the most memory a micro-batch's fp32 logits may take on one device for ce.")
-    chunk_tokens: PositiveInt | None = Field(None, description="chunked only: tokens per chunk (default 4096).")
+    chunk_tokens: PositiveInt | None = Field(
+        None, description="chunked only: tokens per chunk (default: an eighth of the micro-batch's, at least 256).")
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     z_loss: float = Field(0.0, ge=0, description="Weight of PaLM's auxiliary z-loss, logsumexp(logits)^2 per token.")
     softcap: float | None = Field(None, gt=0, description="Soft-cap the logits as c * tanh(logits / c) (Gemma 2).")

@@ -1,0 +1,184 @@
+"""`tpud profile JOB.yaml`: a trace of a few training steps after warm-up, and where their time went.
+
+The job's own Trainer runs in a scratch state directory (its checkpoints, the memory tier and
+the job's real state are never touched), warms up, and then runs `steps` steps under
+torch.profiler. The loop marks its phases with record_function scopes (data, forward, loss,
+backward, optimizer: engine.train), so the shares come from the same trace a person opens:
+
+- the trace itself, `trace.json` (Chrome trace format: Perfetto and chrome://tracing open it);
+- a table of the top operations by self time, and each phase's share of the measured step
+  time; what no phase covers is the host's own time between them (polls, reports, saves);
+- advice where a known waste shows: host syncs per step, a loss that takes a large share
+  while a faster one would fit, a data loader that stalls the step, compilation left off.
+
+On cuda a phase's time is its kernels' time on the device; on cpu and xla it is the host's
+(under xla the host traces the graph and the device runs it at the step's end, so the
+optimizer phase holds the device time: torch_xla's metrics add the compile and transfer counts).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import exit_codes
+from engine.hooks import Action, Boundary, Hooks, Request
+from engine.spec.schema import JobSpec
+
+PHASES = ("data", "forward", "loss", "backward", "optimizer")
+SCOPE = "tpud."  # the loop's record_function names: tpud.data, tpud.forward, ...
+# What a host sync looks like in a trace: .item() and device-to-host copies waited on.
+SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+@dataclass
+class Report:
+    job: str
+    backend: str
+    steps: int
+    step_s: float  # median wall time of a profiled step
+    phases: dict[str, float]  # seconds per step in each phase
+    host_gaps_s: float  # step time no phase covers
+    top: list[dict] = field(default_factory=list)  # name, self seconds per step, calls per step
+    syncs_per_step: float | None = None  # cuda only: elsewhere the host runs the ops (or xla's counts tell)
+    xla: dict[str, int] | None = None  # compiles and device-to-host transfers in the window
+    advice: list[str] = field(default_factory=list)
+    trace: str = ""
+
+    def table(self) -> str:
+        lines = [f"{self.job}: {self.steps} steps on {self.backend}, {self.step_s * 1000:.1f} ms a step", "",
+                 f"{'phase':<14} {'ms/step':>9} {'share':>7}"]
+        for name, seconds in [*self.phases.items(), ("host gaps", self.host_gaps_s)]:
+            lines.append(f"{name:<14} {seconds * 1000:>9.2f} {seconds / self.step_s:>7.1%}")
+        lines += ["", f"{'top operations (self time)':<48} {'ms/step':>9} {'calls/step':>11}"]
+        lines += [f"{op['name'][:48]:<48} {op['seconds'] * 1000:>9.2f} {op['calls']:>11.1f}" for op in self.top]
+        lines += ["", f"trace: {self.trace}", *(f"advice: {line}" for line in self.advice)]
+        return "\n".join(lines)
+
+
+class _Window(Hooks):
+    """Starts the profiler after `warmup` steps, times each step boundary to boundary, stops the loop."""
+
+    def __init__(self, warmup: int, steps: int, profiler: profile, sync):
+        self.warmup, self.steps, self.profiler, self.sync = warmup, steps, profiler, sync
+        self.boundaries: list[float] = []
+
+    def poll(self, at: Boundary) -> Request | None:
+        if at.micro_step or at.step < self.warmup:
+            return None
+        self.sync()  # the device's work of the step belongs to the step
+        self.boundaries.append(time.perf_counter())
+        if at.step == self.warmup:
+            self.profiler.start()
+        elif at.step == self.warmup + self.steps:
+            self.profiler.stop()
+            return Request(Action.STOP)
+        return None
+
+
+def run(spec: JobSpec, steps: int, warmup: int, out: Path) -> Report:
+    """Profile `steps` steps of `spec` after `warmup` steps; the trace and report.json go to `out`."""
+    from engine.train import Trainer  # the Trainer pulls in the model and backends: only when profiling
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tpud-profile-") as state:
+        spec = _scratch(spec, warmup + steps, Path(state) / "checkpoints")
+        hooks = _Window(warmup, steps, None, lambda: None)
+        trainer = Trainer(spec, Path(state), hooks)
+        backend = trainer.backend
+        cuda = backend.device.type == "cuda"
+        hooks.sync = (lambda: torch.cuda.synchronize(backend.device)) if cuda else backend.flush
+        hooks.profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
+        xla_before = _xla_counts() if backend.name == "xla" else None
+        try:
+            code = trainer.run()
+        finally:
+            backend.close()
+        if code != exit_codes.STOPPED or len(hooks.boundaries) != steps + 1:
+            raise RuntimeError(f"the job ended (exit {code}) before {warmup + steps} steps")
+        trace = out / "trace.json"
+        hooks.profiler.export_chrome_trace(str(trace))
+        report = _report(spec, trainer, hooks, cuda, xla_before)
+    report.trace = str(trace)
+    (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report
+
+
+def _scratch(spec: JobSpec, steps: int, checkpoints: Path) -> JobSpec:
+    """The job as it trains, less what would write beside it: no saves, no eval. (model_copy's
+    updates skip validation: a job's warm-up may well be longer than the profiled steps.)"""
+    # The loop is stopped after the window, before a final save.
+    train = spec.train.model_copy(update={"max_steps": steps + 1})
+    checkpoint = spec.checkpoint.model_copy(update={"dir": str(checkpoints), "interval_steps": 0,
+                                                    "interval_seconds": 0, "memory": None})
+    return spec.model_copy(update={"train": train, "checkpoint": checkpoint, "eval": None})
+
+
+def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool, xla_before: dict | None) -> Report:
+    steps = hooks.steps
+    walls = sorted(b - a for a, b in zip(hooks.boundaries, hooks.boundaries[1:]))
+    step_s = walls[len(walls) // 2]
+    events = hooks.profiler.key_averages()
+
+    def total(e) -> float:  # a scope's time: its kernels' on cuda, the host's elsewhere
+        return (e.device_time_total if cuda else e.cpu_time_total) / 1e6
+
+    phases = {name: 0.0 for name in PHASES}
+    for e in events:
+        if e.key.startswith(SCOPE) and e.key[len(SCOPE):] in phases:
+            phases[e.key[len(SCOPE):]] = total(e) / steps
+    # The loss runs inside forward: forward's own share is what is left of it.
+    phases["forward"] = max(0.0, phases["forward"] - phases["loss"])
+    gaps = max(0.0, step_s - sum(phases.values()))
+
+    def self_time(e) -> float:
+        return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+
+    ops = sorted((e for e in events if not e.key.startswith((SCOPE, "ProfilerStep"))), key=self_time, reverse=True)
+    top = [{"name": e.key, "seconds": self_time(e) / steps, "calls": e.count / steps} for e in ops[:15]]
+    # On a cpu every op is the host's own (fused AdamW reads each step count back: no stall).
+    syncs = sum(e.count for e in events if e.key in SYNCS) / steps if cuda else None
+    xla = None if xla_before is None else {k: v - xla_before.get(k, 0) for k, v in _xla_counts().items()}
+    report = Report(spec.name, trainer.backend.name, steps, step_s, phases, gaps, top, syncs, xla)
+    report.advice = _advice(report, trainer)
+    return report
+
+
+def _advice(r: Report, trainer) -> list[str]:
+    advice = []
+    share = {name: seconds / r.step_s for name, seconds in r.phases.items()}
+    if r.syncs_per_step is not None and r.syncs_per_step >= 1:
+        advice.append(f"host syncs per step: {r.syncs_per_step:.0f} (each one stalls the device until it is "
+                      "idle: read values at log intervals)")
+    if share["loss"] > 0.25 and trainer.loss_name != "ce":
+        advice.append(f"the loss takes {share['loss']:.0%} of the step: try loss.name=ce where its logits fit "
+                      f"(now {trainer.loss_name})")
+    if share["data"] > 0.10:
+        advice.append(f"data takes {share['data']:.0%} of the step: the loader stalls it")
+    if r.host_gaps_s / r.step_s > 0.20:
+        advice.append(f"{r.host_gaps_s / r.step_s:.0%} of the step is outside the model's phases "
+                      "(the host between kernels: try device.compile=true, a larger micro-batch)")
+    if trainer.backend.name == "cuda" and not getattr(trainer.backend, "compiling", False):
+        advice.append("device.compile is off on cuda: each block runs op by op")
+    if r.xla and r.xla["transfers_to_host"] >= r.steps:
+        advice.append(f"host syncs per step: {r.xla['transfers_to_host'] / r.steps:.0f} device-to-host transfers")
+    if r.xla and r.xla["compiles"] > 0:
+        advice.append(f"XLA compiled {r.xla['compiles']} graphs during the window: the step's graph changes "
+                      "from step to step")
+    return advice
+
+
+def _xla_counts() -> dict[str, int]:
+    import torch_xla.debug.metrics as met
+
+    def count(name: str) -> int:
+        data = met.metric_data(name)
+        return int(data[0]) if data else 0
+
+    return {"compiles": count("CompileTime"), "transfers_to_host": count("TransferFromDeviceTime")}

@@ -1,0 +1,53 @@
+"""tpud profile's engine side (engine.profiling): a trace a viewer opens, phases that account
+for the measured step, and advice where a known waste shows."""
+
+import json
+
+import pytest
+
+from engine import profiling
+from engine.profiling import Report
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    from engine.spec.loader import load_spec
+    from tests.conftest import TINY_JOB
+
+    spec = load_spec(TINY_JOB, ["data.corpus_bytes=400000", "model.n_layers=2", "data.micro_batch_size=4",
+                                "data.seq_len=64", "loss.name=cce", "checkpoint.interval_steps=1"])
+    out = tmp_path_factory.mktemp("profile")
+    return profiling.run(spec, steps=3, warmup=2, out=out), out
+
+
+@pytest.mark.slow
+def test_the_trace_opens_and_the_phases_account_for_the_step(profiled):
+    report, out = profiled
+    trace = json.loads((out / "trace.json").read_text())  # Chrome trace format: Perfetto opens it
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {f"tpud.{phase}" for phase in profiling.PHASES} <= names and "aten::mm" in names
+    measured = sum(report.phases.values())
+    assert 0.9 * report.step_s <= measured <= 1.1 * report.step_s, (measured, report.step_s)
+    assert all(seconds > 0 for seconds in report.phases.values()), report.phases
+    assert report.top and report.top[0]["seconds"] >= report.top[-1]["seconds"]
+    assert json.loads((out / "report.json").read_text())["steps"] == 3
+    # The job's saves are not profiled (checkpoint.interval_steps=1 above): nothing is written beside it.
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "trace.json"]
+
+
+def test_advice_names_the_waste_it_sees():
+    class Trainer:
+        loss_name = "cce"
+
+        class backend:
+            name, compiling = "cuda", False
+
+    report = Report("j", "cuda", 4, 1.0, {"data": 0.2, "forward": 0.1, "loss": 0.4, "backward": 0.1,
+                                          "optimizer": 0.05}, 0.15, syncs_per_step=3)
+    advice = "\n".join(profiling._advice(report, Trainer))
+    assert "host syncs per step: 3" in advice and "the loss takes 40% of the step: try loss.name=ce" in advice
+    assert "data takes 20%" in advice and "device.compile is off" in advice
+    Trainer.loss_name, Trainer.backend.compiling = "ce", True
+    calm = Report("j", "cuda", 4, 1.0, {"data": 0.01, "forward": 0.3, "loss": 0.1, "backward": 0.5,
+                                        "optimizer": 0.05}, 0.04, syncs_per_step=0)
+    assert profiling._advice(calm, Trainer) == []
