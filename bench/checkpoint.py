@@ -294,7 +294,7 @@ def main() -> None:
 
         def checkpointer(job: str, async_: bool) -> Checkpointer:
             cfg = CheckpointConfig.model_validate({"dir": str(work), "async": async_, "keep": 2})
-            return Checkpointer(cfg, job, work / job, "bench", backend, model, optimizer, {}, lambda event: None)
+            return Checkpointer(cfg, job, work / job, {}, backend, model, optimizer, {}, lambda event: None)
 
         sync_ck, async_ck = checkpointer("sync", False), checkpointer("async", True)
         n_params = sum(p.numel() for p in model.parameters())

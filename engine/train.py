@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from engine.attention import build_attention
 from engine.backends import build_backend
 from engine.backoff import Backoff
 from engine.badput import Badput
+from engine.spec.fingerprint import check_resume, fingerprint
 from engine.spec.schema import JobSpec
 from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader, batch_geometry, merge_skips, read_skips
@@ -126,16 +126,18 @@ class Trainer:
                                   "or --val-docs")
             self.evaluator = Evaluator(spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module,
                                        self.bf16, self.badput, self.hooks.emit)
-        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints,
-                                         spec_hash(spec),
+        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
                                          self.hooks.emit, hosts, memory_dir=memory_dir())
         with self.badput.timing("restore"):
             self.progress = self.checkpointer.restore() or Progress()
-        if self.checkpointer.restored is not None:
+        if (restored := self.checkpointer.restored) is not None:
+            if hosts is not None or restored.hosts > 1:  # a gang's commit, or a gang resuming
+                check_resume(restored.fingerprint, self.checkpointer.fingerprint,
+                             spec.checkpoint.allow_spec_changes, restored.step)
             self._check_same_data(self.checkpointer.restored_loader)
             # A checkpoint made on another host carries skips that this host's state file lacks.
-            self.loader.skips = merge_skips(self.loader.skips, self.checkpointer.restored.data_skips)
+            self.loader.skips = merge_skips(self.loader.skips, restored.data_skips)
         self.checkpointer.data_skips = self.loader.skips
         self.nonfinite = NonFiniteGuard(spec.health.nonfinite, self.backend, self.loader, skips_path,
                                         self.hooks.emit, self.progress)
@@ -336,10 +338,6 @@ class Trainer:
         written = self.checkpointer.promote()
         return (written is not None and request.action is Action.CHECKPOINT
                 and written >= (self.progress.step, 0))
-
-
-def spec_hash(spec: JobSpec) -> str:
-    return hashlib.sha256(spec.model_dump_json(by_alias=True).encode()).hexdigest()[:16]
 
 
 def memory_dir() -> Path | None:

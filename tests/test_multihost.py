@@ -302,3 +302,56 @@ def test_status_shows_a_gang_waiting_for_its_hosts(tmp_path):
     finally:
         daemon.proc.kill()
         daemon.proc.wait()
+
+
+def test_hosts_whose_job_files_differ_refuse_the_job_on_every_host(tmp_path):
+    """One host's jobs.d/ edited, not the other's: both daemons fail the job as invalid (exit 78,
+    no restart), and the log and `tpud status` name the key and each host's value."""
+    port, daemons = free_port(), []
+    try:
+        for index, lr in enumerate(("0.001", "0.01")):
+            home = tmp_path / f"host{index}"
+            (home / "jobs.d").mkdir(parents=True)
+            (home / "jobs.d" / "fp.yaml").write_text(job_text("fp") + f"optimizer: {{lr: {lr}}}\n"
+                                                     "restart: {standby: false}\n")
+            (home / "tpud.yaml").write_text(f"gang: {{host_index: {index}, host_count: 2, "
+                                            f"coordinator: '127.0.0.1:{port}'}}\n")
+            daemons.append(Daemon(home))
+        for index, daemon in enumerate(daemons):
+            jobs = daemon.wait_for(lambda jobs: jobs.get("fp", {}).get("state") == "FAILED", f"host {index} refusing")
+            assert [r["status"] for r in daemon.events("worker exited")] == [78]
+            (refusal,) = daemon.events("job cannot run here")
+            assert refusal["key"] == "optimizer.lr"
+            differs = "optimizer.lr: 0.001 (host 0), 0.01 (host 1)"
+            assert differs in refusal["error"] and differs in jobs["fp"]["error"]
+            assert differs in daemon.cli("status").stdout
+            assert not daemon.events("step")  # not one step trained
+        assert all(len(d.events("worker started")) == 1 for d in daemons)  # and never restarted
+    finally:
+        for daemon in daemons:
+            daemon.proc.kill()
+            daemon.proc.wait()
+
+
+def test_a_gang_resumes_a_checkpoint_only_with_the_spec_it_was_made_with(tmp_path):
+    """A global commit records the spec's fingerprint: a gang whose spec changed since refuses it
+    (exit 78 on every host, naming the key), unless the change is one a checkpoint survives."""
+    hosts = gang(tmp_path, count=2)
+
+    def run(*overrides: str) -> list[int]:
+        port = free_port()
+        for h in hosts:
+            h.place(2, port)
+            h.start(*overrides)
+        return [h.wait() for h in hosts]
+
+    assert run("train.max_steps=4") == [0, 0]
+    assert run("train.max_steps=8", "optimizer.lr=0.01") == [78, 78]
+    for h in hosts:
+        (refusal,) = h.records("job cannot run here", every_run=False)
+        assert refusal["key"] == "optimizer.lr"
+        assert ("the checkpoint at step 4 was made with another job spec: optimizer.lr: 0.003 (the checkpoint), "
+                "0.01 (now)") in refusal["error"]
+        assert not h.records("step", every_run=False)
+    assert run("train.max_steps=8") == [0, 0]  # training longer: a change the checkpoint survives
+    assert [r["step"] for r in hosts[0].records("checkpoint restored", every_run=False)] == [4]

@@ -22,7 +22,9 @@ steps are deleted to make room (never the newest, never a pinned one).
 
 The manifest also carries what must follow the checkpoint to another host but is not
 tensor state: the loader's skipped batch ranges (`data_skips`, set by the trainer) and the
-supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment).
+supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment); and the job spec's
+fingerprint (engine.spec.fingerprint), by which a job on several hosts refuses to resume a
+checkpoint made with another spec.
 
 With a memory tier (`memory_dir`, engine.checkpoint.memory) a state is copied into host shared
 memory every checkpoint.memory.interval_steps steps; a disk save of a step the memory tier
@@ -66,6 +68,7 @@ from engine.checkpoint import hosts as gang
 from engine.checkpoint import manifest as mf
 from engine.checkpoint import memory as mem
 from engine.hooks import Action, Request
+from engine.spec import fingerprint as spec_fingerprint
 from engine.spec.schema import CheckpointConfig
 from engine.layout import fsync_path
 
@@ -98,10 +101,11 @@ def _version() -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, spec_hash: str, backend: Backend,
+    def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, fingerprint: dict, backend: Backend,
                  model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit,
                  hosts: gang.Hosts | None = None, memory_dir: Path | None = None):
-        self.cfg, self.job, self.spec_hash, self.hosts = cfg, job, spec_hash, hosts
+        self.cfg, self.job, self.fingerprint, self.hosts = cfg, job, fingerprint, hosts
+        self.spec_hash = spec_fingerprint.digest(fingerprint)
         self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
         self.backend, self.model, self.optimizer = backend, model, optimizer
         self.loader_state, self._emit = loader_state, emit
@@ -148,7 +152,8 @@ class Checkpointer:
         make = mf.Manifest.describe if files is None else (lambda _, **fields: mf.Manifest(files=files, **fields))
         return make(
             directory, job=self.job, step=step, micro_step=micro_step, world_size=self.world,
-            spec_hash=self.spec_hash, version=_version(), reason=reason, wandb_run_id=self.wandb_run_id,
+            spec_hash=self.spec_hash, fingerprint=self.fingerprint, version=_version(), reason=reason,
+            wandb_run_id=self.wandb_run_id,
             data_skips=self.data_skips if data_skips is None else data_skips, host=self.hosts.index if self.hosts else 0,
             hosts=self.hosts.count if self.hosts else 1)
 

@@ -89,6 +89,8 @@ class Manifest:
     data_skips: tuple[tuple[int, int], ...] = ()  # the loader's skipped micro-batch ranges (rollbacks)
     host: int = 0   # which host wrote this part, of `hosts`: more than one needs global.json to commit
     hosts: int = 1
+    # The job spec it was made with (engine.spec.fingerprint); spec_hash is its digest.
+    fingerprint: dict | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -119,7 +121,8 @@ class Manifest:
                 *(f.crc32c for f in self.files)]
         if (any(type(v) is not int for v in ints) or any(not isinstance(v, str) for v in strs)
                 or type(self.created_unix) not in (int, float) or not math.isfinite(self.created_unix)
-                or not (self.wandb_run_id is None or isinstance(self.wandb_run_id, str))):
+                or not (self.wandb_run_id is None or isinstance(self.wandb_run_id, str))
+                or not (self.fingerprint is None or isinstance(self.fingerprint, dict))):
             raise ValueError("a manifest field has the wrong type")
         if min(self.step, self.micro_step, *(f.size for f in self.files)) < 0:
             raise ValueError("a manifest field is negative")

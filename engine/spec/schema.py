@@ -7,11 +7,13 @@ and never imports torch. Loading YAML (includes, overrides, line numbers) lives 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError,
                       model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from engine.spec.fingerprint import RESUMABLE
 
 
 class Section(BaseModel):
@@ -464,6 +466,18 @@ class CheckpointConfig(Section):
         "<remote>/<job>/step_N (manifest last), keeps `keep` steps there too, and downloads the newest "
         "one before starting a worker on a host that lacks it.",
     )
+    allow_spec_changes: list[str] = Field(
+        [], description="A job on several hosts resumes a checkpoint only with the job spec it was made with, "
+        f"but for {', '.join(RESUMABLE)}. Keys or sections listed here may differ too, e.g. [optimizer.lr, "
+        "scheduler].",
+    )
+
+    @model_validator(mode="after")
+    def _spec_keys(self) -> CheckpointConfig:
+        _located(type(self).__name__, [
+            (("allow_spec_changes", i), key, "is not a key or section of a job spec", {})
+            for i, key in enumerate(self.allow_spec_changes) if not _names_a_key(JobSpec, key)])
+        return self
 
 
 class RestartConfig(Section):
@@ -496,6 +510,18 @@ class HealthConfig(Section):
         "rollback", description="On a NaN/inf loss: rollback = restart from the newest committed checkpoint and "
         "skip the batches of the bad step; stop = exit 76 and FAILED.")
     max_rollbacks: NonNegativeInt = Field(3, description="Rollbacks allowed per job; the next non-finite loss fails it.")
+
+
+def _names_a_key(model: type[BaseModel] | None, dotted: str) -> bool:
+    """Whether `dotted` names a key or section of `model`, as job files spell them."""
+    for part in dotted.split("."):
+        fields = {field.alias or name: field for name, field in model.model_fields.items()} if model else {}
+        if part not in fields:
+            return False
+        annotation = fields[part].annotation
+        model = next((t for t in (annotation, *get_args(annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return True
 
 
 def _as_list(value: object) -> object:

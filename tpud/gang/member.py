@@ -4,11 +4,16 @@ All of it goes through torch.distributed's TCPStore in host 0's coordinator, und
 `tpud/<job>/`:
 
     gen                   the current generation: each generation is one gang of workers
+    g<G>/spec/<host>      the fingerprint of its job spec (engine.spec.fingerprint), set before its seat
     g<G>/seat/<host>      a worker of this host joined generation G
     g<G>/started          every host was seated: the gang formed
     g<G>/beat/<host>      a counter each worker bumps every `interval`
     g<G>/arrivals/<host>  loop boundaries its training thread has reached
     g<G>/left/<host>      it exits on purpose (done, stopped, bad input): not a failure
+
+Once every host is seated, each compares every host's fingerprint: hosts whose job files
+differ (one host's jobs.d/ edited, not the others') all refuse the job alike, with exit 78 and a
+message naming the differing keys and each host's value, before training a step.
 
 A worker that starts finds the current generation; if that gang already formed, one of its
 workers is gone (this host's own, being replaced), so it opens the next generation. The
@@ -28,6 +33,7 @@ worker stopped, not on every host.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import sys
@@ -39,6 +45,8 @@ import structlog
 
 from engine import events, exit_codes
 from engine.checkpoint.hosts import Hosts
+from engine.errors import ConfigError
+from engine.spec import fingerprint
 
 log = structlog.get_logger()
 
@@ -81,19 +89,24 @@ class GangMember:
 
     # --- joining ---
 
-    def join(self, backend: str, stop_asked: Callable[[], bool]) -> bool:
+    def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict) -> bool:
         """Wait until every host's worker is here, then form the process group (not under xla,
         whose xla:// initialisation finds its peers through the TPU runtime). False when a stop
-        was asked meanwhile."""
+        was asked meanwhile; ConfigError when the hosts' job specs (their fingerprints) differ."""
         import torch.distributed as dist
 
         self._stop_asked = stop_asked
         if not self._connect():
             return False
-        while not (seated := self._seated()):
+        while not (seated := self._seated(spec)):
             if seated is None:
                 self.leave()
                 return False
+        try:
+            self._same_spec()
+        except ConfigError:
+            self.leave()  # every host finds the same: none is waited for
+            raise
         log.info("gang formed", host=self.host, hosts=self.hosts, generation=self.generation)
         self.emit(events.Gang(self.host, self.hosts, self.hosts, self.generation))
         if self.restart_peers:
@@ -131,7 +144,7 @@ class GangMember:
         self.store.set_timeout(datetime.timedelta(seconds=30))
         return True
 
-    def _seated(self) -> bool | None:
+    def _seated(self, spec: dict) -> bool | None:
         """Take this host's seat in the current generation and wait for the others; False when the
         generation moved on meanwhile (try the next one), None when a stop was asked."""
         store, gen = self.store, self.prefix + "gen"
@@ -140,6 +153,7 @@ class GangMember:
             store.compare_set(gen, str(g), str(g + 1))
             return False
         self.generation = g
+        store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
         store.set(self._key(f"seat/{self.host}"), str(os.getpid()))
         reported, told = None, 0.0
         while True:
@@ -158,6 +172,13 @@ class GangMember:
                 store.delete_key(self._key(f"seat/{self.host}"))
                 return None
             time.sleep(INTERVAL_S)
+
+    def _same_spec(self) -> None:
+        """Compare every seated host's fingerprint; a seat without one is a worker of an older tpud
+        (a rolling upgrade), which is not compared."""
+        keys = {h: self._key(f"spec/{h}") for h in range(self.hosts)}
+        fingerprint.check_hosts({h: json.loads(self.store.get(key)) for h, key in keys.items()
+                                 if self.store.check([key])})
 
     # --- while training ---
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import structlog
 
 from engine import events, exit_codes, logs
+from engine.errors import ConfigError
+from engine.spec.fingerprint import fingerprint
 from engine.spec.schema import JobSpec
 from engine.hooks import Action, Boundary, Request, SignalHooks, merge
 from tpud.gang.member import GangMember
@@ -161,7 +163,12 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     gang = GangMember.from_env(spec.name, hooks.emit)
     if gang is None:
         return train(spec, args.state_dir, hooks)
-    if not gang.join(resolve_backend_name(spec.device), hooks.stop_asked):
+    try:
+        joined = gang.join(resolve_backend_name(spec.device), hooks.stop_asked, fingerprint(spec))
+    except ConfigError as e:
+        log.error("job cannot run here", key=e.key, error=str(e))
+        return exit_codes.BAD_INPUT
+    if not joined:
         log.info("stopping on request while waiting for the other hosts")
         return exit_codes.STOPPED
     hooks.gang = gang
