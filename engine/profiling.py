@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,7 @@ class Report:
     job: str
     backend: str
     steps: int
-    step_s: float  # median wall time of a profiled step
+    step_s: float  # mean wall time of a profiled step (the phases are means too)
     phases: dict[str, float]  # seconds per step in each phase
     host_gaps_s: float  # step time no phase covers
     top: list[dict] = field(default_factory=list)  # name, self seconds per step, calls per step
@@ -65,9 +66,12 @@ class Report:
 class _Window(Hooks):
     """Starts the profiler after `warmup` steps, times each step boundary to boundary, stops the loop."""
 
-    def __init__(self, warmup: int, steps: int, profiler: profile, sync):
-        self.warmup, self.steps, self.profiler, self.sync = warmup, steps, profiler, sync
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps = warmup, steps
+        self.profiler: profile | None = None
+        self.sync: Callable[[], None] = lambda: None
         self.boundaries: list[float] = []
+        self.xla_counts: tuple[dict, dict] | None = None  # torch_xla's counts at the window's start and end
 
     def poll(self, at: Boundary) -> Request | None:
         if at.micro_step or at.step < self.warmup:
@@ -75,9 +79,13 @@ class _Window(Hooks):
         self.sync()  # the device's work of the step belongs to the step
         self.boundaries.append(time.perf_counter())
         if at.step == self.warmup:
+            if self.xla_counts is not None:
+                self.xla_counts[0].update(_xla_counts())
             self.profiler.start()
         elif at.step == self.warmup + self.steps:
             self.profiler.stop()
+            if self.xla_counts is not None:
+                self.xla_counts[1].update(_xla_counts())
             return Request(Action.STOP)
         return None
 
@@ -89,13 +97,13 @@ def run(spec: JobSpec, steps: int, warmup: int, out: Path) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tpud-profile-") as state:
         spec = _scratch(spec, warmup + steps, Path(state) / "checkpoints")
-        hooks = _Window(warmup, steps, None, lambda: None)
+        hooks = _Window(warmup, steps)
         trainer = Trainer(spec, Path(state), hooks)
         backend = trainer.backend
         cuda = backend.device.type == "cuda"
         hooks.sync = (lambda: torch.cuda.synchronize(backend.device)) if cuda else backend.flush
         hooks.profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
-        xla_before = _xla_counts() if backend.name == "xla" else None
+        hooks.xla_counts = ({}, {}) if backend.name == "xla" else None
         try:
             code = trainer.run()
         finally:
@@ -104,7 +112,7 @@ def run(spec: JobSpec, steps: int, warmup: int, out: Path) -> Report:
             raise RuntimeError(f"the job ended (exit {code}) before {warmup + steps} steps")
         trace = out / "trace.json"
         hooks.profiler.export_chrome_trace(str(trace))
-        report = _report(spec, trainer, hooks, cuda, xla_before)
+        report = _report(spec, trainer, hooks, cuda)
     report.trace = str(trace)
     (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
@@ -120,10 +128,9 @@ def _scratch(spec: JobSpec, steps: int, checkpoints: Path) -> JobSpec:
     return spec.model_copy(update={"train": train, "checkpoint": checkpoint, "eval": None})
 
 
-def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool, xla_before: dict | None) -> Report:
+def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool) -> Report:
     steps = hooks.steps
-    walls = sorted(b - a for a, b in zip(hooks.boundaries, hooks.boundaries[1:]))
-    step_s = walls[len(walls) // 2]
+    step_s = (hooks.boundaries[-1] - hooks.boundaries[0]) / steps
     events = hooks.profiler.key_averages()
 
     def total(e) -> float:  # a scope's time: its kernels' on cuda, the host's elsewhere
@@ -144,7 +151,7 @@ def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool, xla_before: dict
     top = [{"name": e.key, "seconds": self_time(e) / steps, "calls": e.count / steps} for e in ops[:15]]
     # On a cpu every op is the host's own (fused AdamW reads each step count back: no stall).
     syncs = sum(e.count for e in events if e.key in SYNCS) / steps if cuda else None
-    xla = None if xla_before is None else {k: v - xla_before.get(k, 0) for k, v in _xla_counts().items()}
+    xla = None if hooks.xla_counts is None else {k: v - hooks.xla_counts[0][k] for k, v in hooks.xla_counts[1].items()}
     report = Report(spec.name, trainer.backend.name, steps, step_s, phases, gaps, top, syncs, xla)
     report.advice = _advice(report, trainer)
     return report

@@ -51,3 +51,38 @@ def test_advice_names_the_waste_it_sees():
     calm = Report("j", "cuda", 4, 1.0, {"data": 0.01, "forward": 0.3, "loss": 0.1, "backward": 0.5,
                                         "optimizer": 0.05}, 0.04, syncs_per_step=0)
     assert profiling._advice(calm, Trainer) == []
+
+
+def _cli(*args, **env):
+    import subprocess
+
+    from tests.conftest import PYTHON, REPO, python_env
+
+    return subprocess.run([PYTHON, "-m", "tpud", "profile", *args], cwd=REPO, env=python_env(**env),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_command_line_refuses_bad_arguments_and_jobs(tmp_path):
+    from tests.conftest import TINY_JOB
+
+    done = _cli(str(TINY_JOB), "--steps", "0")
+    assert done.returncode == 2 and "'0': a whole number of steps, at least 1" in done.stderr
+    (tmp_path / "bad.yaml").write_text("name: bad\nmodel: {dim: -1}\n")
+    done = _cli(str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 78 and "bad.yaml" in done.stderr and "model.dim" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_profile_under_xla_counts_compiles_and_transfers(tmp_path):
+    from tests.conftest import TINY_JOB
+
+    done = _cli(str(TINY_JOB), "device.backend=xla", "train.mixed_precision=fp32", "attention.kernel=eager",
+                "model.n_layers=2", "data.micro_batch_size=4", "data.seq_len=64", "data.corpus_bytes=400000",
+                "--steps", "3", "--warmup", "2", "--out", str(tmp_path), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steps on xla" in done.stdout and "tpud.optimizer" in (tmp_path / "trace.json").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["xla"]["compiles"] == 0, report  # one graph, compiled during the warm-up
+    assert report["xla"]["transfers_to_host"] < report["steps"], report

@@ -99,6 +99,15 @@ def _add_export(subparsers: Subparsers) -> None:
     parser.set_defaults(func=export.run)
 
 
+def _add_profile(subparsers: Subparsers) -> None:
+    from tpud import profile
+
+    parser = subparsers.add_parser("profile", help="where a job's step time goes", description=profile.DESCRIPTION)
+    profile.add_arguments(parser)
+    _add_home(parser)  # accepted like every command's, unused: profiling runs no daemon
+    parser.set_defaults(func=profile.run, overrides_anywhere=parser)
+
+
 def _schema(args: argparse.Namespace) -> int:
     print(dump_schema())
     return EXIT_OK
@@ -501,7 +510,7 @@ def _add_daemon(subparsers: Subparsers) -> None:
 
 
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (
-    _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints, _add_export,
+    _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints, _add_export, _add_profile,
     _add_status, _add_checkpoint_now, _add_stop, _add_start,
 )
 
