@@ -8,11 +8,13 @@ import os
 import random
 import socket
 import stat
+import subprocess
 import threading
 import time
 
 import pytest
 
+from tests.conftest import PYTHON, python_env
 from tpud.cli import main
 from tpud.control import MAX_CONNECTIONS, MAX_LINE, ControlClient, ControlError, ControlServer, DaemonUnreachable
 
@@ -204,6 +206,25 @@ def test_stop_start(server, home, stub, capsys, command, state):
     assert stub.requests[-1] == {"version": 1, "command": command, "job": "llama"}
     assert main([command, "ghost", "--home", str(home)]) == 3
     assert "no job named ghost" in capsys.readouterr().err
+
+
+# What the control-socket commands must not import: each costs tens to hundreds of milliseconds
+# (the job-spec loader with pydantic and YAML, structlog with its dev console and rich), or, torch,
+# seconds; `tpud status` starts in a small part of that.
+HEAVY = ("pydantic", "pydantic_core", "yaml", "structlog", "rich", "torch", "numpy", "prometheus_client")
+
+
+@pytest.mark.parametrize("argv", [["status"], ["status", "llama", "-o", "json"], ["checkpoint-now", "llama"],
+                                  ["checkpoint-now", "--no-wait"], ["stop", "llama"], ["start", "llama"]])
+def test_control_commands_import_nothing_heavy(server, home, argv):
+    done = subprocess.run([PYTHON, "-X", "importtime", "-m", "tpud", "--home", str(home), *argv],
+                          capture_output=True, text=True, env=python_env(), timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert {"tpud.cli", "tpud.control"} <= imported  # the whole command ran, and -X importtime listed it
+    heavy = sorted({"engine.spec" if m.startswith("engine.spec") else m.partition(".")[0] for m in imported
+                    if m.partition(".")[0] in HEAVY or m.startswith("engine.spec")})
+    assert not heavy, f"tpud {' '.join(argv)} imported {', '.join(heavy)}"
 
 
 @pytest.mark.parametrize("argv", [["status"], ["checkpoint-now"], ["stop", "x"], ["start", "x"]])

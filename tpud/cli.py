@@ -3,6 +3,11 @@
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
 `func`, the handler that returns the exit code; list it in COMMANDS. This module must not
 import torch (the daemon and its clients never do).
+
+Building the parser imports nothing heavy, and each handler imports what it needs: the
+control-socket commands (status, checkpoint-now, stop, start) must start in a small part of
+the 0.5 s that the job-spec loader (pydantic, YAML) and structlog take to import
+(tests/test_control.py keeps them out).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
-from engine.spec.loader import SpecError, dump_schema, load_job, load_spec
 from tpud import __version__
 from tpud.view import format as fmt
 from tpud.view import status as status_view
@@ -40,6 +44,7 @@ Subparsers = argparse._SubParsersAction  # what add_subparsers() returns
 
 def _validate(args: argparse.Namespace) -> int:
     from engine.data.manifest import local_problems
+    from engine.spec.loader import SpecError, load_job
 
     status = EXIT_OK
     for path in args.files:
@@ -100,6 +105,8 @@ def _add_export(subparsers: Subparsers) -> None:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from engine.spec.loader import dump_schema
+
     print(dump_schema())
     return EXIT_OK
 
@@ -116,6 +123,7 @@ def _add_schema(subparsers: Subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from engine import exit_codes, logs
+    from engine.spec.loader import SpecError, load_job
     from tpud.daemon import Daemon
     from tpud.paths import Paths
 
@@ -188,6 +196,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
     from engine.checkpoint.hosts import holders
     from engine.checkpoint.manifest import is_global, parts, problems
+    from engine.spec.loader import SpecError, load_spec
     from tpud.paths import Paths
 
     # Only errors are logged, to stderr: stdout is the table or the JSON; retries are quiet.
