@@ -106,6 +106,12 @@ class Daemon:
         return records
 
 
+def cpu_seconds(pid: int) -> float:
+    """The process's own user and system time (its children not counted)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children_of(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
