@@ -492,28 +492,37 @@ def test_an_idle_flood_beyond_the_limit_never_locks_out_tpud_status(home, sock_p
                 s.close()
 
 
-def test_at_the_limit_a_request_in_progress_is_kept_and_only_a_full_house_of_them_refuses(sock_path, stub):
-    with ControlServer(sock_path, stub, max_connections=2) as server:
+def test_at_the_limit_a_request_in_progress_is_kept_and_only_a_full_house_of_them_refuses(sock_path):
+    inside, release = threading.Semaphore(0), threading.Event()
+
+    def handle(request: dict) -> dict:
+        if request["jobs"] == ["slow"]:
+            inside.release()
+            release.wait(60)
+        return {"jobs": request["jobs"]}
+
+    slow = json.dumps({"version": 1, "command": "status", "jobs": ["slow"]}).encode() + b"\n"
+    with ControlServer(sock_path, handle, max_connections=2) as server:
         busy = connect(sock_path)
-        busy.sendall(json.dumps({"version": 1, "command": "status", "jobs": ["slow"]}).encode() + b"\n")
-        assert stub.entered.wait(5)
+        busy.sendall(slow)
+        assert inside.acquire(timeout=30)
         dribbler = connect(sock_path)
         dribbler.sendall(STATUS[:10])  # waiting for the rest of its line since before the next one came
         with connect(sock_path) as s:  # the dribbler makes way, not the request in progress
-            assert ask(s, STATUS)["ok"] is True
+            assert ask(s, STATUS)["result"] == {"jobs": ["llama"]}
         assert read_line(dribbler) is None
-        stalled = connect(sock_path)  # both places taken: one inside a request, one idle
-        stalled.sendall(json.dumps({"version": 1, "command": "status", "jobs": ["slow"]}).encode() + b"\n")
-        deadline = time.monotonic() + 5
-        while len(stub.requests) < 3 and time.monotonic() < deadline:  # both now inside the slow request
+        deadline = time.monotonic() + 30
+        while server.connections > 1 and time.monotonic() < deadline:  # until the asker's thread has seen it go
             time.sleep(0.01)
+        stalled = connect(sock_path)  # both places taken by requests in progress
+        stalled.sendall(slow)
+        assert inside.acquire(timeout=30)
         with connect(sock_path) as s:  # nothing idle to close: refused, with the reason
             reply = read_line(s)
             assert reply["ok"] is False and "too many control connections" in reply["error"]
-        stub.release.set()
-        assert read_line(busy)["code"] == "unknown_job" and read_line(stalled)["code"] == "unknown_job"
-        busy.close()
-        stalled.close()
-        dribbler.close()
-        assert ControlClient(sock_path, timeout=5).call("status", jobs=["llama"]) == {"jobs": [JOBS["llama"]]}
+        release.set()
+        assert read_line(busy)["result"] == read_line(stalled)["result"] == {"jobs": ["slow"]}
+        for s in (busy, stalled, dribbler):
+            s.close()
+        assert ControlClient(sock_path, timeout=5).call("status", jobs=["llama"]) == {"jobs": ["llama"]}
         assert server.connections <= 2
