@@ -178,7 +178,7 @@ class ControlServer:
                  max_line: int = MAX_LINE, max_connections: int = MAX_CONNECTIONS):
         import structlog  # here, not at the top: the CLI imports this module for the client alone
 
-        self.log = structlog.get_logger()
+        self._log = structlog.get_logger()
         self.path, self.handle = Path(path), handle
         self.idle_timeout, self.max_line, self.max_connections = idle_timeout, max_line, max_connections
         self._sock: socket.socket | None = None
@@ -224,7 +224,7 @@ class ControlServer:
         self._sock, self._inode = sock, (st.st_dev, st.st_ino)
         self._thread = threading.Thread(target=self._accept_loop, name="tpud-control", daemon=True)
         self._thread.start()
-        self.log.info("control socket listening", path=str(self.path))
+        self._log.info("control socket listening", path=str(self.path))
 
     def _remove_stale(self) -> None:
         try:
@@ -244,7 +244,7 @@ class ControlServer:
         finally:
             probe.close()
         self.path.unlink(missing_ok=True)
-        self.log.info("removed stale control socket", path=str(self.path))
+        self._log.info("removed stale control socket", path=str(self.path))
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -283,12 +283,12 @@ class ControlServer:
                 if self._closed.is_set():
                     return
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self.log.error("control socket: cannot accept", error=str(e))
+                    self._log.error("control socket: cannot accept", error=str(e))
                     time.sleep(0.1)
                     continue
                 if e.errno in (errno.ECONNABORTED, errno.EINTR):
                     continue
-                self.log.error("control socket: accept failed, no longer serving", error=str(e))
+                self._log.error("control socket: accept failed, no longer serving", error=str(e))
                 return
             with self._lock:
                 if len(self._connections) >= self.max_connections:
@@ -316,7 +316,7 @@ class ControlServer:
         self._evicted += 1
         now = time.monotonic()
         if now - self._evicted_logged >= self.EVICTION_LOG_INTERVAL_S:
-            self.log.warning("control connections at the limit: closed the longest idle ones", limit=self.max_connections,
+            self._log.warning("control connections at the limit: closed the longest idle ones", limit=self.max_connections,
                              closed=self._evicted)
             self._evicted, self._evicted_logged = 0, now
 
@@ -342,7 +342,7 @@ class ControlServer:
         try:
             self._serve_lines(conn)
         except Exception:  # never let one connection take anything else down
-            self.log.exception("control connection failed")
+            self._log.exception("control connection failed")
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
@@ -409,7 +409,7 @@ class ControlServer:
         except ControlError as e:
             return _failure(e.code if isinstance(e.code, str) else "internal", str(e.message))
         except Exception as e:
-            self.log.exception("control request failed", command=request["command"])
+            self._log.exception("control request failed", command=request["command"])
             return _failure("internal", f"{request['command']} failed inside the daemon: {type(e).__name__}: {e}")
 
 
