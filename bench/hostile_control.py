@@ -217,8 +217,8 @@ def main() -> None:
           f"round trip p50 {stormy['round_trip_ms']['p50'] / calm['round_trip_ms']['p50']:.1f}x; "
           f"{stormy['scrape_failures']} scrapes failed; the job trained {stormy['steps_trained']} steps "
           "during the storm phase")
-    print(f"\n3. tpud status on an idle daemon: {start['status_s']:.3f} s, python -c pass {start['python_pass_s']:.3f} s, "
-          f"ratio {start['ratio']:.1f}x ({start['status_ok']}/{args.runs} ok)")
+    print(f"\n3. tpud status on an idle daemon: {start['status_s']:.3f} s, "
+          f"python -c pass {start['python_pass_s']:.3f} s, ratio {start['ratio']:.1f}x ({start['status_ok']}/{args.runs} ok)")
     print("\n" + "  ".join(f"{k} {'pass' if v else 'MISS'} (target {TARGETS[k]})" for k, v in checks.items()))
     print("all targets met" if passed else "targets MISSED")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, python_env
 from tests.gcs_server import free_port
+from tests.helpers import tpud_imports
 from engine.checkpoint.hosts import record_holdings
 from engine.checkpoint.manifest import read_manifest, write_global, write_manifest
 from tests.test_gcs import BUCKET, FAST, make_step
@@ -58,10 +59,8 @@ def test_json_lists_local_steps(tmp_path, local_steps):
 
 def test_a_local_listing_starts_without_structlog(tmp_path, local_steps):
     """Only the GCS tier logs: listing a local tier does without structlog's 0.2 s of imports."""
-    result = subprocess.run([PYTHON, "-X", "importtime", "-m", "tpud", "checkpoints", job_file(tmp_path), "--home",
-                             str(tmp_path / "home")], capture_output=True, text=True, timeout=120, env=python_env())
+    result, imported = tpud_imports("checkpoints", job_file(tmp_path), "--home", str(tmp_path / "home"))
     assert result.returncode == 0, result.stderr[-3000:]
-    imported = {line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "engine.checkpoint.manifest" in imported and "structlog" not in imported
 
 

@@ -8,13 +8,12 @@ import os
 import random
 import socket
 import stat
-import subprocess
 import threading
 import time
 
 import pytest
 
-from tests.conftest import PYTHON, python_env
+from tests.helpers import tpud_imports
 from tpud.cli import main
 from tpud.control import MAX_CONNECTIONS, MAX_LINE, ControlClient, ControlError, ControlServer, DaemonUnreachable
 
@@ -217,10 +216,8 @@ HEAVY = ("pydantic", "pydantic_core", "yaml", "structlog", "rich", "torch", "num
 @pytest.mark.parametrize("argv", [["status"], ["status", "llama", "-o", "json"], ["checkpoint-now", "llama"],
                                   ["checkpoint-now", "--no-wait"], ["stop", "llama"], ["start", "llama"]])
 def test_control_commands_import_nothing_heavy(server, home, argv):
-    done = subprocess.run([PYTHON, "-X", "importtime", "-m", "tpud", "--home", str(home), *argv],
-                          capture_output=True, text=True, env=python_env(), timeout=60)
+    done, imported = tpud_imports("--home", str(home), *argv)
     assert done.returncode == 0, done.stderr[-3000:]
-    imported = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert {"tpud.cli", "tpud.control"} <= imported  # the whole command ran, and -X importtime listed it
     heavy = sorted({"engine.spec" if m.startswith("engine.spec") else m.partition(".")[0] for m in imported
                     if m.partition(".")[0] in HEAVY or m.startswith("engine.spec")})

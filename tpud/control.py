@@ -316,8 +316,8 @@ class ControlServer:
         self._evicted += 1
         now = time.monotonic()
         if now - self._evicted_logged >= self.EVICTION_LOG_INTERVAL_S:
-            self._log.warning("control connections at the limit: closed the longest idle ones", limit=self.max_connections,
-                             closed=self._evicted)
+            self._log.warning("control connections at the limit: closed the longest idle ones",
+                              limit=self.max_connections, closed=self._evicted)
             self._evicted, self._evicted_logged = 0, now
 
     def _mark(self, conn: socket.socket, waiting: bool) -> bool:
