@@ -106,6 +106,20 @@ class Daemon:
         return records
 
 
+def tpud_imports(*argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `tpud ARGV` under python -X importtime: the result, and every module it imported."""
+    result = subprocess.run([PYTHON, "-X", "importtime", "-m", "tpud", *argv], capture_output=True, text=True,
+                            env=python_env(), timeout=120)
+    lines = result.stderr.splitlines()
+    return result, {line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")}
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's own user and system time (its children not counted)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children_of(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
+from tests.helpers import tpud_imports
 from tpud.cli import main
-from tpud.control import MAX_LINE, ControlClient, ControlError, ControlServer, DaemonUnreachable
+from tpud.control import MAX_CONNECTIONS, MAX_LINE, ControlClient, ControlError, ControlServer, DaemonUnreachable
 
 JOBS = {
     "llama": {"name": "llama", "state": "RUNNING", "step": 1200, "max_steps": 5000, "loss": 2.3456789,
@@ -206,6 +207,23 @@ def test_stop_start(server, home, stub, capsys, command, state):
     assert "no job named ghost" in capsys.readouterr().err
 
 
+# What the control-socket commands must not import: each costs tens to hundreds of milliseconds
+# (the job-spec loader with pydantic and YAML, structlog with its dev console and rich), or, torch,
+# seconds; `tpud status` starts in a small part of that.
+HEAVY = ("pydantic", "pydantic_core", "yaml", "structlog", "rich", "torch", "numpy", "prometheus_client")
+
+
+@pytest.mark.parametrize("argv", [["status"], ["status", "llama", "-o", "json"], ["checkpoint-now", "llama"],
+                                  ["checkpoint-now", "--no-wait"], ["stop", "llama"], ["start", "llama"]])
+def test_control_commands_import_nothing_heavy(server, home, argv):
+    done, imported = tpud_imports("--home", str(home), *argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"tpud.cli", "tpud.control"} <= imported  # the whole command ran, and -X importtime listed it
+    heavy = sorted({"engine.spec" if m.startswith("engine.spec") else m.partition(".")[0] for m in imported
+                    if m.partition(".")[0] in HEAVY or m.startswith("engine.spec")})
+    assert not heavy, f"tpud {' '.join(argv)} imported {', '.join(heavy)}"
+
+
 @pytest.mark.parametrize("argv", [["status"], ["checkpoint-now"], ["stop", "x"], ["start", "x"]])
 def test_no_socket_exits_4(tmp_path, capsys, argv):
     assert main([*argv, "--home", str(tmp_path)]) == 4
@@ -310,7 +328,9 @@ def test_bad_lines_get_errors_and_the_connection_stays_usable(server, sock_path,
             assert reply is not None and reply["version"] == 1 and reply["ok"] is False, line[:80]
             assert reply["code"] == "bad_request" and reply["error"], line[:80]
         assert stub.requests == []  # none reached the handler
-        assert ask(s, STATUS) == {"version": 1, "ok": True, "result": {"jobs": [JOBS["llama"]]}}
+        reply = ask(s, STATUS)
+        assert reply.pop("handled_seconds") >= 0
+        assert reply == {"version": 1, "ok": True, "result": {"jobs": [JOBS["llama"]]}}
 
 
 def test_pipelined_requests_answered_in_order(server, sock_path):
@@ -435,3 +455,71 @@ def test_idle_clients_are_dropped(sock_path, stub):
             for _ in range(3):
                 assert ask(s, STATUS)["ok"] is True
                 time.sleep(0.2)
+
+
+def flood_connect(path) -> socket.socket:
+    """A connection made as a flood makes it: blocking until the listen backlog has room
+    (with a timeout, connect() on a full backlog fails with EAGAIN at once)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(path))
+    s.settimeout(5)
+    return s
+
+
+def test_an_idle_flood_beyond_the_limit_never_locks_out_tpud_status(home, sock_path, stub, capsys):
+    """More silent connections than the limit, held open well inside the idle timeout: each new
+    one closes the one idle longest, and `tpud status` is answered at once."""
+    flood_size = MAX_CONNECTIONS + 44
+    with ControlServer(sock_path, stub) as server:  # the daemon's limit and its 60 s idle timeout
+        flood = [flood_connect(sock_path) for _ in range(flood_size)]
+        try:
+            for s in flood[:flood_size - MAX_CONNECTIONS]:  # the oldest went, in order
+                assert read_line(s) is None
+            started = time.monotonic()
+            assert main(["--home", str(home), "status", "llama"]) == 0
+            assert time.monotonic() - started < 5  # a stall guard: refused or stuck, it would fail or wait 60 s
+            assert "llama" in capsys.readouterr().out
+            for s in flood[-MAX_CONNECTIONS + 1:]:  # the newest are still open (status took one place)
+                s.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    s.recv(1)
+            assert server.connections <= MAX_CONNECTIONS
+        finally:
+            for s in flood:
+                s.close()
+
+
+def test_at_the_limit_a_request_in_progress_is_kept_and_only_a_full_house_of_them_refuses(sock_path):
+    inside, release = threading.Semaphore(0), threading.Event()
+
+    def handle(request: dict) -> dict:
+        if request["jobs"] == ["slow"]:
+            inside.release()
+            release.wait(60)
+        return {"jobs": request["jobs"]}
+
+    slow = json.dumps({"version": 1, "command": "status", "jobs": ["slow"]}).encode() + b"\n"
+    with ControlServer(sock_path, handle, max_connections=2) as server:
+        busy = connect(sock_path)
+        busy.sendall(slow)
+        assert inside.acquire(timeout=30)
+        dribbler = connect(sock_path)
+        dribbler.sendall(STATUS[:10])  # waiting for the rest of its line since before the next one came
+        with connect(sock_path) as s:  # the dribbler makes way, not the request in progress
+            assert ask(s, STATUS)["result"] == {"jobs": ["llama"]}
+        assert read_line(dribbler) is None
+        deadline = time.monotonic() + 30
+        while server.connections > 1 and time.monotonic() < deadline:  # until the asker's thread has seen it go
+            time.sleep(0.01)
+        stalled = connect(sock_path)  # both places taken by requests in progress
+        stalled.sendall(slow)
+        assert inside.acquire(timeout=30)
+        with connect(sock_path) as s:  # nothing idle to close: refused, with the reason
+            reply = read_line(s)
+            assert reply["ok"] is False and "too many control connections" in reply["error"]
+        release.set()
+        assert read_line(busy)["result"] == read_line(stalled)["result"] == {"jobs": ["slow"]}
+        for s in (busy, stalled, dribbler):
+            s.close()
+        assert ControlClient(sock_path, timeout=5).call("status", jobs=["llama"]) == {"jobs": ["llama"]}
+        assert server.connections <= 2

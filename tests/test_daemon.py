@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO
-from tests.helpers import Daemon, job_text
+from tests.helpers import Daemon, cpu_seconds, job_text
+from tpud.control import ControlClient
 from tpud.paths import Paths
 
 pytestmark = pytest.mark.slow
@@ -163,5 +165,52 @@ def test_prometheus_scrapes_the_daemon_and_the_control_socket_survives_fuzzing(t
         jobs = daemon.status()
         assert jobs["gamma"]["state"] == "RUNNING" and daemon.proc.poll() is None
     finally:
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(timeout=60) == 0
+
+
+def test_status_and_training_carry_on_through_a_scrape_storm(tmp_path):
+    """20 clients scraping /metrics back to back beside a training job: `status` keeps answering
+    (a stall guard: bench/hostile_control.py measures the daemon's time), the job keeps stepping,
+    and the daemon's own CPU stays a small share of a core (a thread per scrape took most of one)."""
+    (tmp_path / "jobs.d").mkdir()
+    (tmp_path / "jobs.d" / "storm.yaml").write_text(job_text("storm"))
+    daemon = Daemon(tmp_path)
+    stop, answers = threading.Event(), []
+    try:
+        daemon.wait_for(lambda j: (j.get("storm", {}).get("step") or 0) > 0, "storm training")
+        host, _, port = (tmp_path / "run" / "metrics.addr").read_text().strip().rpartition(":")
+
+        def scrape() -> None:
+            while not stop.is_set():
+                with socket.create_connection((host, int(port)), timeout=30) as s:
+                    s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                    answer = bytearray()
+                    while chunk := s.recv(1 << 16):
+                        answer += chunk
+                answers.append(answer.startswith(b"HTTP/1.0 200 OK") and b'tpud_job_step{job="storm"}' in answer)
+
+        scrapers = [threading.Thread(target=scrape, daemon=True) for _ in range(20)]
+        client = ControlClient(tmp_path / "run" / "control.sock", timeout=30)
+        step = client.call("status", jobs=["storm"])["jobs"][0]["step"]
+        cpu, started = cpu_seconds(daemon.proc.pid), time.monotonic()
+        for t in scrapers:
+            t.start()
+        slowest = 0.0
+        while time.monotonic() - started < 5:
+            asked = time.monotonic()
+            jobs = client.call("status", jobs=["storm"])["jobs"]
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.05)
+        share = (cpu_seconds(daemon.proc.pid) - cpu) / (time.monotonic() - started)
+        stop.set()
+        for t in scrapers:
+            t.join(30)
+        assert answers and all(answers)
+        assert slowest < 3, f"status took {slowest:.2f} s in the storm"
+        assert share < 0.3, f"the daemon took {share:.0%} of a core in the storm"
+        assert jobs[0]["state"] == "RUNNING" and jobs[0]["step"] > step
+    finally:
+        stop.set()
         daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.proc.wait(timeout=60) == 0

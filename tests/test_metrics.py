@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import re
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -12,6 +14,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 import tpud
+from tpud import exporter
 from tpud.metrics import (
     CHECKPOINT_BUCKETS,
     JOB_STATES,
@@ -325,3 +328,81 @@ def test_real_prometheus_scrapes_the_exporter(prometheus):  # noqa: F811
         assert server.query("up")[0].value == 1.0
     finally:
         m.close()
+
+
+# --- the HTTP listener (tpud/exporter.py) ------------------------------------------------------------
+
+def http(address: tuple[str, int], request: bytes, timeout: float = 10) -> bytes:
+    """Send `request` raw and read the whole answer (the listener closes after it)."""
+    with socket.create_connection(address, timeout=timeout) as s:
+        s.sendall(request)
+        answer = bytearray()
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    return bytes(answer)
+
+
+GET = b"GET /metrics HTTP/1.1\r\nHost: tpud\r\n\r\n"
+
+
+def test_a_scrape_storm_is_served_by_one_thread_at_a_bounded_rate(metrics):
+    """20 clients scraping back to back: every answer is whole, no thread is started per scrape,
+    and no more than the exporter's rate are answered (what a storm can cost the daemon)."""
+    feed(metrics, "llm", 0.0)
+    threads_before = {t.name for t in threading.enumerate()}
+    stop, answers, errors = threading.Event(), [], []
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(http(metrics.address, GET))
+            except OSError as e:
+                errors.append(e)
+
+    clients = [threading.Thread(target=scrape, name=f"client-{i}") for i in range(20)]
+    started = time.monotonic()
+    for t in clients:
+        t.start()
+    time.sleep(2)
+    servers = {t.name for t in threading.enumerate()} - threads_before - {t.name for t in clients}
+    stop.set()
+    for t in clients:
+        t.join(30)
+    elapsed = time.monotonic() - started
+    assert not servers, f"threads started to serve scrapes: {sorted(servers)[:5]}"
+    assert not errors and answers
+    assert all(a.startswith(b"HTTP/1.0 200 OK\r\n") and a.endswith(b"tpud_heartbeat_age_seconds{job=\"llm\"} 1000.0\n")
+               for a in answers)
+    assert len(answers) <= exporter.RATE * elapsed + 2  # +2: the first answer is due at once, and rounding
+
+
+def test_silent_clients_are_dropped_and_at_the_limit_make_way(clock):
+    m = Metrics(clock=clock)
+    server = exporter.Exporter(m.exposition, max_connections=3, timeout=0.5)
+    address = server.start("127.0.0.1", 0)
+    try:
+        silent = [socket.create_connection(address, timeout=5) for _ in range(3)]
+        silent[2].sendall(b"GET /metrics HTTP/1.0\r\n")  # half a head
+        assert http(address, GET).startswith(b"HTTP/1.0 200 OK")  # the first silent one made way
+        assert silent[0].recv(1) == b""
+        started = time.monotonic()
+        assert silent[1].recv(1) == b"" and silent[2].recv(1) == b""  # and the others timed out
+        assert time.monotonic() - started < 5  # a stall guard: dropped after 0.5 s
+        for s in silent:
+            s.close()
+    finally:
+        server.close()
+
+
+def test_head_and_what_is_not_a_get(metrics):
+    head = http(metrics.address, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and head.endswith(b"\r\n\r\n")
+    assert int(re.search(rb"Content-Length: (\d+)", head).group(1)) == len(metrics.exposition())
+    assert http(metrics.address, b"POST /metrics HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 405 ")
+    assert http(metrics.address, b"\x16\x03\x01 not http\r\n\r\n").startswith(b"HTTP/1.0 400 ")
+    huge = b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 20000 + b"\r\n\r\n"
+    try:
+        assert http(metrics.address, huge).startswith(b"HTTP/1.0 431 ")
+    except ConnectionResetError:
+        pass  # the answer was sent, then the unread rest of the head reset the connection
+    assert scrape(metrics)  # still serving

@@ -3,6 +3,11 @@
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
 `func`, the handler that returns the exit code; list it in COMMANDS. This module must not
 import torch (the daemon and its clients never do).
+
+Building the parser imports nothing heavy, and each handler imports what it needs: the
+control-socket commands (status, checkpoint-now, stop, start) must start in a small part of
+the 0.5 s that the job-spec loader (pydantic, YAML) and structlog take to import
+(tests/test_control.py keeps them out).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
-from engine.spec.loader import SpecError, dump_schema, load_job, load_spec
 from tpud import __version__
 from tpud.view import format as fmt
 from tpud.view import status as status_view
@@ -40,6 +44,7 @@ Subparsers = argparse._SubParsersAction  # what add_subparsers() returns
 
 def _validate(args: argparse.Namespace) -> int:
     from engine.data.manifest import local_problems
+    from engine.spec.loader import SpecError, load_job
 
     status = EXIT_OK
     for path in args.files:
@@ -109,6 +114,8 @@ def _add_profile(subparsers: Subparsers) -> None:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from engine.spec.loader import dump_schema
+
     print(dump_schema())
     return EXIT_OK
 
@@ -125,6 +132,7 @@ def _add_schema(subparsers: Subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from engine import exit_codes, logs
+    from engine.spec.loader import SpecError, load_job
     from tpud.daemon import Daemon
     from tpud.paths import Paths
 
@@ -190,19 +198,13 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     import json
-    import logging
     import time
-
-    import structlog
 
     from engine.checkpoint.hosts import holders
     from engine.checkpoint.manifest import is_global, parts, problems
+    from engine.spec.loader import SpecError, load_spec
     from tpud.paths import Paths
 
-    # Only errors are logged, to stderr: stdout is the table or the JSON; retries are quiet.
-    structlog.configure(processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-                        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     try:
         spec = load_spec(args.job)
     except SpecError as e:
@@ -227,8 +229,17 @@ def _checkpoints(args: argparse.Namespace) -> int:
                 age_seconds=round(now - manifest.created_unix, 1), ok=not issues, problems=issues,
                 location=str(directory), **_hosts_of(manifest, held if tier_name == "local" else {}, committed)))
     if spec.checkpoint.remote:
+        import logging
+
+        import structlog  # only the GCS tier logs: 0.2 s of imports a local listing need not wait for
+
         from tpud.checkpoints.gcs import GcsTier, RemoteError, RetryPolicy
 
+        # Only errors are logged, to stderr: stdout is the table or the JSON; retries are quiet.
+        structlog.configure(processors=[structlog.processors.add_log_level,
+                                        structlog.dev.ConsoleRenderer(colors=False)],
+                            logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                            wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
         tiers["gcs"] = []
         tier = GcsTier(spec.checkpoint.remote, spec.name,
                        retry=RetryPolicy(initial=0.2, maximum=2.0, deadline=args.timeout,

@@ -23,19 +23,20 @@ arrives as `exported_job`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import ipaddress
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
 
 from engine.layout import atomic_write
 from tpud import __version__
+from tpud.exporter import Exporter
 from tpud.job.states import State
 
 DEFAULT_ADDRESS = "127.0.0.1:9477"
@@ -124,15 +125,23 @@ class _HeartbeatCollector:
 
 
 class Metrics:
-    """The daemon's metrics on a private registry. Every method is thread-safe."""
+    """The daemon's metrics on a private registry. Every method is thread-safe.
+
+    The exposition is a snapshot: the registry's text is rebuilt by the first exposition()
+    after a change (every setter counts one), outside the lock the setters take, and only the
+    heartbeat ages are written at each call. A scrape then costs a copy, whatever the registry
+    holds, and never waits on (or holds up) the loop's updates. Write only through the methods
+    (`registry` is there to read)."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, version: str = __version__):
         self._clock = clock
         self._lock = threading.RLock()
         self._series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}  # job -> (metric, labels)
         self._heartbeats: dict[str, float] = {}
-        self._server = None
-        self._thread: threading.Thread | None = None
+        self._exporter: Exporter | None = None
+        self._changes = 0  # setters' count, under _lock; the snapshot knows the count it was built at
+        self._snapshot_lock = threading.Lock()
+        self._snapshot, self._snapshot_of = b"", -1
         self.registry = CollectorRegistry()
         r = self.registry
 
@@ -186,10 +195,19 @@ class Metrics:
         self._gang_generation = Gauge("tpud_job_gang_generation",
                                       "The job's gang generation: it grows by one at every gang restart.",
                                       ["job", "host"], registry=r)
-        r.register(_HeartbeatCollector(self))
         self._exposed = _WithoutCreated(r)
+        self._heartbeat_ages = CollectorRegistry()  # written at each exposition: they grow with the clock
+        self._heartbeat_ages.register(_HeartbeatCollector(self))
 
     # -- per-job series -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """Hold the lock for a change to the registry, and count it once made (a snapshot built
+        meanwhile is then older than the count, and rebuilt)."""
+        with self._lock:
+            yield
+            self._changes += 1
 
     def _child(self, metric, *labels: str):
         """metric.labels(*labels), remembered under the job (labels[0]) for remove_job."""
@@ -203,25 +221,25 @@ class Metrics:
         name = name.upper()
         if name not in JOB_STATES:
             raise ValueError(f"unknown job state {state!r}; known: {', '.join(JOB_STATES)}")
-        with self._lock:
+        with self._change():
             for s in JOB_STATES:
                 self._child(self._state, job, s).set(1 if s == name else 0)
 
     def job_progress(self, job: str, *, step: int | None = None, loss: float | None = None,
                      tokens_per_second: float | None = None, mfu: float | None = None) -> None:
         """Set whichever of step, loss, throughput and MFU are given."""
-        with self._lock:
+        with self._change():
             for metric, value in ((self._step, step), (self._loss, loss),
                                   (self._tps, tokens_per_second), (self._mfu, mfu)):
                 if value is not None:
                     self._child(metric, job).set(float(value))
 
     def eval_loss(self, job: str, loss: float) -> None:
-        with self._lock:
+        with self._change():
             self._child(self._eval_loss, job).set(float(loss))
 
     def gang(self, job: str, host: int, present: int, generation: int) -> None:
-        with self._lock:
+        with self._change():
             self._child(self._gang_present, job, host).set(present)
             if generation >= 0:
                 self._child(self._gang_generation, job, host).set(generation)
@@ -236,13 +254,13 @@ class Metrics:
             return list(self._heartbeats.items())
 
     def restart(self, job: str, reason: str) -> None:
-        with self._lock:
+        with self._change():
             self._child(self._restarts, job, reason).inc()
 
     def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None:
         """Create the job's counters at 0, so that increase() sees the first restart or failure
         and a dashboard shows 0 rather than no data."""
-        with self._lock:
+        with self._change():
             for tier in tiers:
                 self._child(self._ckpt_failures, job, tier)
             for reason in restart_reasons:
@@ -251,7 +269,7 @@ class Metrics:
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int,
                    step: int, at: float | None = None) -> None:
         """A committed checkpoint: duration, bytes written, its step and when (unix time), per tier."""
-        with self._lock:
+        with self._change():
             self._child(self._ckpt_seconds, job, tier, reason).observe(float(seconds))
             self._child(self._ckpt_bytes, job, tier).inc(bytes)
             self._child(self._ckpt_step, job, tier).set(step)
@@ -261,34 +279,35 @@ class Metrics:
     def checkpoint_found(self, job: str, *, tier: str, step: int, at: float) -> None:
         """A checkpoint committed before this daemon started (its manifest's time): the newest
         step and age, so that an overdue checkpoint shows before the first new commit."""
-        with self._lock:
+        with self._change():
             self._child(self._ckpt_step, job, tier).set(step)
             self._child(self._ckpt_time, job, tier).set(at)
 
     def checkpoint_interval(self, job: str, seconds: float) -> None:
-        with self._lock:
+        with self._change():
             self._child(self._ckpt_interval, job).set(float(seconds))
 
     def checkpoint_failure(self, job: str, tier: str) -> None:
-        with self._lock:
+        with self._change():
             self._child(self._ckpt_failures, job, tier).inc()
 
     def preemption_notice(self, source: str) -> None:
         """Not per job: a notice concerns the machine. Survives remove_job."""
-        self._preemptions.labels(str(source)).inc()
+        with self._change():
+            self._preemptions.labels(str(source)).inc()
 
     def goodput(self, job: str, ratio: float) -> None:
-        with self._lock:
+        with self._change():
             self._child(self._goodput, job).set(float(ratio))
 
     def badput(self, job: str, kind: str, seconds: float) -> None:
         """Add `seconds` of unproductive time of `kind` (e.g. restart, checkpoint, preemption)."""
-        with self._lock:
+        with self._change():
             self._child(self._badput, job, kind).inc(float(seconds))
 
     def remove_job(self, job: str) -> None:
         """Drop every series labelled with this job."""
-        with self._lock:
+        with self._change():
             for metric, labels in self._series.pop(str(job), ()):
                 try:
                     metric.remove(*labels)
@@ -298,41 +317,39 @@ class Metrics:
 
     def exposition(self) -> bytes:
         """The text exposition format, as /metrics serves it."""
-        return generate_latest(self._exposed)
+        with self._snapshot_lock:
+            changes = self._changes
+            if changes != self._snapshot_of:
+                self._snapshot, self._snapshot_of = generate_latest(self._exposed), changes
+            snapshot = self._snapshot
+        return snapshot + generate_latest(self._heartbeat_ages)
 
     # -- HTTP -----------------------------------------------------------------------------
 
     def serve(self, address: str = DEFAULT_ADDRESS) -> tuple[str, int]:
-        """Serve /metrics on "HOST:PORT" (or "[V6]:PORT") in a daemon thread; port 0 picks a free
-        port. Returns the bound (host, port)."""
+        """Serve /metrics on "HOST:PORT" (or "[V6]:PORT") in a daemon thread (tpud/exporter.py);
+        port 0 picks a free port. Returns the bound (host, port)."""
         host, port = parse_address(address)
         with self._lock:
-            if self._server is not None:
+            if self._exporter is not None:
                 raise RuntimeError("metrics server already running")
-            server, thread = start_http_server(port, addr=host or "0.0.0.0", registry=self._exposed)
-            self._server, self._thread = server, thread
-            bound = server.server_address
-            return str(bound[0]), int(bound[1])
+            exporter = Exporter(self.exposition)
+            bound = exporter.start(host or "0.0.0.0", port)
+            self._exporter = exporter
+            return bound
 
     @property
     def address(self) -> tuple[str, int] | None:
         """The bound (host, port) while serving, else None."""
         with self._lock:
-            if self._server is None:
-                return None
-            bound = self._server.server_address
-            return str(bound[0]), int(bound[1])
+            return None if self._exporter is None else self._exporter.address
 
     def close(self) -> None:
         """Stop the HTTP server and release its port. Idempotent."""
         with self._lock:
-            server, thread = self._server, self._thread
-            self._server = self._thread = None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if thread is not None:
-            thread.join(timeout=5)
+            exporter, self._exporter = self._exporter, None
+        if exporter is not None:
+            exporter.close()
 
     def __enter__(self) -> Metrics:
         return self
