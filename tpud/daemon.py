@@ -69,7 +69,7 @@ class Daemon:
         self._reader_settings = self.settings  # the settings scans use: the reader thread's own copy
         # Several hosts: this one's place, fixed for the daemon's life (a TPU slice does not change shape).
         self.gang, self._gang_settings = discover(self.settings), self.settings.gang
-        self.coordinator = Coordinator(self.gang.coordinator) if self.gang and self.gang.host == 0 else None
+        self.coordinator = Coordinator(self.gang.coordinator, self) if self.gang and self.gang.host == 0 else None
         self.metrics_addr = metrics_addr or self.settings.metrics_addr
         self.selector = selectors.DefaultSelector()
         self.jobs: dict[str, Job] = {}
