@@ -120,6 +120,27 @@ def children_of(pid: int) -> list[int]:
 
 
 
+def children_by_kind(pid: int) -> dict[str, list[int]]:
+    """A daemon's live children by what they are: worker, standby, reader (the job-file reader),
+    coordinator (the gang's), or other (none, since the reader stopped being a multiprocessing pool).
+    By command line: a spare released to train keeps its `--standby` (status has the worker's pid)."""
+    found: dict[str, list[int]] = {}
+    for child in children_of(pid):
+        try:
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # dead, not yet reaped
+            command = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        if "tpud.worker" in command:
+            kind = "standby" if "--standby" in command else "worker"
+        else:
+            kind = {"tpud.jobfiles.offloop": "reader", "tpud.gang.coordinator": "coordinator"}.get(
+                next((c for c in command if c.startswith("tpud.")), ""), "other")
+        found.setdefault(kind, []).append(child)
+    return found
+
+
 def metric(home, name, **labels) -> float | None:
     address = (Paths.resolve(home).runtime / "metrics.addr").read_text().strip()
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()

@@ -13,7 +13,7 @@ import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.gcs_server import free_port
-from tests.helpers import Daemon, children_of, job_text, wait_until
+from tests.helpers import Daemon, children_by_kind, job_text, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -24,22 +24,7 @@ EXIT_S = 60     # SIGTERM to exit, the job's final checkpoint included
 
 
 def helpers(daemon: Daemon) -> dict[str, list[int]]:
-    """The daemon's live children by kind: worker, standby, reader, coordinator, or other."""
-    found: dict[str, list[int]] = {}
-    for pid in children_of(daemon.proc.pid):
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # dead, not yet reaped
-            command = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-        except OSError:
-            continue
-        if "tpud.worker" in command:
-            kind = "standby" if "--standby" in command else "worker"
-        else:
-            kind = {"tpud.jobfiles.offloop": "reader", "tpud.gang.coordinator": "coordinator"}.get(
-                next((c for c in command if c.startswith("tpud.")), ""), "other")
-        found.setdefault(kind, []).append(pid)
-    return found
+    return children_by_kind(daemon.proc.pid)
 
 
 def kill(pids: list[int]) -> None:
