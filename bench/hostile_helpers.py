@@ -36,13 +36,12 @@ import signal
 import subprocess
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from machine import describe
 from supervised import REPO
 from tests.gcs_server import free_port
-from tests.helpers import Daemon, children_by_kind, job_text
+from tests.helpers import Daemon, children_by_kind, exited, job_text
 
 ARMS = ("baseline", "worker", "reader", "standby", "all", "coordinator")
 SEEN = {"worker": "worker exited", "reader": "the job-file reader exited; starting it again",
@@ -50,23 +49,6 @@ SEEN = {"worker": "worker exited", "reader": "the job-file reader exited; starti
         "coordinator": "the gang coordinator exited; starting it again"}
 TARGETS = {"seen_after_death_s": 1.0, "back_s": 5.0, "read_s": 5.0, "exit_over_baseline_s": 2.0}
 CAP_S = 150.0
-
-
-def logged_at(daemon: Daemon, event: str, after: float) -> float | None:
-    """The wall-clock time of the daemon's first record of `event` at or after `after`."""
-    for record in daemon.events(event):
-        at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
-        if at >= after:
-            return at
-    return None
-
-
-def zombie(pid: int) -> bool:
-    """Dead: exited (its parent has yet to reap it) or gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def until(predicate, cap: float = CAP_S, interval: float = 0.5) -> None:
@@ -87,9 +69,17 @@ def start(root: Path, arm: str) -> Daemon:
         (home / "tpud.yaml").write_text(
             f"gang: {{host_index: 0, host_count: 2, coordinator: '127.0.0.1:{free_port()}'}}\n")
     daemon = Daemon(home)
-    want = {"reader", "coordinator"} if gang else {"reader", "standby", "worker"}
-    until(lambda: want <= set(children_by_kind(daemon.proc.pid)) and (bench := daemon.status().get("bench")) and (
-        (bench["gang"] or {}).get("present") == 1 if gang else bench["state"] == "RUNNING" and (bench["step"] or 0) > 3))
+    want = {"coordinator"} if gang else {"standby", "worker"}
+
+    def ready() -> bool:
+        kinds = set(children_by_kind(daemon.proc.pid))
+        bench = daemon.status().get("bench")
+        if not (want <= kinds and kinds & {"reader", "other"} and bench is not None):
+            return False
+        return (bench["gang"] or {}).get("present") == 1 if gang else bench["state"] == "RUNNING" and (
+            bench["step"] or 0) > 3
+
+    until(ready)
     return daemon
 
 
@@ -112,7 +102,7 @@ def kill(daemon: Daemon, arm: str) -> dict[str, dict]:
     while time.monotonic() - killed < CAP_S and (len(back) < len(watched) or (dropped and read_s is None)):
         now = time.monotonic()
         for pid in victims:
-            if pid not in dead and zombie(pid):
+            if pid not in dead and exited(pid):
                 dead[pid] = now - killed
         running = children_by_kind(daemon.proc.pid)
         for kind in watched:  # (the worker: a released spare keeps its command line, so status names it)
@@ -129,7 +119,7 @@ def kill(daemon: Daemon, arm: str) -> dict[str, dict]:
         time.sleep(0.01)
     results = {}
     for kind in watched:
-        seen = logged_at(daemon, SEEN[kind], killed_wall)
+        seen = daemon.logged_at(SEEN[kind], killed_wall)
         results[kind] = {"dead_s": max((dead.get(pid) for pid in before[kind]), default=None),
                          "seen_s": None if seen is None else seen - killed_wall, "back_s": back.get(kind)}
         if None not in (results[kind]["dead_s"], results[kind]["seen_s"]):
@@ -148,7 +138,7 @@ def stop(daemon: Daemon) -> dict[str, float | None]:
         gone = time.time()
     except subprocess.TimeoutExpired:
         gone = None
-    stopped = logged_at(daemon, "tpud stopped", sent)
+    stopped = daemon.logged_at("tpud stopped", sent)
     return {"stop_s": None if stopped is None else stopped - sent,
             "exit_s": None if stopped is None or gone is None else gone - stopped,
             "sigterm_to_exit_s": None if gone is None else gone - sent}

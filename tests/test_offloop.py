@@ -17,7 +17,7 @@ from tpud.daemon import Daemon
 from tpud.jobfiles.offloop import OffLoop
 from tpud.paths import Paths
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.helpers import children_of, wait_until
+from tests.helpers import children_of, exited, wait_until
 
 
 # Reads run in the helper process: module-level, so that they can be pickled.
@@ -103,13 +103,6 @@ def started_reader(posted: queue.SimpleQueue) -> tuple[OffLoop, list[int]]:
     return offloop, sorted(set(children_of(os.getpid())) - before)
 
 
-def gone(pid: int) -> bool:
-    try:
-        return "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-
-
 def test_a_reader_killed_while_idle_is_started_again_at_once_and_reads_go_on():
     posted: queue.SimpleQueue = queue.SimpleQueue()
     with capture_logs() as logs:
@@ -131,7 +124,7 @@ def test_a_reader_killed_while_idle_is_started_again_at_once_and_reads_go_on():
     assert died["pid"] in helpers and died["status"] == 128 + signal.SIGKILL and died["read"] is None
     assert died["in_s"] == 0  # it had lived: no backoff
     assert noticed < 10, noticed  # seen as it happened (the pidfd), not at the next read's timeout
-    assert offloop.pid is None and all(map(gone, helpers))
+    assert offloop.pid is None and all(map(exited, helpers))
 
 
 def test_a_read_whose_reader_is_killed_under_it_runs_again_on_the_next_one(tmp_path):
@@ -163,7 +156,7 @@ def test_close_ends_a_reader_stopped_mid_read_within_seconds(tmp_path):
     began = time.monotonic()
     offloop.close()
     assert time.monotonic() - began < 10
-    assert all(map(gone, helpers)), "close() left its helper processes behind"
+    assert all(map(exited, helpers)), "close() left its helper processes behind"
 
 
 def test_a_process_whose_reader_was_killed_exits_at_once(tmp_path):

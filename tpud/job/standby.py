@@ -24,7 +24,8 @@ log = structlog.get_logger()
 
 
 class StandbyPool:
-    def __init__(self, spawn: Callable[..., WorkerProcess], job: str, loop, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spawn: Callable[..., WorkerProcess], job: str, loop,
+                 clock: Callable[[], float] = time.monotonic):
         """spawn(spec, extra_env, standby=True) starts a worker process; `loop` watches the spares' sentinels."""
         self.spawn, self.job, self.loop = spawn, job, loop
         self.spares: list[WorkerProcess] = []

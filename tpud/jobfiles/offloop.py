@@ -277,7 +277,14 @@ class OffLoop:
         try:
             self._await(reader.sock, time.monotonic() + START_TIMEOUT_S)
             _receive(reader.sock)
-        except (EOFError, OSError):
+        except TimeoutError:
+            self._stop()
+            log.error("the job-file reader did not start in time; starting another", pid=reader.pid,
+                      timeout_s=START_TIMEOUT_S, in_s=round(self._respawn.died(), 1))
+            return False
+        except (EOFError, OSError) as e:
+            if self._closed:  # close() shut the socket down under us
+                raise _Closed from e
             self._lost(None)
             return False
         log.info("job-file reader started", pid=reader.pid)
