@@ -10,6 +10,7 @@ import subprocess
 import textwrap
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 from engine.checkpoint import manifest as mf
@@ -105,6 +106,14 @@ class Daemon:
                 records.append(record)
         return records
 
+    def logged_at(self, event: str, after: float) -> float | None:
+        """The wall-clock time of this daemon's first record of `event` at or after `after`."""
+        for record in self.events(event):
+            at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+            if at >= after:
+                return at
+        return None
+
 
 def tpud_imports(*argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run `tpud ARGV` under python -X importtime: the result, and every module it imported."""
@@ -132,6 +141,35 @@ def children_of(pid: int) -> list[int]:
                 found.append(int(entry.name))
     return found
 
+
+
+def exited(pid: int) -> bool:
+    """Gone, or dead and waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def children_by_kind(pid: int) -> dict[str, list[int]]:
+    """A daemon's live children by what they are: worker, standby, reader (the job-file reader),
+    coordinator (the gang's), or other (none, since the reader stopped being a multiprocessing pool).
+    By command line: a spare released to train keeps its `--standby` (status has the worker's pid)."""
+    found: dict[str, list[int]] = {}
+    for child in children_of(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        if exited(child):
+            continue
+        if "tpud.worker" in command:
+            kind = "standby" if "--standby" in command else "worker"
+        else:
+            kind = {"tpud.jobfiles.offloop": "reader", "tpud.gang.coordinator": "coordinator"}.get(
+                next((c for c in command if c.startswith("tpud.")), ""), "other")
+        found.setdefault(kind, []).append(child)
+    return found
 
 
 def metric(home, name, **labels) -> float | None:

@@ -10,6 +10,7 @@ from engine import events
 from engine.spec.schema import JobSpec
 from tpud.job import states
 from tpud.job.job import Job, State
+from tpud.job.standby import StandbyPool
 from tpud.paths import Paths
 from tpud.worker import channel
 
@@ -40,6 +41,7 @@ class FakeWorker:
         self.signals, self.stdout, self.is_stopped = [], None, False
         self.released = self.discarded = False
         self.pid = 5000 + len(made)
+        self.sentinel = self.pid  # what the loop would watch for its exit (a pidfd)
 
     def signal(self, signum):
         self.signals.append(signum)
@@ -407,6 +409,55 @@ def test_spares_start_beside_a_cold_worker_and_before_a_restart_and_go_with_the_
     job.stop("stop")
     job.worker_exited(75)
     assert job.state is State.STOPPED and workers.made[-1].discarded and job.standbys.spares == []
+
+
+class WatchingLoop(Loop):
+    """A loop whose watches a test can fire: {fileobj: callback}."""
+
+    def __init__(self):
+        self.watched = {}
+
+    def watch(self, fileobj, callback):
+        assert fileobj not in self.watched
+        self.watched[fileobj] = callback
+
+    def unwatch(self, fileobj):
+        self.watched.pop(fileobj, None)
+
+
+def test_a_spare_that_dies_is_replaced_at_once_then_after_a_backoff_if_they_keep_dying(tmp_path):
+    now, loop, workers = [1000.0], WatchingLoop(), Workers()
+    spec = JobSpec.model_validate({"name": "j"})
+    pool = StandbyPool(lambda s, env, standby: workers(s, None, "json", env, standby=standby), "j", loop,
+                       clock=lambda: now[0])
+    pool.keep(spec, {"ENV": "1"}, 1)
+    first, = workers.made
+    assert list(loop.watched) == [first.sentinel]
+
+    now[0] += 300
+    loop.watched[first.sentinel]()  # its pidfd: it died, after a long life
+    assert first.discarded and first.sentinel not in loop.watched
+    second = workers.made[-1]
+    assert pool.spares == [second] and second.extra_env == {"ENV": "1"} and list(loop.watched) == [second.sentinel]
+
+    now[0] += 0.25
+    loop.watched[second.sentinel]()  # dead again, young: the next one waits out a backoff
+    assert pool.spares == [] and pool.due == 1302.0  # 2 s after the start of the one that died
+    now[0] = 1301.9
+    pool.tick()
+    assert pool.spares == []
+    now[0] = 1302.0
+    pool.tick()
+    third = workers.made[-1]
+    assert pool.spares == [third] and pool.due is None
+
+    assert pool.take(spec, {"ENV": "1"}) is third and third.released and loop.watched == {}  # a worker now
+    pool.keep(spec, None, 1)
+    pool.discard()
+    loop.watched.clear()
+    now[0] += 300
+    pool.tick()
+    assert len(workers.made) == 4 and pool.spares == []  # discarded: none until keep() is asked again
 
 
 def test_an_event_a_worker_never_sends_is_ignored(make_job):

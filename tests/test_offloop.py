@@ -1,16 +1,23 @@
-"""The daemon reads job files and tpud.yaml in a helper process (tpud/jobfiles/offloop.py), in order."""
+"""The daemon reads job files and tpud.yaml in a helper process (tpud/jobfiles/offloop.py), in order,
+and a reader that dies is started again at once and never holds up an exit."""
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
+import subprocess
+import textwrap
 import time
 from pathlib import Path
+
+from structlog.testing import capture_logs
 
 from tpud.daemon import Daemon
 from tpud.jobfiles.offloop import OffLoop
 from tpud.paths import Paths
-from tests.conftest import TINY_JOB
+from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
+from tests.helpers import children_of, exited, wait_until
 
 
 # Reads run in the helper process: module-level, so that they can be pickled.
@@ -18,7 +25,9 @@ def echo(value):
     return value
 
 
-def wait_for(path: str) -> str:
+def wait_for(path: str, started: str | None = None) -> str:
+    if started is not None:
+        Path(started).touch()
     while not os.path.exists(path):
         time.sleep(0.01)
     return "gate"
@@ -82,3 +91,101 @@ def test_a_scan_asked_for_after_a_reload_uses_the_reloaded_settings(tmp_path):
     assert daemon.settings.allow_fault_injection
     assert [files[Path(paths.jobs_dir / "drill.yaml")].error for files in results] == [None, None]
     daemon.offloop.close()
+
+
+def started_reader(posted: queue.SimpleQueue) -> tuple[OffLoop, list[int]]:
+    """An OffLoop that has answered a read, and the processes it started for that (its helpers)."""
+    before = set(children_of(os.getpid()))
+    offloop, seen = OffLoop(posted.put), []
+    offloop.submit("first", echo, lambda: ("first",), seen.append)
+    drain(posted, 1)
+    assert seen == ["first"]
+    return offloop, sorted(set(children_of(os.getpid())) - before)
+
+
+def test_a_reader_killed_while_idle_is_started_again_at_once_and_reads_go_on():
+    posted: queue.SimpleQueue = queue.SimpleQueue()
+    with capture_logs() as logs:
+        offloop, helpers = started_reader(posted)
+        try:
+            for pid in helpers:
+                os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            wait_until(lambda: any(r["event"] == "the job-file reader exited; starting it again" for r in logs),
+                       "the death logged", timeout=20)
+            noticed = time.monotonic() - killed
+            seen: list = []
+            offloop.submit("after", echo, lambda: ("after",), seen.append)
+            drain(posted, 1)  # (a pool's next worker never got the lock its killed worker held)
+            assert seen == ["after"]
+        finally:
+            offloop.close()
+    died = next(r for r in logs if r["event"] == "the job-file reader exited; starting it again")
+    assert died["pid"] in helpers and died["status"] == 128 + signal.SIGKILL and died["read"] is None
+    assert died["in_s"] == 0  # it had lived: no backoff
+    assert noticed < 10, noticed  # seen as it happened (the pidfd), not at the next read's timeout
+    assert offloop.pid is None and all(map(exited, helpers))
+
+
+def test_a_read_whose_reader_is_killed_under_it_runs_again_on_the_next_one(tmp_path):
+    posted: queue.SimpleQueue = queue.SimpleQueue()
+    offloop, helpers = started_reader(posted)
+    try:
+        seen, gate, started = [], tmp_path / "gate", tmp_path / "started"
+        offloop.submit("block", wait_for, lambda: (str(gate), str(started)), seen.append)
+        wait_until(started.exists, "the read under way", timeout=20)
+        for pid in helpers:
+            os.kill(pid, signal.SIGKILL)
+        started.unlink()
+        wait_until(started.exists, "the read started again", timeout=20)
+        gate.touch()
+        drain(posted, 1)
+        assert seen == ["gate"]
+    finally:
+        offloop.close()
+
+
+def test_close_ends_a_reader_stopped_mid_read_within_seconds(tmp_path):
+    posted: queue.SimpleQueue = queue.SimpleQueue()
+    offloop, helpers = started_reader(posted)
+    started = tmp_path / "started"
+    offloop.submit("block", wait_for, lambda: (str(tmp_path / "never"), str(started)), posted.put)
+    wait_until(started.exists, "the read under way", timeout=20)
+    for pid in helpers:
+        os.kill(pid, signal.SIGSTOP)
+    began = time.monotonic()
+    offloop.close()
+    assert time.monotonic() - began < 10
+    assert all(map(exited, helpers)), "close() left its helper processes behind"
+
+
+def test_a_process_whose_reader_was_killed_exits_at_once(tmp_path):
+    """The daemon's exit: nothing (a pool's finalizer, a join) waits on a lock the dead reader held."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import os, queue, signal, sys, time
+        from tests.helpers import children_of
+        from tests.test_offloop import echo
+        from tpud.jobfiles.offloop import OffLoop
+
+        if __name__ == "__main__":
+            posted = queue.SimpleQueue()
+            offloop = OffLoop(posted.put, timeout=600)
+            offloop.submit("first", echo, lambda: ("first",), print)
+            posted.get(timeout=60)()
+            for pid in children_of(os.getpid()):
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+            offloop.submit("second", echo, lambda: ("second",), print)
+            offloop.close()
+            print("closed", flush=True)
+    """))
+    proc = subprocess.Popen([PYTHON, str(script)], cwd=REPO, env=python_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"the process did not exit within 60 s of its reader's death:\n{out}") from None
+    assert proc.returncode == 0 and "closed" in out, out

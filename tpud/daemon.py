@@ -5,7 +5,9 @@ channels, timers, and the calls other threads post (the control socket, the job-
 watcher and the metrics server run in threads of their own and never touch a job
 directly). Job files and tpud.yaml are read and validated in a helper process (tpud/jobfiles/offloop.py),
 so a hostile file never delays `tpud status` or the watchdog. Signal handlers only
-record; the loop acts (supervisord's discipline).
+record; the loop acts (supervisord's discipline). A helper process that dies (the reader, a warm
+spare, host 0's gang coordinator) is seen as it happens and started again (tpud/respawn.py), and
+none can hold up the daemon's exit.
 
 Preemption: the GCE metadata server's preempted and TERMINATE maintenance notices make
 every job commit a checkpoint within the deadline and become PREEMPTED; a MIGRATE or an
@@ -69,7 +71,7 @@ class Daemon:
         self._reader_settings = self.settings  # the settings scans use: the reader thread's own copy
         # Several hosts: this one's place, fixed for the daemon's life (a TPU slice does not change shape).
         self.gang, self._gang_settings = discover(self.settings), self.settings.gang
-        self.coordinator = Coordinator(self.gang.coordinator) if self.gang and self.gang.host == 0 else None
+        self.coordinator = Coordinator(self.gang.coordinator, self) if self.gang and self.gang.host == 0 else None
         self.metrics_addr = metrics_addr or self.settings.metrics_addr
         self.selector = selectors.DefaultSelector()
         self.jobs: dict[str, Job] = {}

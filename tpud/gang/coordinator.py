@@ -15,42 +15,53 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import structlog
 
-from engine.backoff import Backoff
+from tpud.respawn import Respawn
+from tpud.worker.process import die_with_parent, exit_status
 
 log = structlog.get_logger()
 
 
 class Coordinator:
-    """Host 0's daemon side: keeps the coordinator process running, started again with a backoff
-    if it dies (its address taken by another process, say), from 1 s to 30 s."""
+    """Host 0's daemon side: keeps the coordinator process running. Its death is seen at once (its
+    pidfd in the loop) and it starts again (tpud/respawn.py: with a backoff from 1 s to 30 s while
+    it keeps dying young, its address taken by another process, say)."""
 
-    def __init__(self, address: str):
-        self.address = address
+    def __init__(self, address: str, loop, clock: Callable[[], float] = time.monotonic):
+        """`loop` watches the process's pidfd (the daemon's watch and unwatch)."""
+        self.address, self.loop = address, loop
         self.proc: subprocess.Popen | None = None
-        self._backoff = Backoff(initial=1.0, maximum=30.0)
-        self._failures = 0
-        self._started = 0.0
-        self._retry_at: float | None = None  # when an exited coordinator starts again
+        self._sentinel: int | None = None
+        self._respawn = Respawn(clock)
 
     def ensure(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Start it unless it runs or waits out its backoff (the loop calls this every turn)."""
+        if self.proc is not None or not self._respawn.ready():
             return
-        now = time.monotonic()
-        if self.proc is not None and self._retry_at is None:
-            self._failures = 1 if now - self._started > 60 else self._failures + 1  # a long life: no crash loop
-            self._retry_at = self._started + self._backoff.delay(self._failures)
-            log.error("the gang coordinator exited; starting it again", address=self.address,
-                      status=self.proc.returncode, restarts=self._failures,
-                      in_s=round(max(0.0, self._retry_at - now), 1))
-        if self._retry_at is not None and now < self._retry_at:
-            return
-        self._started, self._retry_at = now, None
+        self._respawn.started()
         self.proc = subprocess.Popen([sys.executable, "-m", "tpud.gang.coordinator", self.address,
                                       "--parent", str(os.getpid())], stdin=subprocess.DEVNULL)
+        self._sentinel = os.pidfd_open(self.proc.pid)
+        self.loop.watch(self._sentinel, self._exited)
         log.info("gang coordinator started", address=self.address, pid=self.proc.pid)
+
+    def _exited(self) -> None:
+        status = self._reap()
+        in_s = self._respawn.died()
+        log.error("the gang coordinator exited; starting it again", address=self.address, status=status,
+                  restarts=self._respawn.failures, in_s=round(in_s, 1))
+        self.ensure()
+
+    def _reap(self) -> int | None:
+        proc, self.proc = self.proc, None
+        if self._sentinel is not None:
+            self.loop.unwatch(self._sentinel)
+            os.close(self._sentinel)
+            self._sentinel = None
+        return None if proc is None else exit_status(proc.wait())
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -59,7 +70,7 @@ class Coordinator:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+        self._reap()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", help="HOST:PORT to listen on")
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is not our parent")
     args = parser.parse_args(argv)
-    from tpud.worker.process import die_with_parent
-
     die_with_parent(args.parent)
     host, _, port = args.address.rpartition(":")
     host = host.strip("[]")

@@ -121,7 +121,7 @@ class Job:
         if not self._record_path.exists():  # a blank state directory ("delete it to start over")
             self.memory.discard()  # states a former life of this home left in shared memory
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
-                                    self.name)
+                                    self.name, loop, clock)
         self.record = JobRecord.load(self._record_path)
         self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
         self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
@@ -527,8 +527,9 @@ class Job:
     # --- timers ---
 
     def tick(self) -> None:
-        """Timers: backoff expiry, hang detection, and killing a worker that ignored a stop."""
+        """Timers: backoff expiry, hang detection, killing a worker that ignored a stop, replacing a lost spare."""
         now = self.clock()
+        self.standbys.tick()
         if self.state is State.BACKOFF and now >= self.backoff_until:
             self.start()
         if self.kill_at is not None and now >= self.kill_at and self.worker is not None:
@@ -550,7 +551,7 @@ class Job:
 
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
-        timers = [self.kill_at]
+        timers = [self.kill_at, self.standbys.due]
         if self.state is State.BACKOFF:
             timers.append(self.backoff_until)
         if self.worker is not None and self.hang is None and self.kill_at is None:

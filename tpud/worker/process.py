@@ -84,6 +84,8 @@ class WorkerProcess:
             stderr=subprocess.STDOUT, env={**worker_env(log_format), **self.extra_env}, start_new_session=True,
         )
         self.pid = self.proc.pid
+        # Readable once it exits (a pidfd): how a warm spare's death is seen before anyone reads its output.
+        self.sentinel: int | None = os.pidfd_open(self.pid)
         os.set_blocking(self.proc.stdout.fileno(), False)
         if standby:
             set_session_nice(self.pid, 19)
@@ -108,17 +110,18 @@ class WorkerProcess:
             return False
         return True
 
-    def discard(self) -> None:
-        """End a standby worker that is no longer wanted."""
+    def discard(self) -> int:
+        """End a standby worker that is no longer wanted (or that died): its exit status."""
         if self.proc.poll() is None:  # (once reaped, its pid may belong to another process)
             self.signal(signal.SIGKILL)
-            self.proc.wait()
+        status = self.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None and not pipe.closed:
                 try:
                     pipe.close()
                 except BrokenPipeError:
                     pass
+        return status
 
     def signal(self, signum: int) -> None:
         try:
@@ -134,7 +137,11 @@ class WorkerProcess:
         return self.proc.stdout
 
     def wait(self) -> int:
-        return exit_status(self.proc.wait())
+        status = exit_status(self.proc.wait())
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+        return status
 
 
 def die_with_parent(expected_parent: int | None) -> None:
