@@ -88,8 +88,9 @@ def test_a_checkpoint_sharded_over_four_devices_exports_the_trained_weights(xla_
         assert torch.equal(exported[hf_name(name)], param), name
 
 
-def test_cut_cross_entropy_on_sharded_xla_tensors_matches_the_cpu():
-    out = subprocess.run([PYTHON, str(REPO / "tests" / "xla_cce_probe.py")], capture_output=True, text=True,
+@pytest.mark.parametrize("loss", ["cce", "chunked"])
+def test_chunked_losses_on_sharded_xla_tensors_match_the_cpu(loss):
+    out = subprocess.run([PYTHON, str(REPO / "tests" / "xla_cce_probe.py"), loss], capture_output=True, text=True,
                          env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

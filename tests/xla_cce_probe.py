@@ -1,10 +1,12 @@
 """Run under PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 by tests/test_xla.py; prints one JSON line.
 
-Cut cross-entropy on sharded XLA tensors (hidden over the batch, weight over the vocab
-and over the model dim) against the same function on the CPU, plus its compile time.
+A chunked loss (argv[1]: cce, cut cross-entropy; chunked, token chunks with the backward in
+forward) on sharded XLA tensors (hidden over the batch, weight over the vocab and over the
+model dim) against the same function on the CPU, plus its compile time.
 """
 
 import json
+import sys
 import time
 
 import numpy as np
@@ -15,13 +17,19 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 from engine.losses.cce import linear_cross_entropy
+from engine.losses.chunked import chunked_cross_entropy
 
-KW = dict(label_smoothing=0.1, z_loss=1e-3, softcap=10.0, chunk_size=384)  # 1000 = 2 x 384 + a ragged 232
+TERMS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=10.0)
+LOSSES = {
+    "cce": (linear_cross_entropy, dict(chunk_size=384)),  # 1000 = 2 x 384 + a ragged 232
+    "chunked": (chunked_cross_entropy, dict(chunk_tokens=96)),  # 256 = 2 x 96 + a ragged 64
+}
 
 
 def run(hidden, weight, targets):
+    fn, chunking = LOSSES[sys.argv[1]]
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, targets, **KW)
+    loss = fn(h, w, targets, **TERMS, **chunking)
     loss.backward()
     return loss, h.grad, w.grad
 
