@@ -35,6 +35,11 @@ timed steps only when more than 99 steps are asked for.
     .venv/bin/python bench/train_overhead.py --presets tiny --steps 40 --warmup 5
     .venv/bin/python bench/train_overhead.py --compile   # the engine with device.compile=true against
                                                          # the same eager baseline: compiled vs eager
+    python bench/train_overhead.py --device cuda --compile --presets 125m,1b   # issue 28's MFU figures
+
+With --device cuda both sides run in bf16 autocast on the GPU at the CUDA geometry below (seq
+2048), the clocks read after a synchronize, and each side's MFU is reported (6 N + 12 L H Dh T
+FLOPs per token, engine.models.llama.flops_per_token, against the GPU's dense bf16 peak).
 
 Results: a table on stdout and bench/results/train_overhead.json (raw step times included).
 """
@@ -59,7 +64,8 @@ import yaml
 from engine import events, exit_codes, logs
 from engine.attention.sdpa import sdpa_attention
 from engine.hooks import Action, Boundary, Request
-from engine.models.llama import Transformer
+from engine.backends.base import peak_flops_for
+from engine.models.llama import Transformer, flops_per_token
 from engine.spec.loader import load_spec
 from engine.spec.schema import JobSpec
 from engine.train import Trainer
@@ -79,6 +85,12 @@ CASES = {
     "tiny": dict(seq_len=256, micro_batch_size=16, steps=30, warmup=3),
     "125m": dict(seq_len=256, micro_batch_size=2, steps=12, warmup=3),
 }
+CUDA_CASES = {  # on one GPU: the geometry of issue 28's MFU targets; warm-up covers compilation
+    "tiny": dict(seq_len=2048, micro_batch_size=16, steps=30, warmup=5),
+    "125m": dict(seq_len=2048, micro_batch_size=16, steps=30, warmup=5),
+    "1b": dict(seq_len=2048, micro_batch_size=4, steps=20, warmup=5),
+}
+MFU_TARGETS = {"125m": 0.30, "1b": 0.35}
 
 # -----------------------------------------------------------------------------
 # Noise check: how much CPU other processes took while a case ran (Linux; None elsewhere).
@@ -109,7 +121,7 @@ def others_cpu_share(start, end) -> float | None:
 # The engine side: the demo job with the preset's model section.
 
 
-def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, compile: bool) -> JobSpec:
+def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, compile: bool, device: str) -> JobSpec:
     model = yaml.safe_load((REPO / "configs" / "models" / f"{preset}.yaml").read_text())["model"]
     overrides = [
         f"name=bench-{preset}",
@@ -118,7 +130,7 @@ def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, co
         f"data.micro_batch_size={micro_batch_size}",
         f"train.max_steps={max(steps + 1, 100)}",  # the loop is stopped after `steps`, before its final save
         "train.grad_accum_steps=1",
-        "device.backend=cpu",
+        f"device.backend={device}",
         f"device.compile={str(compile).lower()}",
         "attention.kernel=sdpa",
     ]
@@ -129,9 +141,10 @@ def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, co
 # The baseline: the same model and batches in the plainest possible training loop.
 
 
-def baseline_model(spec: JobSpec) -> tuple[Transformer, torch.optim.Optimizer]:
+def baseline_model(spec: JobSpec, device: str) -> tuple[Transformer, torch.optim.Optimizer]:
     torch.manual_seed(spec.train.seed)  # the Trainer seeds the same way: identical initial weights
-    model = Transformer(spec.model, sdpa_attention)
+    model = Transformer(spec.model, sdpa_attention).to(device)
+    model.reset_rotary(torch.device(device))
     opt = spec.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                   weight_decay=opt.weight_decay, fused=True)
@@ -140,9 +153,14 @@ def baseline_model(spec: JobSpec) -> tuple[Transformer, torch.optim.Optimizer]:
 
 def baseline_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
                   grad_clip: float) -> torch.Tensor:
+    cuda = model.output_weight.is_cuda
+    batch = batch.to(model.output_weight.device, non_blocking=True)
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    hidden = model(inputs).flatten(0, 1)
-    loss = F.cross_entropy((hidden @ model.output_weight.T).float(), targets.flatten())
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        hidden = model(inputs).flatten(0, 1)
+        if cuda:
+            hidden = hidden.bfloat16()  # as the engine does: the head's matmul in bf16
+        loss = F.cross_entropy((hidden @ model.output_weight.T).float(), targets.flatten())
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
@@ -173,6 +191,7 @@ class Interleaved(ChannelHooks):
         self._engine_from: float | None = None
 
     def poll(self, at: Boundary) -> Request | None:
+        sync()
         now = time.perf_counter()
         assert at.micro_step == 0, "grad_accum_steps=1: every boundary is a step boundary"
         if self._engine_from is not None:
@@ -184,6 +203,7 @@ class Interleaved(ChannelHooks):
             return Request(Action.STOP)
         t0 = time.perf_counter()
         loss = self.baseline(at.step)
+        sync()
         self.baseline_s.append(time.perf_counter() - t0)
         if at.step == 0:
             self.baseline_loss0 = loss.item()
@@ -207,9 +227,15 @@ class Interleaved(ChannelHooks):
 # One case: the loop runs warmup + steps steps, the baseline's interleaved.
 
 
-def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmup: int, compile: bool) -> dict:
-    spec = engine_spec(preset, seq_len, micro_batch_size, warmup + steps, compile)
-    model, optimizer = baseline_model(spec)
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmup: int, compile: bool,
+             device: str) -> dict:
+    spec = engine_spec(preset, seq_len, micro_batch_size, warmup + steps, compile, device)
+    model, optimizer = baseline_model(spec, device)
     grad_clip = spec.train.grad_clip
     with tempfile.TemporaryDirectory(prefix="tpud-bench-") as state_dir:
         hooks = Interleaved(Path(state_dir) / "channel.sock", stop_at=warmup + steps, timed_from=warmup)
@@ -235,7 +261,11 @@ def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmu
     engine_s, baseline_s = hooks.engine_s[warmup:], hooks.baseline_s[warmup:]
     engine_med, baseline_med = statistics.median(engine_s), statistics.median(baseline_s)
     ratio = engine_med / baseline_med
+    peak = peak_flops_for(torch.cuda.get_device_name()) if device == "cuda" else None
+    flops = flops_per_token(spec.model, seq_len) * seq_len * micro_batch_size
+    mfu = {"engine": flops / engine_med / peak, "baseline": flops / baseline_med / peak} if peak else None
     return {
+        "device": device, "mfu": mfu, "mfu_target": MFU_TARGETS.get(preset) if peak else None,
         "preset": preset, "compile": compile, "params": params, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
         "tokens_per_step": seq_len * micro_batch_size, "warmup": warmup, "steps": steps,
         "log_interval": spec.train.log_interval,
@@ -260,16 +290,20 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per side (default: per preset)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps per side, not counted, >= 1 (default: per preset)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: both sides on the GPU in bf16 at seq 2048, with MFU (default cpu)")
     parser.add_argument("--compile", action="store_true",
                         help="the engine with device.compile=true (its first warm-up step compiles)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/train_overhead.json (train_overhead-compile.json with --compile)")
     args = parser.parse_args()
-    args.out = args.out or REPO / "bench" / "results" / f"train_overhead{'-compile' if args.compile else ''}.json"
+    suffix = ("-cuda" if args.device == "cuda" else "") + ("-compile" if args.compile else "")
+    args.out = args.out or REPO / "bench" / "results" / f"train_overhead{suffix}.json"
+    cases = CUDA_CASES if args.device == "cuda" else CASES
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    unknown = [p for p in presets if p not in CASES]
+    unknown = [p for p in presets if p not in cases]
     if unknown:
-        parser.error(f"unknown preset(s) {unknown}; known: {', '.join(CASES)}")
+        parser.error(f"unknown preset(s) {unknown}; known on {args.device}: {', '.join(cases)}")
 
     logs.configure("warning")  # the Trainer's info lines would interleave with the table
     threads = os.cpu_count() or 1
@@ -279,14 +313,14 @@ def main() -> int:
     t_start = time.perf_counter()
     results = []
     for preset in presets:
-        case = dict(CASES[preset])
+        case = dict(cases[preset])
         if args.steps is not None:
             case["steps"] = args.steps
         if args.warmup is not None:
             case["warmup"] = args.warmup
         case["warmup"] = max(1, case["warmup"])  # step 0 (the loss check) is always a warm-up step
         print(f"running {preset}: {case}", flush=True)
-        r = run_case(preset, **case, compile=args.compile)
+        r = run_case(preset, **case, compile=args.compile, device=args.device)
         gc.collect()  # free this case's two models before the next one allocates
         loss0 = r["step0_loss"]
         engine = "not reported (fewer steps than log_interval)" if loss0["engine"] is None else f"{loss0['engine']:.6f}"
@@ -302,6 +336,12 @@ def main() -> int:
         print(f"{r['preset']:<7} {r['params']:>12,} {r['tokens_per_step']:>11,} {r['baseline_median_s']:>10.4f} "
               f"{r['engine_median_s']:>10.4f} {r['ratio']:>7.3f} {'<=' + str(TARGET):>7}  "
               f"{'pass' if r['passed'] else 'FAIL'}")
+    for r in results:
+        if r["mfu"]:
+            target = r["mfu_target"]
+            print(f"{r['preset']:<7} MFU engine {r['mfu']['engine']:.1%}, baseline {r['mfu']['baseline']:.1%}"
+                  + (f" (target >= {target:.0%}: {'pass' if r['mfu']['engine'] >= target else 'MISS'})"
+                     if target else ""))
     missed = [r["preset"] for r in results if not r["passed"]]
     print()
     print(f"MISSED TARGET (engine > {TARGET}x baseline): {', '.join(missed)}" if missed else "all targets met")
@@ -314,7 +354,8 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "train_overhead",
-        "machine": describe(),
+        "machine": describe(gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+                            cuda=torch.version.cuda if args.device == "cuda" else None),
         "wall_s": wall_s,
         "cases": results,
     }
