@@ -22,15 +22,19 @@ from engine.spec.schema import DeviceConfig
 
 # Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
 # ("row-parallel") ones get (fsdp, tensor), so a tensor-parallel block needs one reduction.
-_ROW_PARALLEL = ("wo.weight", "w2.weight")
+_ROW_PARALLEL = ("wo", "w2")
 BATCH_AXES = ("data", "fsdp")
+
+
+def row_parallel(module: str) -> bool:
+    return module.endswith(_ROW_PARALLEL)
 
 
 def weight_partition(name: str, param: torch.Tensor) -> tuple | None:
     """The partition spec of one parameter; None leaves it replicated (norms)."""
     if param.dim() != 2:
         return None
-    return ("fsdp", "tensor") if name.endswith(_ROW_PARALLEL) else ("tensor", "fsdp")
+    return ("fsdp", "tensor") if row_parallel(name.removesuffix(".weight")) else ("tensor", "fsdp")
 
 
 class XlaBackend(Backend):
@@ -97,7 +101,19 @@ class XlaBackend(Backend):
             # Each gradient laid out like its weight, as it is accumulated: XLA then reduce-scatters
             # it (FSDP) instead of all-reducing the whole gradient onto every device and slicing it.
             param.register_post_accumulate_grad_hook(functools.partial(self._shard_grad, spec=spec))
+        # Each projection's output sharded over the batch (its features over the tensor axis, but
+        # a row-parallel one's): left to itself, GSPMD's propagation may keep the weight's
+        # sharding instead and move activations (all-gathers of the whole batch's, all-to-alls)
+        # where FSDP gathers the weight; the gradients flowing back are pinned alike.
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                features = None if row_parallel(name) else "tensor"
+                module.register_forward_hook(functools.partial(self._shard_activation, features=features))
         return model
+
+    def _shard_activation(self, module: nn.Module, inputs: tuple, output: torch.Tensor, features: str | None):
+        spec = (BATCH_AXES,) + (None,) * (output.dim() - 2) + (features,)
+        return self._xs.mark_sharding_with_gradients(output, self.mesh, spec)
 
     def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
         self._xs.mark_sharding(param.grad, self.mesh, spec)
