@@ -219,7 +219,8 @@ class Trainer:
             with record_function("tpud.backward"):
                 (loss / accum).backward()
         p.loss_sum = loss.detach() if p.loss_sum is None else p.loss_sum + loss.detach()
-        self.backend.micro_step_end()
+        if not last:  # the step's last micro-batch runs on into the optimizer step: one graph under XLA
+            self.backend.micro_step_end()
         p.micro_step += 1
         p.tokens_seen += batch.shape[0] * (batch.shape[1] - 1) * self.backend.data.world
         self._micro_seconds = time.monotonic() - started

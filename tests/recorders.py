@@ -57,3 +57,35 @@ def array_loader(tokens, seq_len, micro_batch_size, accum=1, seed=0, position=No
 
     samples = Shuffled(Windows(ArrayStream(tokens), seq_len + 1, "test"), seed)
     return PackedLoader(samples, micro_batch_size, accum, seed, position or DataPosition(), skips)
+
+
+class XlaCounters(Recorder):
+    """torch_xla's running counts at each step boundary (runs under PJRT_DEVICE): `at_step[N]` holds
+    the compilations, device-to-host and host-to-device transfers, item() calls and graph
+    launches (syncs) so far when step N + 1 is about to begin; `counts()` reads them now.
+
+    Set `flush` to the backend's: it is called before each reading, so values that the backend's
+    reader thread copies to the host count at the step whose report asked for them.
+    """
+
+    def __init__(self, requests=None, on=None):
+        import torch_xla.debug.metrics as met
+
+        super().__init__(requests, on)
+        self.met, self.at_step, self.flush = met, {}, lambda: None
+
+    def counts(self) -> dict[str, int]:
+        def metric(name: str) -> int:
+            data = self.met.metric_data(name)
+            return data[0] if data else 0
+
+        return {"compiles": metric("CompileTime"), "to_host": metric("TransferFromDeviceTime"),
+                "to_device": metric("TransferToDeviceTime"),
+                "item_calls": self.met.counter_value("xla::_local_scalar_dense") or 0,
+                "syncs": self.met.counter_value("MarkStep") or 0}
+
+    def poll(self, at):
+        if at.micro_step == 0 and at.step not in self.at_step:  # the final save's retries poll again
+            self.flush()
+            self.at_step[at.step] = self.counts()
+        return super().poll(at)

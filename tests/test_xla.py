@@ -26,11 +26,11 @@ COMMON = ["train.mixed_precision=fp32", "attention.kernel=eager", "train.max_ste
           "model.n_layers=2"]
 
 
-def run_xla(state_dir, *overrides):
+def run_xla(state_dir, *overrides, **env):
     out = subprocess.run(
         [PYTHON, str(REPO / "tests" / "xla_probe.py"), str(TINY_JOB), str(state_dir), "device.backend=xla",
          *COMMON, *overrides],
-        env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), capture_output=True, text=True, timeout=600,
+        env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", **env), capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -106,6 +106,67 @@ def test_graphs_compile_once_then_steps_reuse_them(xla_run):
     assert compiles[2] > 0 and compiles[2:] == [compiles[2]] * (len(compiles) - 2)
 
 
+@pytest.mark.slow  # ~40 s: six graphs compiled
+def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_between_reports(tmp_path):
+    """What a TPU needs of the loop (bench/xla_step.py measures it on the 125m geometry): after the
+    first evaluation and checkpoint, no step compiles, across later ones; each step is one graph,
+    whose collectives are FSDP's; values come back to the host only at a report, an evaluation or
+    a checkpoint."""
+    import torch
+
+    from engine.attention.eager import eager_attention
+    from engine.backends.xla import weight_partition
+    from engine.data.pipeline import prepare
+    from engine.data.prepare import Options
+    from engine.models.llama import Transformer
+    from engine.spec.loader import load_spec
+    from tests import corpus
+    from tests.hlo import Hlo, collective_totals
+
+    source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(300), "jsonl")
+    prepare(Options(inputs=(str(source),), tokenizer="bytes", out=str(tmp_path / "docs"), val_fraction=0.1,
+                    workers=1, progress=False))
+    # Evaluations and checkpoints after steps 3, 6 and 9 (the last), reports after 4 and 8 as well.
+    overrides = [f"data.dataset={tmp_path / 'docs'}", "model.vocab_size=264", "train.max_steps=9",
+                 "train.log_interval=4", "checkpoint.interval_steps=3", "eval={interval_steps: 3, batches: 2}"]
+    dump = tmp_path / "hlo"
+    run = run_xla(tmp_path / "state", *overrides, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
+    assert run["exit"] == 0 and len(run["losses"]) == 9
+    at = {int(step): counts for step, counts in run["counts_at_step"].items()}
+    at[9] = run["counts_at_end"]
+
+    def during(step: int) -> dict:
+        return {k: at[step][k] - at[step - 1][k] for k in at[step]}
+
+    # Steps 1 and 2 compile the step (the optimizer's state appears in the first), step 3's
+    # evaluation its forward; the checkpoints and evaluations after 6 and 9 compile nothing.
+    assert at[3]["compiles"] >= 3 and at[9]["compiles"] == at[3]["compiles"]
+    for step in (5, 7):  # neither a report, an evaluation nor a checkpoint follows them
+        assert during(step)["to_host"] == 0 and during(step)["item_calls"] == 0, (step, during(step))
+        assert during(step)["syncs"] == 1, during(step)  # the last micro-batch runs on into the optimizer
+    for step in (4, 6, 8, 9):  # a report reads its steps' values
+        assert during(step)["to_host"] > 0, (step, during(step))
+
+    # The step's graph, per device after partitioning: the last compiled of those with the most matmuls.
+    modules = [Hlo(path.read_text()) for path in sorted(dump.glob("*after_optimizations.txt"))]
+    most = max(m.dot_flops()[1] for m in modules)
+    found = collective_totals([[m for m in modules if m.dot_flops()[1] == most][-1]])
+    with torch.device("meta"):
+        model = Transformer(load_spec(TINY_JOB, [*COMMON, *overrides]).model, eager_attention)
+    weights = {name: p.numel() * 4 for name, p in model.named_parameters()}  # fp32
+    sharded = sum(size for name, size in weights.items() if weight_partition(name, model.get_parameter(name)) is not None)
+    # Each gradient reduce-scattered once; only the replicated norms' gradients and scalars all-reduced.
+    assert found["reduce-scatter"]["bytes"] == sharded, found
+    assert found["all-reduce"]["bytes"] <= sum(weights.values()) - sharded + 1024, found
+    # Weights gathered (forward, and again in backward), not activations: only the token ids are.
+    assert sharded <= found["all-gather (weights)"]["bytes"] <= 2.1 * sharded, found
+    assert found.get("all-gather (activations)", {"bytes": 0})["bytes"] <= 8 * 64 * 8, found  # int64 ids
+    # The embedding's lookup (of rows sharded over the model dim) and its gradient: one all-to-all each.
+    assert found.get("all-to-all", {"count": 0})["count"] <= 2, found
+    assert set(found) <= {"all-gather (weights)", "all-gather (activations)", "reduce-scatter", "all-reduce",
+                          "all-to-all"}, found
+
+
 def test_restart_finds_every_graph_in_the_persistent_compilation_cache(xla_run, tmp_path):
     # The same job again with a copy of the first run's cache and no checkpoint: it repeats the
     # first run instead of resuming from its final checkpoint.
@@ -132,6 +193,7 @@ def resume_probe(home, stop, *overrides):
 
 def test_resume_from_a_sharded_partial_step_checkpoint_equals_the_uninterrupted_run(tmp_path):
     import torch
+    import torch.distributed.checkpoint as dcp
 
     # The whole run and one cut a micro-batch into step 4, at once: each compiles on about one core.
     with ThreadPoolExecutor(2) as pool:
@@ -141,6 +203,11 @@ def test_resume_from_a_sharded_partial_step_checkpoint_equals_the_uninterrupted_
     assert resumed["exit"] == 0 and resumed["resumed_at"] == [3, 1]
     # Restored optimizer state is sharded like its parameter, not replicated.
     assert resumed["state_sharding"] == {"exp_avg": resumed["param_sharding"], "exp_avg_sq": resumed["param_sharding"]}
+    # So are the partial step's gradients, saved and restored: no device holds a whole gradient (FSDP).
+    (partial,) = (tmp_path / "cut" / "checkpoints" / "tiny-cpu").glob("step_000000003.0001")
+    saved = dcp.FileSystemReader(str(partial)).read_metadata().state_dict_metadata
+    assert len(saved["partial.grads.layers.0.attention.wq.weight"].chunks) == 4
+    assert resumed["restored_grad_sharding"] == resumed["param_sharding"]
     # Bitwise: the same graphs run on the same sharded values, before and after the restart.
     a, b = (torch.load(home / "final.pt") for home in (tmp_path / "whole", tmp_path / "cut"))
     for name in a["params"]:

@@ -2,8 +2,8 @@
 
 Trains the tiny job on the xla backend (SPMD over 4 virtual devices) and reports the
 per-step losses (read through the backend's asynchronous metric path), the sharding of
-a few weights, and how many XLA compilations each step triggered; the final weights,
-gathered to the host, go to STATE_DIR/final-params.pt.
+a few weights, and torch_xla's counts (compilations, transfers) at each step boundary and
+after the run; the final weights, gathered to the host, go to STATE_DIR/final-params.pt.
 """
 
 import json
@@ -12,20 +12,7 @@ from pathlib import Path
 
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests.recorders import Recorder
-
-
-class Probe(Recorder):
-    def __init__(self):
-        import torch_xla.debug.metrics as met
-
-        super().__init__()
-        self.met, self.compiles_at_step = met, {}
-
-    def poll(self, at):
-        if at.micro_step == 0:
-            data = self.met.metric_data("CompileTime")
-            self.compiles_at_step[at.step] = data[0] if data else 0
+from tests.recorders import XlaCounters
 
 
 def attention_checks(backend) -> dict:
@@ -50,13 +37,16 @@ def attention_checks(backend) -> dict:
             "auto": build_attention(AttentionConfig(), backend)[0], "refused": refused}
 
 
-def train(job: str, state_dir: str, overrides) -> tuple[Trainer, Probe, dict]:
-    """Train the job with a Probe attached: the trainer, the probe, and the common report fields."""
-    probe = Probe()
-    trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), probe)
+def train(job: str, state_dir: str, overrides) -> tuple[Trainer, XlaCounters, dict]:
+    """Train the job, counting at each step boundary: the trainer, the counters, and the common report fields."""
+    counters = XlaCounters()
+    trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), counters)
+    counters.flush = trainer.backend.flush
     code = trainer.run()
-    return trainer, probe, {"exit": code, "losses": [probe.losses[s] for s in sorted(probe.losses)],
-                            "compiles_at_step": [probe.compiles_at_step[s] for s in sorted(probe.compiles_at_step)]}
+    steps = sorted(counters.at_step)
+    return trainer, counters, {"exit": code, "losses": [counters.losses[s] for s in sorted(counters.losses)],
+                               "compiles_at_step": [counters.at_step[s]["compiles"] for s in steps],
+                               "counts_at_step": counters.at_step, "counts_at_end": counters.counts()}
 
 
 def main(job: str, state_dir: str, *overrides: str) -> None:

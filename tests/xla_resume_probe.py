@@ -2,7 +2,8 @@
 
 Trains the tiny job on the xla backend, optionally stopping with a checkpoint at a given
 boundary (step, micro-step); when it reaches max_steps it writes the final parameters
-and optimizer state, on the host, to HOME/final.pt.
+and optimizer state, on the host, to HOME/final.pt. It reports the sharding of the first
+layer's wq, its optimizer state, and its gradient as a partial-step checkpoint restored it.
 """
 
 import json
@@ -20,12 +21,13 @@ from tests.recorders import Recorder
 def main(job: str, home: str, stop: str, *overrides: str) -> None:
     step, micro = (int(x) for x in stop.split(","))
     script = Recorder({(step, micro): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)} if step >= 0 else {})
-    trainer = Trainer(load_spec(job, list(overrides)), Path(home), script)
-    resumed_at = (trainer.progress.step, trainer.progress.micro_step)
-    code = trainer.run()
     import torch_xla
 
+    trainer = Trainer(load_spec(job, list(overrides)), Path(home), script)
+    resumed_at = (trainer.progress.step, trainer.progress.micro_step)
     wq = trainer.model.layers[0].attention.wq.weight
+    restored_grad = None if wq.grad is None else torch_xla._XLAC._get_xla_sharding_spec(wq.grad)  # a partial step's
+    code = trainer.run()
     state_sharding = {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in trainer.optimizer.state[wq].items()
                       if torch.is_tensor(v) and v.shape == wq.shape}
     if code == 0:
@@ -34,7 +36,8 @@ def main(job: str, home: str, stop: str, *overrides: str) -> None:
                            for k, s in trainer.optimizer.state_dict()["state"].items()}}
         torch.save(state, Path(home) / "final.pt")
     print(json.dumps({"exit": code, "resumed_at": resumed_at, "losses": script.losses,
-                      "param_sharding": torch_xla._XLAC._get_xla_sharding_spec(wq), "state_sharding": state_sharding}))
+                      "param_sharding": torch_xla._XLAC._get_xla_sharding_spec(wq), "state_sharding": state_sharding,
+                      "restored_grad_sharding": restored_grad}))
 
 
 if __name__ == "__main__":

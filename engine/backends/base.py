@@ -84,10 +84,10 @@ class Backend:
     memory_tier = True  # whether its state can live in the memory tier (engine.checkpoint.memory)
 
     def micro_step_end(self) -> None:
-        """Graph boundary after each micro-batch (XLA cuts its graph here)."""
+        """Graph boundary after each micro-batch but a step's last (XLA cuts its graph here)."""
 
     def step_end(self) -> None:
-        """Graph boundary after the optimizer step."""
+        """Graph boundary after the optimizer step: XLA's step graph holds the last micro-batch too."""
 
     def read_values(self, tensors: list[torch.Tensor], callback: Callable[[list[list[float]]], None]) -> None:
         """Deliver each 1-D tensor's values to callback without stalling the device pipeline.
@@ -127,8 +127,10 @@ class Backend:
         """What a synchronous save can write directly (training waits, so no copy is needed)."""
         return state
 
-    def shard_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Lay out optimizer state like its parameters (SPMD); nothing to do elsewhere."""
+    def shard_like_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           grads: dict[str, torch.Tensor]) -> None:
+        """Lay out optimizer state and partial gradients (by parameter name) like their parameters
+        (SPMD); nothing to do elsewhere."""
 
     def planners(self) -> tuple:
         """torch.distributed.checkpoint (save planner, load planner); None for the defaults."""

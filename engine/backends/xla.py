@@ -8,6 +8,7 @@ engine runs where it is not installed.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,15 +22,19 @@ from engine.spec.schema import DeviceConfig
 
 # Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
 # ("row-parallel") ones get (fsdp, tensor), so a tensor-parallel block needs one reduction.
-_ROW_PARALLEL = ("wo.weight", "w2.weight")
+_ROW_PARALLEL = ("wo", "w2")
 BATCH_AXES = ("data", "fsdp")
+
+
+def row_parallel(module: str) -> bool:
+    return module.endswith(_ROW_PARALLEL)
 
 
 def weight_partition(name: str, param: torch.Tensor) -> tuple | None:
     """The partition spec of one parameter; None leaves it replicated (norms)."""
     if param.dim() != 2:
         return None
-    return ("fsdp", "tensor") if name.endswith(_ROW_PARALLEL) else ("tensor", "fsdp")
+    return ("fsdp", "tensor") if row_parallel(name.removesuffix(".weight")) else ("tensor", "fsdp")
 
 
 class XlaBackend(Backend):
@@ -89,9 +94,29 @@ class XlaBackend(Backend):
         model = model.to(self.device)
         for name, param in model.named_parameters():
             spec = weight_partition(name, param)
-            if spec is not None and not torch_xla._XLAC._get_xla_sharding_spec(param):  # materialise() placed it
+            if spec is None:
+                continue
+            if not torch_xla._XLAC._get_xla_sharding_spec(param):  # materialise() placed it
                 self._xs.mark_sharding(param, self.mesh, spec)
+            # Each gradient laid out like its weight, as it is accumulated: XLA then reduce-scatters
+            # it (FSDP) instead of all-reducing the whole gradient onto every device and slicing it.
+            param.register_post_accumulate_grad_hook(functools.partial(self._shard_grad, spec=spec))
+        # Each projection's output sharded over the batch (its features over the tensor axis, but
+        # a row-parallel one's): left to itself, GSPMD's propagation may keep the weight's
+        # sharding instead and move activations (all-gathers of the whole batch's, all-to-alls)
+        # where FSDP gathers the weight; the gradients flowing back are pinned alike.
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                features = None if row_parallel(name) else "tensor"
+                module.register_forward_hook(functools.partial(self._shard_activation, features=features))
         return model
+
+    def _shard_activation(self, module: nn.Module, inputs: tuple, output: torch.Tensor, features: str | None):
+        spec = (BATCH_AXES,) + (None,) * (output.dim() - 2) + (features,)
+        return self._xs.mark_sharding_with_gradients(output, self.mesh, spec)
+
+    def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
+        self._xs.mark_sharding(param.grad, self.mesh, spec)
 
     @torch.no_grad()
     def materialise(self, model: nn.Module, values) -> None:
@@ -154,18 +179,23 @@ class XlaBackend(Backend):
         xm.wait_device_ops()
         return _sharded_cpu_state_dict(state)
 
-    def shard_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Give each parameter-shaped optimizer state tensor its parameter's sharding.
+    def shard_like_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           grads: dict[str, torch.Tensor]) -> None:
+        """Give each parameter-shaped optimizer state tensor, and each partial gradient, its
+        parameter's sharding.
 
-        Freshly initialised state (e.g. the template a checkpoint is loaded into) starts
-        replicated; left so, every device would hold the whole state and the next step
-        would compile new graphs for the new input shardings.
+        Fresh tensors (the template a checkpoint is loaded into) start replicated; left so,
+        every device would hold them whole and the next step would compile new graphs for
+        the new input shardings.
         """
         for name, param in model.named_parameters():
             spec = weight_partition(name, param)
-            for value in optimizer.state.get(param, {}).values():
-                if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    self._xs.mark_sharding(value, self.mesh, spec)
+            if spec is None:
+                continue
+            state = [v for v in optimizer.state.get(param, {}).values()
+                     if isinstance(v, torch.Tensor) and v.shape == param.shape]
+            for value in state + ([grads[name]] if name in grads else []):
+                self._xs.mark_sharding(value, self.mesh, spec)
 
     def host_view(self, state: dict) -> dict:
         return self.stage(state)  # device shards must reach the host either way

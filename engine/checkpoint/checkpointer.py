@@ -580,10 +580,11 @@ class Checkpointer:
         progress = Progress(step=manifest.step, micro_step=manifest.micro_step,
                             loss_sum=torch.zeros((), device=self.backend.device))
         self._state(progress)  # creates the optimizer's state, to be laid out before loading into it
-        self.backend.shard_optimizer_state(self.model, self.optimizer)
+        grads = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()} if manifest.micro_step else {}
+        self.backend.shard_like_weights(self.model, self.optimizer, grads)
         template = self._state(progress)
-        if manifest.micro_step:
-            template["partial"]["grads"] = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
+        if grads:
+            template["partial"]["grads"] = grads
         return template
 
     def _load(self, path: Path, manifest: mf.Manifest) -> dict:
