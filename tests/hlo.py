@@ -169,3 +169,12 @@ def collective_totals(modules) -> dict[str, dict[str, int]]:
             entry["count"] += 1
             entry["bytes"] += size
     return totals
+
+
+def step_graph(dump) -> Hlo:
+    """The training step's graph in a dump directory (a pathlib.Path): the last compiled of the
+    modules with the most matmuls (an evaluation's forward has fewer; the first step's graph, before
+    the optimizer's state exists, has as many)."""
+    modules = [Hlo(path.read_text()) for path in sorted(dump.glob("*after_optimizations.txt"))]
+    most = max(m.dot_flops()[1] for m in modules)
+    return [m for m in modules if m.dot_flops()[1] == most][-1]

@@ -121,7 +121,7 @@ def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_b
     from engine.models.llama import Transformer
     from engine.spec.loader import load_spec
     from tests import corpus
-    from tests.hlo import Hlo, collective_totals
+    from tests.hlo import collective_totals, step_graph
 
     source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(300), "jsonl")
     prepare(Options(inputs=(str(source),), tokenizer="bytes", out=str(tmp_path / "docs"), val_fraction=0.1,
@@ -147,10 +147,7 @@ def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_b
     for step in (4, 6, 8, 9):  # a report reads its steps' values
         assert during(step)["to_host"] > 0, (step, during(step))
 
-    # The step's graph, per device after partitioning: the last compiled of those with the most matmuls.
-    modules = [Hlo(path.read_text()) for path in sorted(dump.glob("*after_optimizations.txt"))]
-    most = max(m.dot_flops()[1] for m in modules)
-    found = collective_totals([[m for m in modules if m.dot_flops()[1] == most][-1]])
+    found = collective_totals([step_graph(dump)])  # per device, after partitioning
     with torch.device("meta"):
         model = Transformer(load_spec(TINY_JOB, [*COMMON, *overrides]).model, eager_attention)
     weights = {name: p.numel() * 4 for name, p in model.named_parameters()}  # fp32
@@ -165,6 +162,24 @@ def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_b
     assert found.get("all-to-all", {"count": 0})["count"] <= 2, found
     assert set(found) <= {"all-gather (weights)", "all-gather (activations)", "reduce-scatter", "all-reduce",
                           "all-to-all"}, found
+
+
+def test_activation_checkpointing_recomputes_each_block_in_the_step_graph(xla_run, tmp_path):
+    from engine.models.llama import flops_per_token, recompute_flops_per_token
+    from engine.spec.loader import load_spec
+    from tests.hlo import step_graph
+
+    dump = tmp_path / "hlo"
+    run = run_xla(tmp_path, "model.activation_checkpointing=true",
+                  XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
+    assert run["exit"] == 0
+    # The same math as without it; only what is kept from forward to backward differs.
+    assert run["losses"] == pytest.approx(xla_run["losses"], rel=1e-5)
+    # The forward runs twice in the step's matmuls: torch_xla's checkpoint keeps XLA's CSE from
+    # folding the second run into the first.
+    cfg = load_spec(TINY_JOB, [*COMMON, "model.activation_checkpointing=true"]).model
+    per_token = flops_per_token(cfg, 64) + recompute_flops_per_token(cfg, 64)
+    assert step_graph(dump).dot_flops()[0] * 4 == pytest.approx(per_token * 8 * 64, rel=0.01)  # 4 devices, 8 x 64
 
 
 def test_restart_finds_every_graph_in_the_persistent_compilation_cache(xla_run, tmp_path):

@@ -142,10 +142,11 @@ class XlaBackend(Backend):
 
     @property
     def checkpoint_fn(self) -> Callable:
-        # torch_xla's variant keeps XLA's CSE from folding the recomputation away.
+        # torch_xla's variant keeps XLA's CSE from folding the recomputation away. It has only the
+        # reentrant implementation (use_reentrant=False raises).
         from torch_xla.utils.checkpoint import checkpoint
 
-        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
+        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=True)
 
     def micro_step_end(self) -> None:
         import torch_xla

@@ -179,6 +179,13 @@ def initial_values(model: nn.Module, generator: torch.Generator) -> Iterator[tup
         yield name, value
 
 
+def _block_weights(cfg: ModelConfig) -> int:
+    """The weights of the transformer blocks' matmuls (projections and feed-forward)."""
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    per_layer = cfg.dim * (cfg.dim + 2 * kv_dim) + cfg.dim * cfg.dim + 3 * cfg.dim * cfg.hidden_dim
+    return cfg.n_layers * per_layer
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 N + 12 L H Dh T (PaLM, appendix B).
 
@@ -187,7 +194,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     term is the attention score and value matmuls, forward and backward, with causal
     masking ignored as is conventional.
     """
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    per_layer = cfg.dim * (cfg.dim + 2 * kv_dim) + cfg.dim * cfg.dim + 3 * cfg.dim * cfg.hidden_dim
-    n = cfg.n_layers * per_layer + cfg.dim * cfg.vocab_size
+    n = _block_weights(cfg) + cfg.dim * cfg.vocab_size
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The FLOPs per token that activation checkpointing adds, and MFU leaves out: each block's
+    forward again in backward (2 per weight, and the attention's 4 L H Dh T), but for its last
+    matmul, the feed-forward's down projection (w2), whose output no gradient needs."""
+    if not cfg.activation_checkpointing:
+        return 0.0
+    weights = _block_weights(cfg) - cfg.n_layers * cfg.hidden_dim * cfg.dim
+    return 2.0 * weights + 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
