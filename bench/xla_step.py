@@ -53,7 +53,7 @@ and neither count depends on the dtype (bytes would halve for bf16 gathers).
 
     .venv/bin/python bench/xla_step.py                      # 4 and 8 devices, ~15 min on 2 cores
     .venv/bin/python bench/xla_step.py --devices 4 --activation-checkpointing   # ~8 min: xla_step-ac.json
-    .venv/bin/python bench/xla_step.py --devices 4 --model tiny --steps 6 --interval 3 --out /tmp/x.json
+    .venv/bin/python bench/xla_step.py --devices 4 --model tiny --steps 6 --interval 3 --out xla_step-tiny.json
 
 Results: a table on stdout and bench/results/xla_step.json (xla_step-ac.json).
 """
