@@ -106,7 +106,7 @@ def test_graphs_compile_once_then_steps_reuse_them(xla_run):
     assert compiles[2] > 0 and compiles[2:] == [compiles[2]] * (len(compiles) - 2)
 
 
-@pytest.mark.slow  # ~40 s: six graphs compiled
+@pytest.mark.slow  # 25-40 s on 2 busy cores, most of it compiling the step and evaluation graphs
 def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_between_reports(tmp_path):
     """What a TPU needs of the loop (bench/xla_step.py measures it on the 125m geometry): after the
     first evaluation and checkpoint, no step compiles, across later ones; each step is one graph,
