@@ -25,6 +25,14 @@ def tiny_spec():
     return make
 
 
+@pytest.fixture
+def memory(tmp_path, monkeypatch):
+    """The memory tier's root for an in-process Trainer (TPUD_MEMORY_DIR); the tiny job's directory in it."""
+    root = tmp_path / "shm"
+    monkeypatch.setenv("TPUD_MEMORY_DIR", str(root))
+    return root / "tiny-cpu"
+
+
 def python_env(**extra: str) -> dict[str, str]:
     """Environment for child Python processes that must import this checkout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "TPUD_"))}

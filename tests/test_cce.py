@@ -56,18 +56,26 @@ CASES = {
 @pytest.mark.parametrize("chunk", [128, 333, 1000])  # 1000 = no chunking; 333 leaves a ragged last chunk
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_matches_cross_entropy_within_1e_5(case, chunk):
-    hidden, weight, targets = inputs()
     upstream = torch.rand(96) if CASES[case].get("reduction") == "none" else None
-    ours = loss_and_grads(linear_cross_entropy, hidden, weight, targets, upstream, chunk_size=chunk, **CASES[case])
-    ref = loss_and_grads(reference, hidden, weight, targets, upstream, **CASES[case])
+    assert_fp32_match(linear_cross_entropy, dict(chunk_size=chunk, **CASES[case]), upstream)
+
+
+def assert_fp32_match(fn, kw, upstream=None):
+    """fn's loss and gradients equal the full-logits reference's to 1e-5 of each one's largest element."""
+    hidden, weight, targets = inputs()
+    ours = loss_and_grads(fn, hidden, weight, targets, upstream, **kw)
+    ref = loss_and_grads(reference, hidden, weight, targets, upstream,
+                         **{k: v for k, v in kw.items() if k not in ("chunk_size", "chunk_tokens")})
     for got, want in zip(ours, ref):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_bf16_inputs_accumulate_in_fp32():
+@pytest.mark.parametrize("fn, chunking", [(linear_cross_entropy, {"chunk_size": 512}),
+                                          (chunked_cross_entropy, {"chunk_tokens": 64})])
+def test_bf16_inputs_accumulate_in_fp32(fn, chunking):
     hidden, weight, targets = inputs(n=256, d=64, v=3000)
     ref = loss_and_grads(reference, hidden.double(), weight.double(), targets)
-    ours = loss_and_grads(linear_cross_entropy, hidden.bfloat16(), weight.bfloat16(), targets, chunk_size=512)
+    ours = loss_and_grads(fn, hidden.bfloat16(), weight.bfloat16(), targets, **chunking)
     assert ours[1].dtype == torch.bfloat16 and ours[2].dtype == torch.bfloat16
     # bf16 rounding of the inputs and of each matmul's output bounds the error: the loss
     # to 1e-2 relative, gradients to 2% of their largest element.
@@ -116,12 +124,6 @@ def test_auto_uses_the_full_logits_while_they_fit_the_budget_else_token_chunks()
     torch.testing.assert_close(chosen(hidden, weight, targets), reference(hidden, weight, targets, z_loss=1e-3))
 
 
-def test_all_tokens_ignored_gives_zero_loss_and_gradients():
-    hidden, weight, _ = inputs()
-    loss, gh, gw = loss_and_grads(linear_cross_entropy, hidden, weight, torch.full((96,), -100))
-    assert loss.item() == 0.0 and not gh.any() and not gw.any()
-
-
 def test_never_materialises_the_logits():
     """The biggest tensor created while chunked must be far smaller than N x V."""
     hidden, weight, targets = inputs(n=512, d=16, v=8192)
@@ -156,23 +158,13 @@ MEAN_CASES = [case for case in CASES if "reduction" not in CASES[case]]
 @pytest.mark.parametrize("chunk", [7, 40, 96])  # 96 = one chunk; 7 and 40 leave a ragged last chunk
 @pytest.mark.parametrize("case", MEAN_CASES)
 def test_token_chunked_matches_cross_entropy_within_1e_5(case, chunk):
-    hidden, weight, targets = inputs()
-    ours = loss_and_grads(chunked_cross_entropy, hidden, weight, targets, torch.tensor(0.7), chunk_tokens=chunk,
-                          **CASES[case])
-    ref = loss_and_grads(reference, hidden, weight, targets, torch.tensor(0.7), **CASES[case])
-    for got, want in zip(ours, ref):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_fp32_match(chunked_cross_entropy, dict(chunk_tokens=chunk, **CASES[case]), torch.tensor(0.7))
 
 
-def test_token_chunked_keeps_its_gradients_in_fp32_and_returns_the_inputs_dtype():
-    hidden, weight, targets = inputs(n=256, d=64, v=3000)
-    ref = loss_and_grads(reference, hidden.double(), weight.double(), targets)
-    ours = loss_and_grads(chunked_cross_entropy, hidden.bfloat16(), weight.bfloat16(), targets, chunk_tokens=64)
-    assert ours[1].dtype == torch.bfloat16 and ours[2].dtype == torch.bfloat16
-    torch.testing.assert_close(ours[0].double(), ref[0].double(), rtol=1e-2, atol=0)
-    for got, want in zip(ours[1:], ref[1:]):
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=0.02 * want.abs().max().item())
-    loss, gh, gw = loss_and_grads(chunked_cross_entropy, hidden, weight, torch.full((256,), -100), chunk_tokens=64)
+@pytest.mark.parametrize("fn", [linear_cross_entropy, chunked_cross_entropy])
+def test_all_tokens_ignored_gives_zero_loss_and_gradients(fn):
+    hidden, weight, _ = inputs()
+    loss, gh, gw = loss_and_grads(fn, hidden, weight, torch.full((96,), -100))
     assert loss.item() == 0.0 and not gh.any() and not gw.any()
 
 

@@ -22,13 +22,6 @@ QUICK = ("device.compile=true", "train.max_steps=12", "train.log_interval=1", "s
          "checkpoint.memory.max_overhead=1", "model.n_layers=2", "loss.name=chunked", "loss.chunk_tokens=24")
 
 
-@pytest.fixture
-def memory(tmp_path, monkeypatch):
-    root = tmp_path / "shm"
-    monkeypatch.setenv("TPUD_MEMORY_DIR", str(root))
-    return root / "tiny-cpu"
-
-
 def test_compiled_training_resumes_bitwise_from_disk_memory_and_a_partial_step(tiny_spec, tmp_path, memory):
     from torch._dynamo.utils import counters
 

@@ -31,13 +31,6 @@ QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1
          "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4", "checkpoint.memory.max_overhead=1")
 
 
-@pytest.fixture
-def memory(tmp_path, monkeypatch):
-    root = tmp_path / "shm"
-    monkeypatch.setenv("TPUD_MEMORY_DIR", str(root))
-    return root / "tiny-cpu"
-
-
 def memory_steps(root: Path) -> list[tuple[int, int]]:
     return [(step, m.micro_step) for step, _, m in mf.parts(root)]
 

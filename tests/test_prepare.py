@@ -128,7 +128,8 @@ def test_the_command_line_reports_bad_input_and_bad_arguments(tmp_path):
         ([str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path)], "no tokenizer.json there"),
         ([str(tmp_path / "a.jsonl"), "--tokenizer", "train:x"], "train:VOCAB_SIZE"),
         ([str(tmp_path / "a.jsonl"), "--val-fraction", "1.5"], "--val-fraction 1.5"),
-        ([str(tmp_path / "a.jsonl"), "--max-doc-bytes", "0k"], "--max-doc-bytes 0: must be positive"),
+        ([str(tmp_path / "a.jsonl"), "--max-doc-bytes", "0k"], "--max-doc-bytes 0: must be from 1 byte to 1T"),
+        ([str(tmp_path / "a.jsonl"), "--max-doc-bytes", "1e30"], "must be from 1 byte to 1T"),
     ]:
         full = [*args] if "--tokenizer" in args else [*args, "--tokenizer", "bytes"]
         done = cli(*full, "--out", str(tmp_path / "o2"))

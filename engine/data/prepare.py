@@ -43,8 +43,8 @@ class Options:
             raise PrepareError("--val-fraction and --val-docs: give one of them")
         if self.shard_tokens < 1:
             raise PrepareError(f"--shard-tokens {self.shard_tokens}: must be positive")
-        if self.max_doc_bytes < 1:
-            raise PrepareError(f"--max-doc-bytes {self.max_doc_bytes}: must be positive")
+        if not 1 <= self.max_doc_bytes <= 1 << 40:  # the csv module's limit is a C long
+            raise PrepareError(f"--max-doc-bytes {self.max_doc_bytes}: must be from 1 byte to 1T")
         if self.on_error not in ("fail", "skip"):
             raise PrepareError(f"--on-error {self.on_error}: fail or skip")
 
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _size(text: str) -> int:
     """A byte count: 1048576, 1M, 1MiB, 512K, 2G."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     number = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = number[-1:] if number[-1:] in units else ""
     try:
