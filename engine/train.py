@@ -99,19 +99,21 @@ class Trainer:
             weights = hf_values(self.model, source)
         else:
             weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
-        self.backend.materialise(self.model, weights)
-        # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
-        # state directory (torchrun on one host) reads the fault markers before any can fire one.
         micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
-        inject = spec.debug.inject
-        self.faults = Faults(inject, self.job_dir, accum) if inject is not None else NoFaults()
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
         self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device)
         loss_fn = build_loss(spec.loss, spec.model, per_device, self.backend.compile)
         for block in self.model.layers:
             self.backend.compile(block)
-        self.module = self.backend.prepare_model(LanguageModel(self.model, loss_fn))
+        language_model = LanguageModel(self.model, loss_fn)
+        self.backend.shard(language_model)
+        self.backend.materialise(self.model, weights)
+        # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
+        # state directory (torchrun on one host) reads the fault markers before any can fire one.
+        inject = spec.debug.inject
+        self.faults = Faults(inject, self.job_dir, accum) if inject is not None else NoFaults()
+        self.module = self.backend.prepare_model(language_model)
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
         skips_path = layout.skips_file(spec.name)
@@ -232,7 +234,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * factor
         # max_norm=inf still returns the norm, which is worth logging when clipping is off.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip or float("inf"))
+        grad_norm = self.backend.clip_grad_norm(self.model.parameters(), train.grad_clip or float("inf"))
         # Stacked inside the step's graph, so reading them later is one plain copy.
         values = torch.stack([p.loss_sum / p.micro_step, grad_norm.to(p.loss_sum.dtype)])
         self.optimizer.step()

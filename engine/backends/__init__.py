@@ -51,4 +51,4 @@ def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cach
     from engine.backends.torch_native import TorchBackend
 
     compiling = cfg.compile if cfg.compile != "auto" else name == "cuda"
-    return TorchBackend(name, cfg.peak_flops, compiling, inductor_cache if cfg.compile_cache else None)
+    return TorchBackend(name, cfg.peak_flops, compiling, inductor_cache if cfg.compile_cache else None, cfg.mesh)

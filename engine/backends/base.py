@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from engine.hooks import Action, Request
@@ -58,6 +59,10 @@ class Backend:
         """Place (and shard or wrap) the model; returns the module to call."""
         raise NotImplementedError
 
+    def shard(self, model: nn.Module) -> None:
+        """Shard the model while it is still on the meta device (before materialise), where the
+        backend shards by module (FSDP2); a no-op elsewhere."""
+
     def compile(self, target: Callable) -> Callable:
         """`target` (a module, compiled in place, or a function) as this backend runs it best."""
         return target
@@ -79,6 +84,10 @@ class Backend:
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """Skip gradient synchronisation for a micro-batch that is not the step's last."""
         return contextlib.nullcontext()
+
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients' global norm; the norm, as a plain tensor on the device."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     checkpoint_fn: Callable | None = None
     memory_tier = True  # whether its state can live in the memory tier (engine.checkpoint.memory)
@@ -108,12 +117,12 @@ class Backend:
         at most one save is in flight, so the previous one no longer reads them.
         """
         leaves, spec = tree_flatten(state)
-        tensors = [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = [_local(x.detach()) for x in leaves if isinstance(x, torch.Tensor)]
         layout = (spec, [(t.shape, t.dtype) for t in tensors])
         if self._staging is None or self._staging[0] != layout:
             self._staging = (layout, [self._host_buffer(t) for t in tensors])
         buffers = iter(self._staging[1])
-        staged = [next(buffers).copy_(x, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        staged = [_staged(x, next(buffers)) if isinstance(x, torch.Tensor) else x for x in leaves]
         self._staging_done()
         return tree_unflatten(staged, spec)
 
@@ -181,6 +190,20 @@ class Backend:
 
     def close(self) -> None:
         pass
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a tensor: a sharded (DTensor) one's local shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _staged(tensor: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    buffer.copy_(_local(tensor.detach()), non_blocking=True)
+    if not isinstance(tensor, DTensor):
+        return buffer
+    # The host shard keeps its place in the whole, so the checkpoint writer saves it as a shard.
+    return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())
 
 
 def require_all(left: dict) -> None:

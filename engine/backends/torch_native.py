@@ -1,8 +1,14 @@
 """cpu and cuda: PyTorch, optionally several processes under torch.distributed.
 
-With more than one process (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR)
-the model is wrapped in DistributedDataParallel over gloo (cpu) or nccl (cuda), and each
-rank loads its own slice of the global batch.
+With more than one process (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR) over
+gloo (cpu) or nccl (cuda), each rank loads its own slice of the global batch and the job's
+mesh says how the model is spread, as under XLA: over an `fsdp` axis of more than one process,
+FSDP2 (`fully_shard`) shards the parameters, gradients and optimizer state, each transformer
+block a unit of its own and the rest (embeddings, final norm, head) in the root, with `data`
+replicas of that (HSDP) when both axes exceed one; with fsdp 1 the model is replicated with
+DistributedDataParallel. A sharded model is sharded on the meta device, before its weights
+exist, so no device ever holds all of them, and checkpoints hold each rank's shards
+(torch.distributed.checkpoint reshards them on a resume with another process count).
 
 With device.compile each transformer block and the loss go through torch.compile: a block is
 where the fusable elementwise work (norms, rotary, SwiGLU) lies, all blocks share one graph,
@@ -19,10 +25,13 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from engine.backends.base import Backend, DataPosition, peak_flops_for
+from engine.backends.base import Backend, DataPosition, peak_flops_for, require_all
+from engine.errors import ConfigError
+from engine.spec.schema import MeshConfig
 
 
 def _checkpoint(fn, *args):
@@ -33,7 +42,7 @@ class TorchBackend(Backend):
     checkpoint_fn = staticmethod(_checkpoint)
 
     def __init__(self, device_type: str, peak_flops: float | None = None, compiling: bool = False,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, mesh: MeshConfig | None = None):
         self.name = device_type
         self.compiling = compiling
         if compiling and cache_dir is not None:  # an operator's own setting wins
@@ -60,8 +69,42 @@ class TorchBackend(Backend):
         self.num_devices = world
         self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
         self._peak_flops = peak_flops
+        self.sizes = resolve_mesh(mesh or MeshConfig(), world)
+        self.sharded = self.sizes["fsdp"] > 1
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # HSDP when there are replicas: the outer dimension replicates, the inner one shards.
+            self.mesh = init_device_mesh(device_type, (self.sizes["data"], self.sizes["fsdp"]),
+                                         mesh_dim_names=("data", "fsdp"))
+
+    def shard(self, model: nn.Module) -> None:
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.mesh if self.sizes["data"] > 1 else self.mesh["fsdp"]
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    @torch.no_grad()
+    def materialise(self, model: nn.Module, values) -> None:
+        if not self.sharded:
+            return super().materialise(model, values)
+        model.to_empty(device=self.device)
+        params = dict(model.named_parameters())
+        for name, value in values:
+            param = params.pop(name)
+            # Each rank cuts its own shard from the value it made (src_data_rank=None: no collective).
+            param.copy_(distribute_tensor(value.to(self.device), param.device_mesh, param.placements,
+                                          src_data_rank=None))
+        require_all(params)
+        model.reset_rotary(self.device)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.sharded:  # shard() made it FSDP's
+            return model
         model = model.to(self.device)
         if self.distributed:
             # find_unused_parameters keeps DDP's first bucket layout for good. Without it DDP
@@ -76,12 +119,20 @@ class TorchBackend(Backend):
         if not self.compiling:
             return target
         if isinstance(target, nn.Module):
-            target.compile()  # in place: its state_dict keys stay those of the eager module
+            # The forward alone: its state_dict keys stay those of the eager module, and FSDP's
+            # hooks around it (gathers, reduce-scatters) run eagerly rather than traced.
+            target.forward = torch.compile(target.forward)
             return target
         return torch.compile(target)
 
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        # FSDP reduce-scatters every micro-batch's gradients: each rank then accumulates its
+        # shard only, which a partial-step checkpoint saves like the weights.
         return module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+
+    def clip_grad_norm(self, parameters, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm(parameters, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -104,7 +155,11 @@ class TorchBackend(Backend):
             torch.cuda.synchronize(self.device)
 
     def describe(self) -> dict:
-        return {**super().describe(), "compile": self.compiling}
+        described = {**super().describe(), "compile": self.compiling}
+        if self.distributed:
+            described["parallel"] = "fsdp" if self.sharded else "ddp"
+            described["mesh"] = self.sizes
+        return described
 
     def memory_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -117,3 +172,15 @@ class TorchBackend(Backend):
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def resolve_mesh(mesh: MeshConfig, world: int) -> dict[str, int]:
+    """The mesh's axis sizes over `world` processes; tensor parallelism is XLA's alone."""
+    try:
+        sizes = mesh.resolve(world)
+    except ValueError as e:
+        raise ConfigError("device.mesh", f"{e} (processes)") from e
+    if sizes["tensor"] != 1:
+        raise ConfigError("device.mesh.tensor", "tensor parallelism runs under xla only; on cpu and cuda "
+                          "the mesh has data and fsdp axes")
+    return sizes

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class Lion(torch.optim.Optimizer):
@@ -63,9 +64,15 @@ class Lion(torch.optim.Optimizer):
                 exp_avgs.append(state["exp_avg"])
             if params:
                 beta1, beta2 = group["betas"]
+                # Every op is elementwise, so sharded (FSDP) tensors step shard by shard.
+                params, grads, exp_avgs = ([_local(t) for t in ts] for ts in (params, grads, exp_avgs))
                 lion_foreach(params, grads, exp_avgs, lr=group["lr"], beta1=beta1, beta2=beta2,
                              weight_decay=group["weight_decay"])
         return loss
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def lion_foreach(
