@@ -131,15 +131,14 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_command_and_option_is_documented():
     text = section("Command line")
-    rows = {row[0]: row for row in table_rows(text)}
+    synopses = [row[0] for row in table_rows(text)]
     for name, parser in subcommands().items():
-        row = [cell for first, row in rows.items() if re.match(rf"`tpud {re.escape(name)}[ `]", first)
-               for cell in row[:1]]
-        assert len(row) == 1, f"`tpud {name}` has no row (or several)"
+        matching = [s for s in synopses if re.match(rf"`tpud {re.escape(name)}[ `]", s)]
+        assert len(matching) == 1, f"`tpud {name}` has no row (or several)"
         for action in parser._actions:
             strings = [s for s in action.option_strings if s not in ("-h", "--help", "--home")]
             if strings:
-                assert any(re.search(rf"(?<![\w-]){re.escape(s)}(?![\w-])", row[0]) for s in strings), \
+                assert any(re.search(rf"(?<![\w-]){re.escape(s)}(?![\w-])", matching[0]) for s in strings), \
                     f"tpud {name} {'/'.join(strings)}"
     for option in ("--home", "--version"):
         assert f"`{option}`" in text
