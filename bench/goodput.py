@@ -397,6 +397,8 @@ def report(arms: dict, clean: dict, ideal: float) -> dict:
 def run_seed(seed: int, args: argparse.Namespace) -> dict:
     """One seed's schedule: a clean run, then the tpud and baseline arms."""
     job = JOB.format(repo=REPO, interval=args.checkpoint_interval, hang_bound=HANG_BOUND_S)
+    # The result records the job with the repository as "<repo>": a checkout's path means nothing elsewhere.
+    recorded = JOB.format(repo="<repo>", interval=args.checkpoint_interval, hang_bound=HANG_BOUND_S)
     schedule = make_schedule(args.minutes, args.per_minute, seed)
     print(f"\nseed {seed}: schedule (s, kind): {schedule}")
     base = Path(tempfile.mkdtemp(prefix="tpud-goodput-"))
@@ -411,7 +413,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
         shutil.rmtree(base, ignore_errors=True)
     ideal = ideal_goodput(schedule, args.minutes * 60, clean)
     met = report(arms, clean, ideal)
-    return {"passed": all(met.values()), "met": met, "job": job, "schedule": schedule, "clean": clean,
+    return {"passed": all(met.values()), "met": met, "job": recorded, "schedule": schedule, "clean": clean,
             "ideal_goodput": ideal, "arms": arms, "machine": describe(load_before=load_before)}
 
 
@@ -442,7 +444,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "goodput", "targets": TARGETS, "passed": passed,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},  # where it was written: a local path
         "seeds": seeds,
     }, indent=2))
 

@@ -270,7 +270,8 @@ def main() -> None:
           f"hang bound {args.hang_bound:g} s")
     print("targets missed: " + "; ".join(missed) if missed else "targets met")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                             if k not in ("out", "workdir")},  # local paths
                                     "schedule": schedule, "arms": arms, "summary": summary,
                                     "checks": [{"target": what, "held": held} for what, held in checks],
                                     "missed": missed, "machine": describe()}, indent=2))

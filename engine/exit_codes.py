@@ -1,4 +1,4 @@
-"""Worker exit codes (DESIGN.md); the supervisor's restart policy reads them. Torch-free."""
+"""Worker exit codes (docs/architecture.md, "Exit codes"); the supervisor's restart policy reads them. Torch-free."""
 
 OK = 0               # reached max_steps
 STOPPED = 75         # stopped on request (EX_TEMPFAIL: resume when allowed)

@@ -67,8 +67,9 @@ class Hooks:
 
 
 class SignalHooks(Hooks):
-    """The signal fallback (DESIGN.md): SIGTERM = checkpoint then exit, SIGUSR1 = checkpoint
-    and continue, both at the very next boundary. Handlers only record; the loop acts."""
+    """The signal fallback (docs/architecture.md, "The worker channel"): SIGTERM = checkpoint
+    then exit, SIGUSR1 = checkpoint and continue, both at the very next boundary. Handlers only
+    record; the loop acts."""
 
     def __init__(self, early: Iterable[int] = ()) -> None:
         """early: signals a handler of the process's own recorded before these hooks existed."""

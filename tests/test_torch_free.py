@@ -1,4 +1,4 @@
-"""The torch-free contract (DESIGN.md): the daemon never imports torch.
+"""The torch-free contract (docs/architecture.md, "Layers"): the daemon never imports torch.
 
 Every tpud module, and the engine modules the daemon reads (the spec, the worker's events,
 checkpoint manifests, the state layout), import without torch: a crashed or hung worker can

@@ -23,7 +23,7 @@ from tpud import __version__
 from tpud.view import format as fmt
 from tpud.view import status as status_view
 
-# Client exit codes (DESIGN.md, "Command line").
+# Client exit codes (docs/architecture.md, "Exit codes").
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2  # argparse exits with 2 on its own

@@ -1,4 +1,4 @@
-"""The daemon's Prometheus exporter (DESIGN.md, "Metrics").
+"""The daemon's Prometheus exporter (docs/architecture.md, "Metrics").
 
 Every series lives on this object's own CollectorRegistry, never prometheus-client's global
 one, so several Metrics (tests, a daemon and a `tpud run`) can share one process. The daemon
@@ -91,7 +91,7 @@ def write_address_file(path: str | os.PathLike, host: str, port: int) -> None:
 
 class _WithoutCreated:
     """The registry as served: without the *_created series prometheus-client adds to counters
-    and histograms (not part of DESIGN's names; Prometheus would store each as one more
+    and histograms (not among the documented names; Prometheus would store each as one more
     series). Local to this registry, unlike prometheus_client.disable_created_metrics()."""
 
     def __init__(self, registry: CollectorRegistry):

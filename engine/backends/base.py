@@ -150,7 +150,8 @@ class Backend:
     agreement_group = None
 
     def agree(self, request: Request | None) -> Request | None:
-        """Every rank acts on the same request at the same boundary (DESIGN.md, Processes).
+        """Every rank acts on the same request at the same boundary (docs/architecture.md,
+        "The worker channel").
 
         A request may reach one rank only (a signal, one host's daemon); the strongest one
         any rank has is taken by all, through one tiny all-reduce on the checkpoint group.

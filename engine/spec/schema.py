@@ -484,7 +484,7 @@ class CheckpointConfig(Section):
 
 
 class RestartConfig(Section):
-    """How the supervisor restarts a crashed worker (exit codes other than 0, 75, 76, 78)."""
+    """How the supervisor restarts a crashed worker (exit codes other than 0, 75, 76, 77, 78)."""
 
     max_restarts: int = Field(5, ge=0, description="Crash restarts allowed within window_seconds; then FAILED.")
     window_seconds: float = Field(3600.0, gt=0)
@@ -497,7 +497,7 @@ class RestartConfig(Section):
 
 
 class HealthConfig(Section):
-    """How the supervisor judges a worker (DESIGN.md: hang, crash, non-finite loss)."""
+    """How the supervisor judges a worker (docs/architecture.md, "Job lifecycle": hang, crash, non-finite loss)."""
 
     heartbeat_timeout_seconds: float = Field(
         60.0, gt=0, description="A worker silent for longer than this and hang_step_multiple x the median step "

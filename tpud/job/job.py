@@ -3,7 +3,7 @@
 The states and the transitions allowed between them are in states.py. Everything here runs on
 the daemon's main loop thread: the loop hands a job its worker's output, channel events, exit
 status and timer ticks, and the job decides. The worker's exit code says what happened
-(engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
+(engine/exit_codes.py, docs/architecture.md). What the job owns but does not decide lives beside it:
 the restart budget and backoff, the hang bound and crash reasons (health/), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
 what a worker needs from GCS before it starts (inputs.py), its output (output.py), the gang

@@ -1,4 +1,4 @@
-"""A job's states, their groups, and the transitions between them (DESIGN.md, job lifecycle).
+"""A job's states, their groups, and the transitions between them (docs/architecture.md, "Job lifecycle").
 
     PENDING -> STARTING -> RUNNING -> SUCCEEDED
                              |  |--> CHECKPOINTING -> RUNNING
