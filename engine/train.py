@@ -37,6 +37,7 @@ from engine.spec.fingerprint import check_resume, fingerprint
 from engine.spec.schema import JobSpec
 from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader, batch_geometry, merge_skips, read_skips
+from engine.data.prefetch import Prefetcher
 from engine.errors import ConfigError
 from engine.checkpoint.checkpointer import Checkpointer, Progress
 from engine.checkpoint.hosts import Hosts
@@ -119,6 +120,7 @@ class Trainer:
         skips_path = layout.skips_file(spec.name)
         self.loader = PackedLoader(data.train, micro_batch_size, accum,
                                    spec.train.seed, self.backend.data, read_skips(skips_path), data.identity)
+        self.batches = Prefetcher(self.loader, self.backend.host_ready)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
         self.evaluator = None
@@ -199,6 +201,7 @@ class Trainer:
                 self.evaluator.run(p.step)
             return self._final_save()
         finally:
+            self.batches.close()
             self.backend.flush()
             self.checkpointer.close()
 
@@ -211,7 +214,7 @@ class Trainer:
         started = time.monotonic()
         # The phases are record_function scopes so `tpud profile` (engine.profiling) can tell them apart.
         with self.badput.timing("data"), record_function("tpud.data"):
-            batch = self.backend.to_device(self.loader.batch(p.step, p.micro_step))
+            batch = self.backend.to_device(self.batches.batch(p.step, p.micro_step))
         last = p.micro_step == accum - 1
         with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
             with self.backend.autocast(self.bf16), record_function("tpud.forward"):

@@ -72,13 +72,13 @@ def test_step_events_carry_cumulative_badput_by_kind(tiny_spec, tmp_path):
     spec = tiny_spec(*SHORT, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval_steps=2",
                      "checkpoint.async=false")
     trainer = Trainer(spec, tmp_path, hooks := Recorder())
-    fetch = trainer.loader.batch
+    fetch = trainer.batches.batch
 
-    def slow_fetch(step, micro_step):  # a slow input pipeline: 10 ms a batch
+    def slow_fetch(step, micro_step):  # a slow input pipeline: the loop waits 10 ms for each batch
         time.sleep(0.01)
         return fetch(step, micro_step)
 
-    trainer.loader.batch = slow_fetch
+    trainer.batches.batch = slow_fetch
     trainer.run()
     (started,) = [e.badput for e in hooks.of(events.Started)]
     assert started.startup > 0 and started.data == started.checkpoint == 0

@@ -78,6 +78,10 @@ class Backend:
         require_all(params)
         model.reset_rotary(self.device)
 
+    def host_ready(self, batch: torch.Tensor) -> torch.Tensor:
+        """A host batch made ready to send, off the training thread (engine.data.prefetch)."""
+        return batch
+
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
