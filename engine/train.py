@@ -84,7 +84,7 @@ class Trainer:
         layout = StateLayout(Path(state_dir))
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
-                                     inductor_cache=str(layout.inductor_cache(spec.name)))
+                                     inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
         kernel, attention = build_attention(spec.attention, self.backend)
         torch.manual_seed(spec.train.seed)
         # Built on the meta device, then given its weights one tensor at a time in their final

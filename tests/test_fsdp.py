@@ -86,3 +86,7 @@ def test_the_mesh_over_processes():
         resolve_mesh(MeshConfig(tensor=2), 4)
     with pytest.raises(ConfigError, match="does not divide 4 devices"):
         resolve_mesh(MeshConfig(fsdp=3), 4)
+    # A gang's hosts are replicas, whatever the default mesh says; sharding across them is refused.
+    assert resolve_mesh(MeshConfig(), 3, gang=True) == {"data": 3, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ConfigError, match="hosts of a gang are data replicas"):
+        resolve_mesh(MeshConfig(fsdp=3), 3, gang=True)

@@ -34,7 +34,9 @@ def preload(cfg: DeviceConfig) -> None:
         import torch_xla.runtime  # noqa: F401
 
 
-def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cache: str | None = None) -> Backend:
+def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cache: str | None = None,
+                  gang: bool = False) -> Backend:
+    """gang: the processes are the hosts of a gang (engine.checkpoint.hosts), each one whole replica."""
     name = resolve_backend_name(cfg)
     if name == "xla" and cfg.compile is True:
         raise ConfigError("device.compile", "xla compiles whole steps by itself: leave it auto (or false)")
@@ -51,4 +53,5 @@ def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cach
     from engine.backends.torch_native import TorchBackend
 
     compiling = cfg.compile if cfg.compile != "auto" else name == "cuda"
-    return TorchBackend(name, cfg.peak_flops, compiling, inductor_cache if cfg.compile_cache else None, cfg.mesh)
+    return TorchBackend(name, cfg.peak_flops, compiling, inductor_cache if cfg.compile_cache else None, cfg.mesh,
+                        gang)

@@ -42,7 +42,7 @@ class TorchBackend(Backend):
     checkpoint_fn = staticmethod(_checkpoint)
 
     def __init__(self, device_type: str, peak_flops: float | None = None, compiling: bool = False,
-                 cache_dir: str | None = None, mesh: MeshConfig | None = None):
+                 cache_dir: str | None = None, mesh: MeshConfig | None = None, gang: bool = False):
         self.name = device_type
         self.compiling = compiling
         if compiling and cache_dir is not None:  # an operator's own setting wins
@@ -69,7 +69,7 @@ class TorchBackend(Backend):
         self.num_devices = world
         self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
         self._peak_flops = peak_flops
-        self.sizes = resolve_mesh(mesh or MeshConfig(), world)
+        self.sizes = resolve_mesh(mesh or MeshConfig(), world, gang)
         self.sharded = self.sizes["fsdp"] > 1
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
@@ -178,8 +178,18 @@ class TorchBackend(Backend):
             dist.destroy_process_group()
 
 
-def resolve_mesh(mesh: MeshConfig, world: int) -> dict[str, int]:
-    """The mesh's axis sizes over `world` processes; tensor parallelism is XLA's alone."""
+def resolve_mesh(mesh: MeshConfig, world: int, gang: bool = False) -> dict[str, int]:
+    """The mesh's axis sizes over `world` processes; tensor parallelism is XLA's alone.
+
+    The hosts of a gang are data replicas: each host checkpoints a whole state of its own, which
+    is what lets any host restore alone (from its disk, a peer's memory, or GCS) and the gang
+    resume on another number of hosts.
+    """
+    if gang:
+        if mesh.fsdp > 1 or mesh.tensor > 1:
+            raise ConfigError("device.mesh", "on cpu and cuda the hosts of a gang are data replicas (each host "
+                              "checkpoints a whole state): leave fsdp and tensor at -1 or 1")
+        return {"data": world, "fsdp": 1, "tensor": 1}
     try:
         sizes = mesh.resolve(world)
     except ValueError as e:

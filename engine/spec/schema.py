@@ -396,7 +396,8 @@ class MeshConfig(Section):
     """How the devices share the model. One axis may be -1: all devices not used by the others.
     Under xla, SPMD axes over the host's devices; on cpu and cuda, over the job's processes: an
     fsdp axis above 1 shards weights, gradients and optimizer state with FSDP2 (HSDP with data
-    replicas), fsdp 1 replicates the model with DDP (`data: -1, fsdp: 1`); tensor is xla's alone."""
+    replicas), fsdp 1 replicates the model with DDP (`data: -1, fsdp: 1`), and the hosts of a gang are
+    always replicas (each host checkpoints a whole state); tensor is xla's alone."""
 
     data: int = 1
     fsdp: int = -1
