@@ -15,7 +15,7 @@ import pytest
 
 from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 from engine.train import Trainer
 from tests.recorders import Recorder
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 
 _ACTIONS = (Action.CHECKPOINT, Action.CHECKPOINT_AND_EXIT, Action.STOP)  # weakest first
 

@@ -67,7 +67,7 @@ from engine.backends.base import Backend
 from engine.checkpoint import hosts as gang
 from engine.checkpoint import manifest as mf
 from engine.checkpoint import memory as mem
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 from engine.spec import fingerprint as spec_fingerprint
 from engine.spec.schema import CheckpointConfig
 from engine.layout import fsync_path
