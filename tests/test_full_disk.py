@@ -257,7 +257,7 @@ def test_prepare_on_a_full_disk_fails_cleanly_and_a_rerun_after_making_room_succ
 
     from engine.data import manifest as dm
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
 
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"text": "x" * 1000 + str(i)}) + "\n" for i in range(3000)))  # ~3 MB

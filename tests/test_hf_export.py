@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from engine.attention.sdpa import sdpa_attention
 from engine.data.pipeline import prepare
-from engine.data.prepare import Options
+from engine.data.options import Options
 from engine.hf.export import ExportError, export
 from engine.requests import Action, Request
 from engine.models.llama import Transformer
