@@ -1,16 +1,16 @@
 """Save and restore the whole training state with torch.distributed.checkpoint.
 
-State (engine.checkpoint.state): model and optimizer (DCP's FQN-keyed state dicts, sharded under SPMD), the loop's
-progress (step, micro-step, tokens seen), the loss and gradients accumulated so far when
-the save falls inside gradient accumulation, every RNG state, and the data loader's
-geometry (its position is a pure function of the step). Resuming from it continues
-exactly where the saved run was.
+State (engine.checkpoint.state): model and optimizer (DCP's FQN-keyed state dicts, sharded
+under SPMD), the loop's progress (step, micro-step, tokens seen), the loss and gradients
+accumulated so far when the save falls inside gradient accumulation, every RNG state, and the
+data loader's geometry (its position is a pure function of the step). Resuming from it
+continues exactly where the saved run was.
 
 A save stages the state to host memory on the training thread (the only part the loop
 waits for when async) and writes it from a background thread (engine.checkpoint.writer): DCP
 files into a temporary directory, then manifest.json with sizes and CRC32C, then an atomic
-rename to step_N. At most one save is in flight. Local retention never deletes the newest step or
-one the supervisor has pinned while uploading it. An interval save is due every
+rename to step_N. At most one save is in flight. Local retention never deletes the newest
+step or one the supervisor has pinned while uploading it. An interval save is due every
 interval_steps steps, and once interval_seconds have passed since the last save (`due`,
 engine.checkpoint.schedule).
 
@@ -28,11 +28,11 @@ supervisor's wandb run id (TPUD_WANDB_RUN_ID in the worker's environment); and t
 fingerprint (engine.spec.fingerprint), by which a job on several hosts refuses to resume a
 checkpoint made with another spec.
 
-With a memory tier (`memory_dir`, engine.checkpoint.memory and .promotion) a state is copied into host shared
-memory every checkpoint.memory.interval_steps steps; a disk save of a step the memory tier
-holds (or can take) writes from there, so the loop waits for one copy only. A request that
-arrives between boundaries (`promote`, from the hooks' listening thread) is answered at once by
-writing the newest memory state to disk. Restore takes the newest valid state of both tiers
+With a memory tier (`memory_dir`, engine.checkpoint.memory and .promotion) a state is copied
+into host shared memory every checkpoint.memory.interval_steps steps; a disk save of a step
+the memory tier holds (or can take) writes from there, so the loop waits for one copy only. A
+request that arrives between boundaries (`promote`, from the hooks' listening thread) is
+answered at once by writing the newest memory state to disk. Restore takes the newest valid state of both tiers
 (engine.checkpoint.restore).
 
 A job on several hosts (`hosts`) saves each host's part into its own local tier and commits
