@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO))  # tests.gcs_server (tests/ is not an installed pa
 from engine.layout import fsync_path  # noqa: E402
 from engine import logs  # noqa: E402
 from engine.backends.torch_native import TorchBackend  # noqa: E402
-from engine.checkpoint import checkpointer as ckmod  # noqa: E402
+from engine.checkpoint import state as ckstate  # noqa: E402
 from engine.checkpoint import manifest as mf  # noqa: E402
 from engine.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
 from engine.spec.schema import CheckpointConfig  # noqa: E402
@@ -378,7 +378,7 @@ def main() -> None:
         restore_s, read_s = [], []
         ticks = cpu_ticks()
         with timing({"CRC32C verify (cold read)": (mf, "problems"), "dcp.load": (dcp, "load"),
-                     "set_state_dict": (ckmod, "set_state_dict")}) as restore_times:
+                     "set_state_dict": (ckstate, "set_state_dict")}) as restore_times:
             for r in range(args.repeats):
                 for side in (("ours", "raw") if r % 2 == 0 else ("raw", "ours")):
                     drop_caches()

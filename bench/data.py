@@ -101,7 +101,7 @@ def make_tokenizer(directory: Path, paths: list[Path]) -> Path:
 
 def run_tpud(paths: list[Path], tokenizer: Path, out: Path, workers: int) -> dict:
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
 
     started = time.perf_counter()
     manifest = prepare(Options(inputs=tuple(map(str, paths)), tokenizer=str(tokenizer), out=str(out),

@@ -63,7 +63,8 @@ import yaml
 
 from engine import events, exit_codes, logs
 from engine.attention.sdpa import sdpa_attention
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.backends.base import peak_flops_for
 from engine.models.llama import Transformer, flops_per_token
 from engine.spec.loader import load_spec

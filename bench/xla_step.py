@@ -258,7 +258,7 @@ def prepare_dataset(directory: Path) -> Path:
     """The stdlib corpus (engine.data.corpus) as byte-tokenized documents, 5% held out for eval."""
     from engine.data.corpus import stdlib_corpus
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
 
     text = stdlib_corpus(2_000_000).tobytes().decode("utf-8", errors="replace")
     source = directory / "docs.jsonl"

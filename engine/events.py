@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 
 _CONFIG = ConfigDict(extra="ignore")  # a newer worker may send more fields than we know
 
@@ -176,7 +176,7 @@ class Gang(Event):
 
 @dataclass(frozen=True, config=_CONFIG)
 class CheckpointRequest(Event):
-    """The daemon asks the worker to act at its next boundary (engine.hooks.Request on the wire)."""
+    """The daemon asks the worker to act at its next boundary (engine.requests.Request on the wire)."""
 
     TYPE: ClassVar[str] = "request"
     action: Action

@@ -29,7 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import exit_codes
-from engine.hooks import Action, Boundary, Hooks, Request
+from engine.hooks import Boundary, Hooks
+from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 
 PHASES = ("data", "forward", "loss", "backward", "optimizer")

@@ -44,7 +44,8 @@ from engine.checkpoint.hosts import Hosts
 from engine.evaluation import Evaluator
 from engine.faults import Faults, NoFaults
 from engine.layout import StateLayout
-from engine.hooks import Action, Boundary, Hooks, Request, SignalHooks, merge
+from engine.hooks import Boundary, Hooks, SignalHooks
+from engine.requests import Action, Request, merge
 from engine.losses import LossFn, build_loss, resolve_loss_name
 from engine.checkpoint.manifest import parts
 from engine.hf import remote as hf_remote

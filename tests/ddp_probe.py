@@ -10,7 +10,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
 from tests.recorders import StepLosses

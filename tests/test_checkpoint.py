@@ -8,7 +8,8 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import manifest as mf
 from engine import events
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.train import Trainer
 from tests.recorders import Recorder
 

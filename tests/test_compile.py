@@ -9,7 +9,8 @@ import torch
 
 from engine import events
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.train import Trainer
 from tests.recorders import Recorder
 from tests.test_checkpoint import assert_same_training_state, job_dir

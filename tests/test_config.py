@@ -303,7 +303,7 @@ def test_tpu_examples_select_splash_on_xla_and_the_8b_preset_is_llama3():
 
 def test_validate_checks_a_prepared_dataset_against_the_model(tmp_path, capsys):
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
 
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
     prepare(Options(inputs=(str(tmp_path / "in.jsonl"),), tokenizer="bytes", out=str(tmp_path / "data" / "ds"),

@@ -14,9 +14,10 @@ from engine.data import order
 from engine.data.dataset import Prepared, open_data
 from engine.data.loader import PackedLoader
 from engine.data.pipeline import prepare
-from engine.data.prepare import Options
+from engine.data.options import Options
 from engine.errors import ConfigError
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
 from tests import corpus

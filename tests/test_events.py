@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from engine import events
-from engine.hooks import Action
+from engine.requests import Action
 from tpud.worker import channel
 
 EVERY_MESSAGE = [

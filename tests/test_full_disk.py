@@ -15,7 +15,7 @@ import pytest
 
 from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 from engine.train import Trainer
 from tests.recorders import Recorder
 
@@ -239,12 +239,12 @@ def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, 
 
 
 def test_a_failure_after_the_commit_does_not_report_the_committed_step_as_failed(tiny_spec, tmp_path, monkeypatch):
-    from engine.checkpoint.checkpointer import Checkpointer
+    from engine.checkpoint import retention
 
-    def retention_fails(self):
+    def retention_fails(job_dir, keep, several_hosts):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(Checkpointer, "_retain", retention_fails)
+    monkeypatch.setattr(retention, "retain", retention_fails)
     spec = tiny_spec(*QUICK, "train.max_steps=4", "checkpoint.async=false")
     hooks = Recorder()
     code, trainer = run(spec, tmp_path, hooks)
@@ -257,7 +257,7 @@ def test_prepare_on_a_full_disk_fails_cleanly_and_a_rerun_after_making_room_succ
 
     from engine.data import manifest as dm
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
 
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"text": "x" * 1000 + str(i)}) + "\n" for i in range(3000)))  # ~3 MB

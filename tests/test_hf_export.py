@@ -12,9 +12,9 @@ from safetensors import safe_open
 
 from engine.attention.sdpa import sdpa_attention
 from engine.data.pipeline import prepare
-from engine.data.prepare import Options
+from engine.data.options import Options
 from engine.hf.export import ExportError, export
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 from engine.models.llama import Transformer
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env

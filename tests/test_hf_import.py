@@ -128,7 +128,7 @@ def test_a_model_on_gcs_is_read_through_the_host_cache(tmp_path, gcs_server):
 
 def test_a_dataset_must_use_the_tokenizer_of_the_model_it_trains(tmp_path, capsys):
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
     from tests.corpus import docstrings, make_tokenizer, write
     from tpud.cli import main
 

@@ -17,7 +17,8 @@ import torch
 
 from engine import events
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 from engine.train import Trainer
 from tests.helpers import Daemon, metric, wait_until, write

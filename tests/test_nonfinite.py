@@ -15,7 +15,8 @@ from engine.backends.base import DataPosition
 from engine.checkpoint import manifest as mf
 from engine.data.loader import AccumSchedule, merge_skips, read_skips, write_skips
 from tests.recorders import array_loader
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.layout import StateLayout
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env

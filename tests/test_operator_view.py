@@ -152,7 +152,7 @@ class Terminal:
 @pytest.fixture
 def dataset(tmp_path) -> Path:
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
     from tests import corpus
 
     source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(200), "jsonl")

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from engine.data import manifest as mf
 from engine.data.pipeline import prepare
-from engine.data.prepare import Options, PrepareError
+from engine.data.options import Options, PrepareError
 from tests import corpus
 from tests.conftest import PYTHON, REPO, python_env
 

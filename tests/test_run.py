@@ -143,7 +143,7 @@ def test_run_uploads_each_commit_and_a_fresh_host_resumes_from_gcs(tmp_path, gcs
 
 def test_run_trains_on_a_gs_dataset_fetched_by_the_supervisor_and_reports_eval_loss(tmp_path, gcs_server):
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
     from tests import corpus
 
     texts = corpus.docstrings(200)

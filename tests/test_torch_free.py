@@ -13,7 +13,8 @@ import tpud
 from tests.conftest import PYTHON, python_env
 
 ENGINE_SIDE = ["engine.spec.schema", "engine.spec.loader", "engine.events", "engine.checkpoint.manifest",
-               "engine.layout", "engine.backoff", "engine.exit_codes", "engine.errors", "engine.hooks", "engine.logs",
+               "engine.layout", "engine.backoff", "engine.exit_codes", "engine.errors", "engine.hooks",
+               "engine.requests", "engine.logs",
                # tpud prepare, and the dataset fetch before a worker starts
                "engine.data.prepare", "engine.data.pipeline", "engine.data.remote", "engine.data.manifest",
                "engine.data.dataset", "engine.hf.config", "engine.hf.remote"]

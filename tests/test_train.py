@@ -8,7 +8,8 @@ import torch
 
 from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Boundary, Request
+from engine.hooks import Boundary
+from engine.requests import Action, Request
 from engine.train import Trainer
 from tests.recorders import Recorder, StepLosses
 

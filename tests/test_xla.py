@@ -117,7 +117,7 @@ def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_b
     from engine.attention.eager import eager_attention
     from engine.backends.xla import weight_partition
     from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
+    from engine.data.options import Options
     from engine.models.llama import Transformer
     from engine.spec.loader import load_spec
     from tests import corpus

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
 from tests.recorders import Recorder

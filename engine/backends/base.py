@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 
 _ACTIONS = (Action.CHECKPOINT, Action.CHECKPOINT_AND_EXIT, Action.STOP)  # weakest first
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint.errors import describe_error
 from engine.checkpoint.manifest import read_small
 from engine.layout import atomic_write
 
@@ -75,6 +76,17 @@ def record_holdings(job_dir: Path, parts_by_host: list[Iterable[Key]]) -> None:
     atomic_write(job_dir / HELD, json.dumps({
         "hosts": len(parts_by_host), "recorded_unix": round(time.time(), 3),
         "parts": [sorted([step, micro] for step, micro in keys) for keys in parts_by_host]}))
+
+
+def note_holdings(job_dir: Path, parts_by_host: list[Iterable[Key]]) -> None:
+    """record_holdings, where a failure is only logged: the record only informs `tpud checkpoints`."""
+    try:
+        record_holdings(job_dir, parts_by_host)
+    except OSError as e:
+        import structlog  # only here: `tpud checkpoints` reads this module and starts without structlog
+
+        structlog.get_logger().warning("could not record which host holds which part", path=str(job_dir),
+                                       error=describe_error(e))
 
 
 def holders(job_dir: Path) -> dict[Key, list[int]]:

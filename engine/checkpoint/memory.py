@@ -20,7 +20,7 @@ working beside CPU training slows its OpenMP threads by far more than the work i
 
 A disk checkpoint of a step the memory tier holds is written from the slot's tensors (views,
 no second copy); the slot is held until that write ends, and a save meanwhile uses the other.
-Restore (engine.checkpoint.checkpointer) verifies every byte against the manifest first.
+Restore (engine.checkpoint.restore) verifies every byte against the manifest first.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import structlog
 import torch
 
 from engine.checkpoint import manifest as mf
+from engine.checkpoint.errors import describe_error
 
 log = structlog.get_logger()
 
@@ -286,8 +287,6 @@ class MemoryTier:
             self._release(slot)
 
     def _failed(self, slot: _Slot, key: Key, error: BaseException) -> None:
-        from engine.checkpoint.checkpointer import describe_error
-
         slot.key = slot.staged = None
         if slot.readers == 0:
             slot.release()

@@ -22,6 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.files import Refused, read_regular_file
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
@@ -109,8 +111,6 @@ MAX_TOKENIZER_BYTES = 256 << 20  # published tokenizer.json files are up to a fe
 
 def read(directory: str | Path) -> Manifest:
     """The manifest of a prepared dataset directory; DatasetError naming what is wrong."""
-    from engine.spec.loader import Refused, read_regular_file
-
     path = Path(directory) / MANIFEST
     try:
         text = read_regular_file(path, limit=MAX_MANIFEST_BYTES).decode("utf-8")
@@ -137,8 +137,6 @@ def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int,
     found = []
     model_tokenizer = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if model_tokenizer is not None and model_tokenizer.is_file():
-        from engine.spec.loader import Refused, read_regular_file
-
         try:
             # As `tpud prepare` hashes it (engine/data/tokenizer.py): the file's text.
             text = read_regular_file(model_tokenizer, limit=MAX_TOKENIZER_BYTES).decode()

@@ -45,7 +45,7 @@ from engine.checkpoint.manifest import file_crc32c
 from engine.data import manifest as mf
 from engine.data import order, sources
 from engine.data import tokenizer as tk
-from engine.data.prepare import Options, PrepareError
+from engine.data.options import Options, PrepareError
 from engine.data.shards import SplitWriter
 from engine.layout import atomic_write, fsync_path
 

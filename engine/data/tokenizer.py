@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.files import Refused, read_regular_file
+
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>")
 TRAINED_EOS = "<|endoftext|>"
@@ -139,8 +141,6 @@ def load(spec: str) -> Tokenizer:
 
 def _config(path: Path) -> dict:
     """tokenizer_config.json, or {} when absent or unreadable (bounded, and never a FIFO's blocking read)."""
-    from engine.spec.loader import Refused, read_regular_file
-
     try:
         config = json.loads(read_regular_file(path, limit=16 << 20))
     except (OSError, ValueError, Refused):

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.files import Refused, read_regular_file
+
 if TYPE_CHECKING:
     from engine.spec.schema import ModelConfig
 
@@ -40,8 +42,6 @@ class HfConfigError(ValueError):
 
 def model_fields(directory: str | Path) -> dict:
     """The ModelConfig values config.json in `directory` implies; HfConfigError naming the problem."""
-    from engine.spec.loader import Refused, read_regular_file
-
     directory = str(directory)
     path = f"{directory.rstrip('/')}/config.json"
     try:

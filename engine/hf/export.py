@@ -32,11 +32,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import manifest as mf
+from engine.files import Refused, read_regular_file
 from engine.hf.config import MAX_CONFIG_BYTES, config_json
 from engine.hf.weights import INDEX, hf_name
 from engine.layout import fsync_path
 from engine.models.llama import Transformer
-from engine.spec.loader import Refused, read_regular_file
 from engine.spec.schema import JobSpec
 
 log = structlog.get_logger()

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import reprlib
-import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +36,16 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from engine.files import Refused, read_regular_file
+from engine.hf.config import FIELDS, HfConfigError, model_fields, same
 from engine.spec.schema import JobSpec
 
 INCLUDE_KEY = "include"
 MAX_PROBLEMS = 20  # reported per job file; a list of 20,000 bad values need not make 20,000 lines
 OVERRIDE_FILE = "<override>"
 
-__all__ = ["INCLUDE_KEY", "LIMITS", "OVERRIDE_FILE", "Limits", "Problem", "Refused", "SpecError", "dump_schema",
-           "load_mapping", "load_spec", "read_regular_file"]
+__all__ = ["INCLUDE_KEY", "LIMITS", "OVERRIDE_FILE", "Limits", "Problem", "SpecError", "dump_schema",
+           "load_mapping", "load_spec"]
 
 
 @dataclass(frozen=True)
@@ -108,40 +109,6 @@ class SpecError(Exception):
         super().__init__("\n".join(map(str, self.problems)))
 
 
-class Refused(Exception):
-    """A path that is not a job file to read: not a regular file, or too large. str() says why."""
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def read_regular_file(path: str | os.PathLike[str], limit: int = LIMITS.file_bytes) -> bytes:
-    """The bytes of the regular file at `path` (symlinks followed), never blocking on it.
-
-    Raises Refused when it is not a regular file or is larger than `limit` bytes, OSError
-    when it cannot be read. Anything else is refused before it is opened (opening a device
-    can have effects of its own); the check is repeated on the open descriptor, opened
-    non-blocking, in case the path was replaced in between.
-    """
-    def check(st: os.stat_result) -> None:
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "a special file")
-            link = f"a symlink to {os.path.realpath(path)}, " if os.path.islink(path) else ""
-            raise Refused(f"{link}{kind}, not a regular file")
-        if st.st_size > limit:
-            raise Refused(f"too large: {st.st_size:,} bytes (the limit is {limit:,})")
-
-    check(os.stat(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    with open(fd, "rb") as f:
-        check(os.fstat(fd))
-        data = f.read(limit + 1)  # the file may have grown since fstat
-    if len(data) > limit:
-        raise Refused(f"too large: more than {limit:,} bytes")
-    return data
-
-
 def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits: Limits = LIMITS) -> JobSpec:
     """Load, merge, override and validate a job file. Raises SpecError."""
     return load_job(path, overrides, limits).spec
@@ -193,8 +160,6 @@ def _with_absolute_datasets(spec: JobSpec, origins: Mapping[str, Origin]) -> Job
 
 def _with_hf_model(data: dict, origins: dict[str, Origin]) -> list[Problem]:
     """Fill in the model section from model.init_from's config.json; each value the job sets must agree."""
-    from engine.hf.config import FIELDS, HfConfigError, model_fields, same
-
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
         return []

@@ -25,7 +25,7 @@ import structlog
 
 from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
-from engine.hooks import Action, Request
+from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
 from tpud.job import goodput, inputs, states

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import structlog
 
-from engine.spec.loader import LoadedSpec, Origin, Refused, SpecError, load_job, read_regular_file
+from engine.files import Refused, read_regular_file
+from engine.spec.loader import LIMITS, LoadedSpec, Origin, SpecError, load_job
 from engine.spec.schema import JobSpec
 
 log = structlog.get_logger()
@@ -129,7 +130,7 @@ def _read_bytes(path: Path) -> bytes | JobFile | None:
     """The file's bytes; a JobFile with the error when it cannot be a job file (a FIFO, a
     device, a directory, too large: refused without a blocking read); None when it is gone."""
     try:
-        return read_regular_file(path)
+        return read_regular_file(path, LIMITS.file_bytes)
     except FileNotFoundError:
         if os.path.islink(path):  # a dangling symlink is a job file that cannot be read
             return JobFile.invalid(path, "", f"{path}: cannot read: the symlink's target does not exist")

@@ -25,7 +25,8 @@ from engine import events, exit_codes, logs
 from engine.errors import ConfigError
 from engine.spec.fingerprint import fingerprint
 from engine.spec.schema import JobSpec
-from engine.hooks import Action, Boundary, Request, SignalHooks, merge
+from engine.hooks import Boundary, SignalHooks
+from engine.requests import Action, Request, merge
 from tpud.gang.member import GangMember
 from tpud.worker import channel
 from tpud.worker.process import die_with_parent

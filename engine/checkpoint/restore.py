@@ -1,0 +1,180 @@
+"""Restoring the newest valid training state of both tiers, the disk's and the memory's.
+
+Every file's CRC32C is checked before a state is applied; a damaged disk checkpoint is moved
+aside and the next older one tried, a damaged memory state discarded. A job on several hosts
+restores the step the hosts agree on (engine.checkpoint.hosts), or a memory state every host
+holds, which a host that lost its memory states (a replaced VM) first takes from a peer.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch.distributed.checkpoint as dcp
+
+from engine.backends.base import Backend
+from engine.checkpoint import hosts as gang
+from engine.checkpoint import manifest as mf
+from engine.checkpoint import memory as mem
+from engine.checkpoint import retention
+from engine.checkpoint.errors import describe_error
+from engine.checkpoint.state import Progress, TrainingState
+
+log = structlog.get_logger()
+Candidate = tuple[int, Path, mf.Manifest]  # (step, directory, its manifest)
+
+
+@dataclass(frozen=True)
+class Restored:
+    progress: Progress
+    manifest: mf.Manifest
+    loader: dict  # the loader state it was saved with
+    path: Path
+    started: float  # time.monotonic() when its load began
+
+
+class Restorer:
+    def __init__(self, job_dir: Path, state: TrainingState, backend: Backend, group: Any, rank: int,
+                 hosts: gang.Hosts | None, hosts_group: Any, memory: mem.MemoryTier | None, pool: Executor):
+        """pool: verifies a checkpoint's checksums while it loads."""
+        self.job_dir, self.state, self.backend, self.group, self.rank = job_dir, state, backend, group, rank
+        self.hosts, self.hosts_group, self.memory, self._pool = hosts, hosts_group, memory, pool
+        self._memory_agreed: frozenset = frozenset()  # with several hosts: memory states every host holds
+
+    def restore(self) -> Restored | None:
+        """Load the newest valid checkpoint into the model and optimizer; None when there is none.
+
+        Every file's CRC32C is checked while DCP loads (both read the same files, so the
+        second read comes from the page cache), and the state is applied only once the check
+        passes; a damaged checkpoint is moved aside and the next older one loaded, which
+        overwrites every tensor the damaged one touched. Copies are not made: they would
+        double the state's memory. If no valid checkpoint is left after a damaged one was
+        loaded, the process must not train on that state: it raises, and a restart begins
+        afresh.
+        """
+        tainted = False
+        candidates = mf.committed_steps(self.job_dir) if self.hosts is None else self._agreed_part()
+        in_memory = self._memory_states(candidates)
+        # Newest first; of two copies of a step, the memory one (read at memory speed).
+        ordered = sorted([(item, False) for item in candidates] + [(item, True) for item in in_memory],
+                         key=lambda c: (c[0][0], c[0][2].micro_step, c[1]), reverse=True)
+        for (_, path, manifest), from_memory in ordered:
+            if from_memory:
+                restored = self._restore_memory(path, manifest)
+                if restored is not None:
+                    return restored
+                continue
+            found = mf.problems(path, manifest, checksums=False)
+            if found:
+                retention.move_aside(self.job_dir, path, found, self.rank)
+                continue
+            started = time.monotonic()
+            verifying = self._pool.submit(mf.problems, path, manifest, checksums=True)
+            try:
+                template = self._load(path, manifest)
+            except Exception as e:  # unreadable despite matching sizes: judged by its checksums below
+                template, error = None, e
+            found = verifying.result()
+            if found:
+                retention.move_aside(self.job_dir, path, found, self.rank)
+                tainted = True
+                continue
+            if template is None:
+                raise error
+            return self._apply(template, manifest, path, started)
+        if tainted:
+            raise RuntimeError("every checkpoint failed verification (moved aside); restart to begin afresh")
+        return None
+
+    def _memory_states(self, on_disk: list[Candidate]) -> list[Candidate]:
+        """The memory tier's states worth trying: as new as the disk's newest candidate or newer, and with
+        several hosts, held by every host (the agreement put it in `self._memory_agreed`)."""
+        if self.memory is None:
+            return []
+        newest = max(((step, m.micro_step) for step, _, m in on_disk), default=(-1, -1))
+        held = [(step, path, m) for step, path, m in mf.parts(self.memory.job_dir) if (step, m.micro_step) >= newest]
+        if self.hosts is not None:
+            held = [item for item in held if (item[0], item[2].micro_step) in self._memory_agreed]
+        return held
+
+    def _restore_memory(self, path: Path, manifest: mf.Manifest) -> Restored | None:
+        """Load a memory state once every byte matches its manifest; None (and the state discarded) otherwise."""
+        started = time.monotonic()
+        found = mf.problems(path, manifest, checksums=True)
+        if not found:
+            try:
+                template = mem.load(path, self.state.template(manifest))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                found = [describe_error(e)]
+            else:
+                return self._apply(template, manifest, path, started)
+        self.memory.discard(path, found)
+        return None
+
+    def _agreed_part(self) -> list[Candidate]:
+        """This host's part of the step every host restores (engine.checkpoint.hosts), marked
+        global here too; none when the hosts have no step in common."""
+        held = {(step, m.micro_step): (step, path, m) for step, path, m in mf.parts(self.job_dir)
+                if not mf.problems(path, m, checksums=False)}
+        mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
+        # Verified before they are offered: every host must restore the step it agreed to.
+        in_memory = frozenset((step, m.micro_step) for step, path, m in mf.parts(self.memory.job_dir)
+                              if m.hosts == self.hosts.count and not mf.problems(path, m, checksums=True)
+                              ) if self.memory is not None else frozenset()
+        everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}, in_memory,
+                                  self.memory is not None), self.hosts, self.hosts_group)
+        memories, tiers = [memory for _, _, memory, _ in everyone], [tier for *_, tier in everyone]
+        # A state every host holds in memory (each verifies its own) may restore them all.
+        self._memory_agreed = frozenset.intersection(*memories)
+        everyone = [(h, made) for h, made, _, _ in everyone]
+        hosts_of = {k: n for _, made in everyone for k, n in made.items()}
+        gang.note_holdings(self.job_dir, [h.parts for h, _ in everyone])
+        key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
+        if passed:
+            log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
+        if not self._memory_agreed and all(tiers):
+            self._memory_from_peer(memories, key)
+        if key is None:
+            if any(h.marked for h, _ in everyone) and not self._memory_agreed:
+                raise RuntimeError(f"no globally committed step is held by every host ({'; '.join(passed)}); "
+                                   "give the job a checkpoint.remote so a host can fetch its part")
+            return []
+        step, path, manifest = held[key]
+        if not mf.is_global(path, manifest):
+            mf.write_global(path, manifest)
+        return [held[key]]
+
+    def _memory_from_peer(self, memories: list[frozenset], on_disk: tuple[int, int] | None) -> None:
+        """Hosts whose memory states are gone (a replaced VM) take the newest state that every other
+        host holds, newer than the step the disks agree on, from one of them. The engine's state is
+        replicated across hosts (data parallelism), so a peer's state is this host's too. Every
+        host computes the same plan from the exchange; the receivers' checks are agreed again."""
+        empty = [i for i, memory in enumerate(memories) if not memory]
+        holding = [memory for memory in memories if memory]
+        common = frozenset.intersection(*holding) if holding else frozenset()
+        newer = sorted(k for k in common if on_disk is None or k > on_disk)
+        if not empty or not newer:
+            return
+        key = newer[-1]
+        source = next(i for i, memory in enumerate(memories) if key in memory)
+        received = self.memory.transfer(key, source, empty, self.hosts.index, self.hosts_group)
+        if all(gang.exchange(received, self.hosts, self.hosts_group)):
+            log.info("a peer's memory state restores the hosts that lost theirs", step=key[0], micro_step=key[1],
+                     source=source, hosts=empty)
+            self._memory_agreed = frozenset({key})
+
+    def _load(self, path: Path, manifest: mf.Manifest) -> dict:
+        template = self.state.template(manifest)
+        _, load_planner = self.backend.planners()
+        dcp.load(template, storage_reader=dcp.FileSystemReader(path), planner=load_planner,
+                 process_group=self.group, no_dist=self.group is None)
+        return template
+
+    def _apply(self, template: dict, manifest: mf.Manifest, path: Path, started: float) -> Restored:
+        progress = self.state.apply(template, manifest)
+        return Restored(progress, manifest, dict(template["loader"]), path, started)

@@ -1,0 +1,127 @@
+"""No import circles among the engine/ and tpud/ modules.
+
+A circle makes a module's names depend on which of the two was imported first, and it hides
+the layering: a name both sides need belongs in a module below them. An import inside a
+function or under TYPE_CHECKING still ties the two modules together, so every import counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "tpud")
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules that module `name` (at `path`) imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import name` imports the module pkg.name where there is one, else pkg.
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                         for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: imported(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected component of more than one module, as one circle through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [circle_through(graph, component) for component in components]
+
+
+def circle_through(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest path from the component's first module back to itself, inside the component."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & component):
+                if nxt == start:
+                    return paths[node] + [start]
+                if nxt not in paths:
+                    paths[nxt] = paths[node] + [nxt]
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{sorted(component)} is not strongly connected")
+
+
+def test_the_graph_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "engine.spec.schema" in graph["engine.spec.loader"]  # from engine.spec.schema import ...
+    assert "engine.checkpoint.manifest" in graph["tpud.job.job"]  # from engine.checkpoint import manifest
+    assert "engine.train" in graph["tpud.worker.entry"]  # an import inside a function
+    assert "engine.events" in graph["tpud.worker.entry"]  # from engine import events
+
+
+def test_relative_imports_resolve_against_the_package(tmp_path):
+    source = tmp_path / "c.py"
+    source.write_text("from . import d\nfrom .. import e\nfrom ..f import g\n")
+    modules = {name: tmp_path / "x.py" for name in ("p.q.c", "p.q.d", "p.e", "p.f", "p")}
+    assert imported("p.q.c", source, modules) == {"p.q.d", "p.e", "p.f"}
+
+
+def test_circles_are_found_and_named():
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert circles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+
+
+def test_there_are_no_import_circles():
+    found = circles(import_graph())
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(circle) for circle in found)
