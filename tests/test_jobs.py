@@ -82,9 +82,9 @@ def step(n, step_time=0.5, **badput):
 def make_job(tmp_path):
     now = [1000.0]
 
-    def make(restart=None, health=None, workers=None, metrics=None):
+    def make(restart=None, health=None, workers=None, metrics=None, checkpoint=None):
         spec = JobSpec.model_validate({
-            "name": "j", "health": health or {},
+            "name": "j", "health": health or {}, "checkpoint": checkpoint or {},
             "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
                         "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
         workers = workers or Workers()
@@ -543,3 +543,18 @@ def test_a_checkpoint_committed_before_the_daemon_started_is_in_status_and_metri
     assert sample("tpud_checkpoint_last_committed_step") == 80
     assert sample("tpud_checkpoint_last_committed_timestamp_seconds") == 1_700_000_600.0
     assert job.snapshot()["last_checkpoint"]["step"] == 80 and job.snapshot()["checkpoints"]["local"]["step"] == 80
+
+
+def test_a_failed_upload_is_a_failing_gcs_tier_in_status_until_the_next_upload(make_job):
+    from tpud.checkpoints.gcs import Transfer
+
+    make, _ = make_job
+    job = make(checkpoint={"remote": "gs://bucket/ckpt"})
+    report = job.tiers.uploader.on_result  # what the uploader's thread calls after each attempt
+    report((20, 0), None)
+    report((20, 0), None)
+    assert job.snapshot()["checkpoint_failures"]["gcs"]["count"] == 2
+    assert job.snapshot()["warnings"] == [
+        "gcs checkpoint failed 2 times in a row, last at step 20 0s ago: upload failed; it is retried"]
+    report((20, 0), Transfer("step_000000020", 1, 5, 0, 0.5))
+    assert job.snapshot()["warnings"] == [] and job.snapshot()["checkpoints"]["gcs"]["step"] == 20

@@ -428,7 +428,7 @@ class Job:
         if transfer is None:
             self.metrics.checkpoint_failure(self.name, "gcs")
             uploader = self.tiers.uploader
-            error = (uploader.stats().last_error if uploader is not None else None) or "upload failed"
+            error = (uploader.stats.last_error if uploader is not None else None) or "upload failed"
             self.loop.post(lambda: self.checkpoints.failures.failed("gcs", error, key[0]))
             return
         self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
