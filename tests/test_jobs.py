@@ -460,6 +460,23 @@ def test_a_spare_that_dies_is_replaced_at_once_then_after_a_backoff_if_they_keep
     assert len(workers.made) == 4 and pool.spares == []  # discarded: none until keep() is asked again
 
 
+def test_every_event_a_worker_sends_goes_to_its_owners_and_every_owners_handler_is_routed(make_job):
+    from tpud.job import routing
+
+    make, _ = make_job
+    job = make(checkpoint={"remote": "gs://bucket/ckpt"})  # every part present: the GCS tier too
+    assert set(routing.ROUTES) == set(events.WORKER_EVENTS)
+    parts = {"job": job, **vars(job)}
+    for kind, owners in routing.ROUTES.items():
+        assert owners, f"{kind.__name__} has no owner"
+        for owner in owners:
+            assert callable(getattr(parts[owner], routing.handler_name(kind), None)), (kind.__name__, owner)
+    for owner, part in parts.items():  # a handler the table leaves out would never be called
+        for kind in events.WORKER_EVENTS:
+            if callable(getattr(type(part), routing.handler_name(kind), None)):
+                assert owner in routing.ROUTES[kind], (kind.__name__, owner)
+
+
 def test_an_event_a_worker_never_sends_is_ignored(make_job):
     make, _ = make_job
     job = make()

@@ -7,13 +7,17 @@ from its own crashes, which spend its restart budget.
 
 from __future__ import annotations
 
+import structlog
+
 from engine import events
 from tpud.gang.discovery import GangPlace
 
+log = structlog.get_logger()
+
 
 class GangView:
-    def __init__(self, place: GangPlace | None):
-        self.place = place
+    def __init__(self, place: GangPlace | None, job: str, metrics):
+        self.place, self.job, self.metrics = place, job, metrics
         self.latest: events.Gang | None = None  # the current worker's latest report
         self.peer_restarts = 0
 
@@ -26,10 +30,12 @@ class GangView:
     def new_worker(self) -> None:
         self.latest = None
 
-    def heard(self, event: events.Gang) -> bool:
-        """The worker's report; whether the state status shows changed."""
+    def on_gang(self, event: events.Gang) -> None:
+        self.metrics.gang(self.job, event.host, event.present, event.generation)
         before, self.latest = self.state, event
-        return self.state != before
+        if self.state != before:
+            log.info("gang", job=self.job, state=self.state, host=event.host, hosts=event.hosts,
+                     generation=event.generation)
 
     @property
     def state(self) -> str | None:

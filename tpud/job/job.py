@@ -6,8 +6,10 @@ status and timer ticks, and the job decides. The worker's exit code says what ha
 (engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
 the restart budget and backoff, the hang bound and crash reasons (health/), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
-what a worker needs from GCS before it starts (inputs.py), its output (output.py), the gang
-(gang.py), wandb (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
+what a worker needs from GCS before it starts (inputs.py), its output (output.py), what it
+reported (report.py), the gang (gang.py), its checkpoints (checkpoints.py), wandb
+(tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py). Each worker event goes to
+the parts that own it (routing.py); the job hears only those that can change its state.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from typing import Protocol
 import structlog
 
 from engine import events, exit_codes
-from engine.checkpoint import manifest as mf
 from engine.hooks import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
-from tpud.job import goodput, inputs, states
+from tpud.job import goodput, inputs, routing, states
 from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
 from tpud.job.gang import GangView
@@ -36,6 +37,7 @@ from tpud.job.health import crashes
 from tpud.job.health.hang import HangWatch
 from tpud.job.output import WorkerOutput
 from tpud.job.record import JobRecord
+from tpud.job.report import WorkerReport
 from tpud.job.health.restarts import Restarts
 from tpud.job.memory import JobMemory, MemoryBudget
 from tpud.job.standby import StandbyPool
@@ -92,10 +94,8 @@ class Job:
         self.digest: str | None = None  # of the job file this spec came from
         self.error: str | None = None
         self.error_detail: list[str] = []
-        self.progress: events.Step | None = None  # the latest step event, for status
-        self.evaluated: events.Eval | None = None  # the latest validation loss, for status
-        self.restored_step: int | None = None  # status's step before the first step event
-        self.checkpoints = JobCheckpoints(self.name)
+        self.report = WorkerReport(self.name, metrics, clock)
+        self.checkpoints = JobCheckpoints(self.name, metrics, lambda: self.spec.checkpoint, loop.post)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
         self.backoff_until = 0.0
@@ -105,16 +105,14 @@ class Job:
         self.worker: WorkerProcess | None = None
         self.last_status: int | None = None  # the last worker's exit status (`tpud run` exits with it)
         self.link: channel.Link | None = None
-        self.rank = 0
         self.hang: str | None = None  # why the current worker was judged hung
-        self.watch = HangWatch(spec.health, clock())
-        self.nonfinite: events.NonFinite | None = None
+        self.watch = HangWatch(spec.health, clock)
         self.output = WorkerOutput(loop.relay)
         self._oom_kills: int | None = None
         self._preparing = False  # a thread is fetching the newest checkpoint from GCS
-        self.gang = GangView(gang)  # several hosts: this host's place, and the gang as its worker sees it
+        self.gang = GangView(gang, self.name, metrics)  # several hosts: this host's place, and its worker's gang
         # What it owns.
-        self.tiers = CheckpointTiers(spec, paths, self._uploaded, uploads=self._uploads)
+        self.tiers = CheckpointTiers(spec, paths, self.checkpoints.upload_result, uploads=self._uploads)
         self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25))
         self._memory_env: dict[str, str] = {}
         self._record_path = paths.layout.record_file(self.name)
@@ -125,23 +123,17 @@ class Job:
         self.record = JobRecord.load(self._record_path)
         self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
         self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
-                                     on_badput=lambda kind, seconds: self.metrics.badput(self.name, kind, seconds))
+                                     on_badput=lambda kind, seconds: self.metrics.badput(self.name, kind, seconds),
+                                     on_ratio=lambda ratio: self.metrics.goodput(self.name, ratio))
         for kind, seconds in self.ledger.badput.items():
             self.metrics.badput(self.name, kind, seconds)
-        self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=RESTART_REASONS)
-        if (found := self.checkpoints.found_local(self.tiers.local_job_dir)) is not None:
-            self.metrics.checkpoint_found(self.name, tier="local", step=found.step, at=found.at)
+        self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=RESTART_REASONS)
+        self.checkpoints.found_local(self.tiers.local_job_dir)
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
-                                  saved=self.record.wandb, newest_run_id=self._newest_run_id)
+                                  saved=self.record.wandb, newest_run_id=lambda: self.tiers.newest_run_id(),
+                                  config=lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
         self._saved_at = self.clock()
         self.restart_reasons: dict[str, int] = {}  # this daemon's restarts of the job, by reason
-        self._handlers: dict[type[events.Event], Callable] = {
-            events.Hello: self._hello, events.Heartbeat: self._heartbeat, events.Started: self._started,
-            events.Step: self._step, events.CheckpointStarted: self._checkpoint_started,
-            events.CheckpointCommitted: self._committed, events.CheckpointFailed: self._checkpoint_failed,
-            events.CheckpointRestored: self._restored, events.NonFinite: self._nonfinite, events.Eval: self._eval,
-            events.Gang: self._gang,
-        }
         self.metrics.job_state(self.name, self.state.value)
 
     # --- the record ---
@@ -234,9 +226,10 @@ class Job:
         self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
         self._oom_kills = crashes.oom_kill_count()
         self.output.new_worker()
-        self.hang, self.nonfinite = None, None
+        self.hang = None
+        self.report.new_worker()
         self.gang.new_worker()
-        self.watch.new_worker(self.spec.health, self.clock())
+        self.watch.new_worker(self.spec.health)
         self.worker, warm = self.standbys.take(self.spec, env), True
         if self.worker is None:
             self.worker, warm = self._spawn_worker(self.spec, self.paths, self.log_format, env), False
@@ -295,11 +288,11 @@ class Job:
         self.spec, self.next_spec = spec, None
         self.standbys.discard()  # they warmed up for the old spec (another backend, perhaps)
         self.tracker.cfg = spec.logging.wandb
-        self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=())  # a tier it gained
+        self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=())  # a tier it gained
         if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
             # The old uploader finishes its upload in flight in the background, then stops.
             threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
-            self.tiers = CheckpointTiers(spec, self.paths, self._uploaded, uploads=self._uploads)
+            self.tiers = CheckpointTiers(spec, self.paths, self.checkpoints.upload_result, uploads=self._uploads)
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
@@ -328,112 +321,27 @@ class Job:
     # --- the worker's events ---
 
     def handle(self, event: events.Event) -> None:
-        """An event from the current worker (engine/events.py)."""
-        self.watch.heard(self.clock())
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(event)
+        """An event from the current worker (engine/events.py), for the parts that own it (routing.py)."""
+        self.watch.heard()  # any message is a sign of life
+        routing.route(self, event)
 
-    def _hello(self, event: events.Hello) -> None:
-        self.rank = event.rank
-        self._alive(None)
-
-    def _heartbeat(self, event: events.Heartbeat) -> None:
-        self._alive(event.step)
+    def on_heartbeat(self, event: events.Heartbeat | events.Started) -> None:
         if self.state is State.STARTING:
             self._set(State.RUNNING)  # the loop is running: restore and compilation are behind it
 
-    def _alive(self, step: int | None) -> None:
-        self.metrics.heartbeat(self.name, self.clock())
-        self.watch.heard(self.clock(), step)
-        self.watch.saving(None)  # the loop runs on: an async save needs no allowance
+    on_started = on_heartbeat
 
-    def _started(self, event: events.Started) -> None:
-        self.watch.loop_started(event.step)
-        self.ledger.worker_started(event.step, event.badput)
-        if self.state is State.STARTING:
-            self._set(State.RUNNING)
-
-    @staticmethod
-    def _tier_names(spec: JobSpec) -> list[str]:
-        return ["local"] + ["memory"] * (spec.checkpoint.memory is not None) + ["gcs"] * bool(spec.checkpoint.remote)
-
-    def _step(self, event: events.Step) -> None:
-        self.watch.stepped(event.step, event.step_time_s)
-        ckpt = self.spec.checkpoint  # a save comes at whichever interval ends first
-        if intervals := [s for s in (ckpt.interval_seconds, ckpt.interval_steps * event.step_time_s) if s]:
-            self.metrics.checkpoint_interval(self.name, min(intervals))
-        self.progress = event
-        self.metrics.heartbeat(self.name, self.clock())
-        self.metrics.job_progress(self.name, step=event.step, loss=event.loss,
-                                  tokens_per_second=event.tokens_per_s, mfu=event.mfu)
-        self.ledger.worker_report(event.step, event.badput)
-        if self.ledger.ratio is not None:
-            self.metrics.goodput(self.name, self.ledger.ratio)
-        if self.rank == 0:  # one wandb logger per job: the host of rank 0
-            self.tracker.log(event, lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
+    def on_step(self, event: events.Step) -> None:
         if self.clock() - self._saved_at >= SAVE_EVERY_S:
             self.save()
 
-    def _eval(self, event: events.Eval) -> None:
-        self.evaluated = event
-        self.metrics.eval_loss(self.name, event.loss)
-        if self.rank == 0:
-            self.tracker.log_eval(event)
-
-    def _checkpoint_started(self, event: events.CheckpointStarted) -> None:
-        if event.tier != "memory":  # the loop waits for a disk save only
-            self.watch.saving(self.clock())
-
-    def _gang(self, event: events.Gang) -> None:
-        self.metrics.gang(self.name, event.host, event.present, event.generation)
-        if self.gang.heard(event):
-            log.info("gang", job=self.name, state=self.gang.state, host=event.host, hosts=event.hosts,
-                     generation=event.generation)
-
-    def _restored(self, event: events.CheckpointRestored) -> None:
-        self.restored_step = event.step
-
-    def _nonfinite(self, event: events.NonFinite) -> None:
-        self.nonfinite = event
-
-    def _committed(self, event: events.CheckpointCommitted) -> None:
-        self.restarts.progressed()  # it made progress: not a crash loop
-        self.metrics.checkpoint(self.name, tier=event.tier, reason=event.reason, seconds=event.seconds,
-                                bytes=event.bytes, step=event.step)
-        if event.tier == "memory":
-            self.checkpoints.in_memory(event)
-            return
-        self.watch.saving(None)
-        self.checkpoints.committed(event)
-        if self.tiers.uploader is not None:
-            self.tiers.uploader.submit(Path(event.path))
-        if self.state is State.CHECKPOINTING and not self.checkpoints.waiters:
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
+        if event.tier != "memory" and self.state is State.CHECKPOINTING and not self.checkpoints.waiters:
             self._set(State.RUNNING, f"checkpoint at step {event.step}")
 
-    def _checkpoint_failed(self, event: events.CheckpointFailed) -> None:
-        self.metrics.checkpoint_failure(self.name, event.tier)
-        if event.tier == "memory":
-            self.checkpoints.failures.failed("memory", event.error, event.step)
-            return
-        self.watch.saving(None)
-        self.checkpoints.failed(event)
-        if self.state is State.CHECKPOINTING:
+    def on_checkpoint_failed(self, event: events.CheckpointFailed) -> None:
+        if event.tier != "memory" and self.state is State.CHECKPOINTING:
             self._set(State.RUNNING, "checkpoint failed")
-
-    # --- the GCS tier (the uploader's thread) ---
-
-    def _uploaded(self, key: tuple[int, int], transfer) -> None:
-        """From the uploader's thread: the GCS tier's metrics, and status's newest checkpoint."""
-        if transfer is None:
-            self.metrics.checkpoint_failure(self.name, "gcs")
-            uploader = self.tiers.uploader
-            error = (uploader.stats.last_error if uploader is not None else None) or "upload failed"
-            self.loop.post(lambda: self.checkpoints.failures.failed("gcs", error, key[0]))
-            return
-        self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
-                                bytes=transfer.bytes, step=key[0])
-        self.loop.post(lambda: self.checkpoints.uploaded(*key))
 
     # --- the worker's output and exit ---
 
@@ -487,10 +395,7 @@ class Job:
 
     def _nonfinite_exit(self) -> None:
         """Exit 76: roll back to the newest checkpoint (the worker recorded the batches to skip), or fail."""
-        event = self.nonfinite
-        what = (f"non-finite loss ({event.loss}) at step {event.step}" if event is not None
-                else "non-finite loss (the worker's report was lost)")
-        rollback = event is not None and event.policy == "rollback"
+        what, rollback = self.report.nonfinite_exit()
         max_rollbacks = self.spec.health.max_rollbacks
         if rollback and self.restarts.rollback(self.spec):
             self._restarted("nonfinite")
@@ -560,10 +465,6 @@ class Job:
 
     # --- reading ---
 
-    def _newest_run_id(self) -> str | None:
-        newest = mf.committed_steps(self.tiers.local_job_dir)
-        return newest[-1][2].wandb_run_id if newest else None
-
     def close(self, timeout: float = 30.0) -> None:
         """The daemon is exiting: flush what is buffered for this job."""
         self.standbys.discard()
@@ -575,18 +476,18 @@ class Job:
         return self.state in ACTIVE
 
     def snapshot(self) -> dict:
-        progress, first = self.progress, self.record.first_started
+        progress, evaluated, first = self.report.progress, self.report.evaluated, self.record.first_started
         return {
             "name": self.name, "state": self.state.value, "file": str(self.file),
             "pid": None if self.worker is None else self.worker.pid,
-            "step": self.restored_step if progress is None else progress.step, "max_steps": self.spec.train.max_steps,
+            "step": self.report.restored_step if progress is None else progress.step, "max_steps": self.spec.train.max_steps,
             "loss": None if progress is None else progress.loss,
             "tokens_per_second": None if progress is None else progress.tokens_per_s,
             "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
             "restart_reasons": dict(self.restart_reasons),
             "step_time_s": None if progress is None else progress.step_time_s,
-            "eval_loss": None if self.evaluated is None else self.evaluated.loss,
-            "eval_step": None if self.evaluated is None else self.evaluated.step,
+            "eval_loss": None if evaluated is None else evaluated.loss,
+            "eval_step": None if evaluated is None else evaluated.step,
             "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
             "age_seconds": None if first is None else round(time.time() - first, 1),
             "goodput": self.ledger.snapshot(), "gang": self.gang.snapshot(),

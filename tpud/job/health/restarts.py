@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine import events
 from engine.backoff import Backoff
 from engine.spec.schema import JobSpec
 
@@ -50,6 +51,6 @@ class Restarts:
         """Another host's worker failed and the gang restarts: counted, but no crash of this host's."""
         self.total += 1
 
-    def progressed(self) -> None:
-        """A worker committed a checkpoint: its crashes are not a crash loop."""
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
+        """The worker made progress: its crashes are not a crash loop."""
         self.streak = 0
