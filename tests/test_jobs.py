@@ -144,7 +144,7 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     make, now = make_job
     job = make()
     job.start()
-    job.output.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
+    job.current.output.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
     job.worker_exited(78)
     assert job.state is State.FAILED and len(job.workers.cold) == 1 and "attention.kernel" in job.error
 
@@ -183,7 +183,7 @@ def test_a_crash_is_classified_for_metrics_and_status(make_job):
     make, now = make_job
     job = make()
     job.start()
-    job.output.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
+    job.current.output.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
                      "    boom()", "RuntimeError: injected crash after step 4"])
     job.worker_exited(1)
     assert job.metrics.restarts == ["exception"] and job.state is State.BACKOFF
@@ -222,11 +222,11 @@ def test_a_silent_worker_is_hung_after_the_bound_then_terminated_and_killed(make
     assert job.next_timer() == now[0] + 100.0  # the daemon's loop wakes then, not at its next tick
     now[0] += 99
     job.tick()
-    assert job.hang is None and worker.signals == []
+    assert job.current.hang is None and worker.signals == []
     now[0] += 2
     job.tick()
-    assert "no heartbeat for 101s" in job.hang and worker.signals == [signal.SIGTERM]
-    assert job.next_timer() == job.kill_at == now[0] + job.spec.health.kill_grace_seconds
+    assert "no heartbeat for 101s" in job.current.hang and worker.signals == [signal.SIGTERM]
+    assert job.next_timer() == job.current.kill_at == now[0] + job.spec.health.kill_grace_seconds
     now[0] += job.spec.health.kill_grace_seconds
     job.tick()
     assert worker.signals == [signal.SIGTERM, signal.SIGKILL]
@@ -241,8 +241,8 @@ def test_a_stopped_worker_is_killed_at_once_since_it_cannot_act_on_sigterm(make_
     job.worker.is_stopped = True  # SIGSTOP: SIGTERM would stay pending until a SIGCONT
     now[0] += 101
     job.tick()
-    assert "no heartbeat for 101s" in job.hang and job.worker.signals == [signal.SIGKILL]
-    assert job.kill_at is None
+    assert "no heartbeat for 101s" in job.current.hang and job.worker.signals == [signal.SIGKILL]
+    assert job.current.kill_at is None
 
 
 def test_startup_and_checkpoints_get_longer_allowances(make_job):
@@ -268,7 +268,7 @@ def test_startup_and_checkpoints_get_longer_allowances(make_job):
 def connect(job) -> channel.Connection:
     """A real channel between the job and a stand-in worker: the worker's end."""
     ours, theirs = socket.socketpair()
-    job.link.connection = channel.Connection(ours)
+    job.current.link.connection = channel.Connection(ours)
     return channel.Connection(theirs)
 
 
@@ -281,7 +281,7 @@ def test_a_preemption_checkpoints_within_the_deadline_and_ends_preempted(make_jo
     job.preempt(30.0)
     assert job.state is State.STOPPING
     assert worker_end.receive() == [events.CheckpointRequest(events.Action.CHECKPOINT_AND_EXIT, 30.0 - 6.0 - 1.0)]
-    assert job.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
+    assert job.current.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
     job.worker_exited(75)
     assert job.state is State.PREEMPTED and len(job.workers.cold) == 1
     job.notice_cleared()  # the maintenance is over: run again

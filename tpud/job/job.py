@@ -6,8 +6,8 @@ status and timer ticks, and the job decides. The worker's exit code says what ha
 (engine/exit_codes.py, DESIGN.md). What the job owns but does not decide lives beside it:
 the restart budget and backoff, the hang bound and crash reasons (health/), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
-what a worker needs from GCS before it starts (inputs.py), its output (output.py), what it
-reported (report.py), the gang (gang.py), its checkpoints (checkpoints.py), wandb
+what a worker needs from GCS before it starts (inputs.py), the current worker's process
+(current.py), what it reported (report.py), the gang (gang.py), its checkpoints (checkpoints.py), wandb
 (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py). Each worker event goes to
 the parts that own it (routing.py); the job hears only those that can change its state.
 """
@@ -32,10 +32,10 @@ from tpud.checkpoints.tiers import CheckpointTiers
 from tpud.job import goodput, inputs, routing, states
 from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
+from tpud.job.current import CurrentWorker
 from tpud.job.gang import GangView
 from tpud.job.health import crashes
 from tpud.job.health.hang import HangWatch
-from tpud.job.output import WorkerOutput
 from tpud.job.record import JobRecord
 from tpud.job.report import WorkerReport
 from tpud.job.health.restarts import Restarts
@@ -44,7 +44,6 @@ from tpud.job.standby import StandbyPool
 from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
 from tpud.tracking import JobTracker
-from tpud.worker import channel
 from tpud.worker.process import WorkerProcess
 
 log = structlog.get_logger()
@@ -99,16 +98,8 @@ class Job:
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
         self.backoff_until = 0.0
-        self.kill_at: float | None = None
-        # The current worker and what it told us.
-        self._spawn_worker = spawn
-        self.worker: WorkerProcess | None = None
         self.last_status: int | None = None  # the last worker's exit status (`tpud run` exits with it)
-        self.link: channel.Link | None = None
-        self.hang: str | None = None  # why the current worker was judged hung
         self.watch = HangWatch(spec.health, clock)
-        self.output = WorkerOutput(loop.relay)
-        self._oom_kills: int | None = None
         self._preparing = False  # a thread is fetching the newest checkpoint from GCS
         self.gang = GangView(gang, self.name, metrics)  # several hosts: this host's place, and its worker's gang
         # What it owns.
@@ -120,6 +111,8 @@ class Job:
             self.memory.discard()  # states a former life of this home left in shared memory
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
                                     self.name, loop, clock)
+        self.current = CurrentWorker(self.name, loop, lambda s, env: spawn(s, paths, log_format, env), self.standbys,
+                                     self.watch, on_event=self.handle, on_exit=self.worker_exited)
         self.record = JobRecord.load(self._record_path)
         self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
         self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
@@ -175,6 +168,10 @@ class Job:
             self.ledger.enter(goodput.DOWN if waiting else _LEDGER_PHASE.get(state, goodput.IDLE))
         self.save()
 
+    @property
+    def worker(self) -> WorkerProcess | None:
+        return self.current.process
+
     # --- commands (from the daemon loop) ---
 
     def start(self) -> None:
@@ -183,7 +180,7 @@ class Job:
             return
         if self.next_spec is not None:  # a reload interrupted by a stop: the new spec wins
             self._adopt(self.next_spec)
-        self.error, self.stop_reason, self.kill_at, self.error_detail = None, None, None, []
+        self.error, self.stop_reason, self.current.kill_at, self.error_detail = None, None, None, []
         memory_env = self.memory.worker_env(self.spec)
         if memory_env is None:
             self.error = f"checkpoint.memory: {self.memory.refused}"
@@ -223,22 +220,13 @@ class Job:
         env = {"TPUD_CHANNEL": str(self.paths.channel(self.name)), **self.gang.worker_env(), **self._memory_env}
         if self.spec.logging.wandb is not None:
             env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
-        self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
-        self._oom_kills = crashes.oom_kill_count()
-        self.output.new_worker()
-        self.hang = None
         self.report.new_worker()
         self.gang.new_worker()
         self.watch.new_worker(self.spec.health)
-        self.worker, warm = self.standbys.take(self.spec, env), True
-        if self.worker is None:
-            self.worker, warm = self._spawn_worker(self.spec, self.paths, self.log_format, env), False
-        self.loop.watch(self.worker.stdout, self._on_output)
-        log.info("worker started", job=self.name, pid=self.worker.pid, standby=warm)
-        self.standbys.keep(self.spec, env, 1)
+        pid = self.current.start(self.spec, env)
         if self.record.first_started is None:
             self.record.first_started = time.time()
-        self._set(State.STARTING, f"pid {self.worker.pid}")
+        self._set(State.STARTING, f"pid {pid}")
 
     def stop(self, reason: str, deadline_s: float | None = None) -> None:
         """Checkpoint and stop; a worker that does not stop in time is killed.
@@ -251,12 +239,12 @@ class Job:
             return  # _prepared() sees the stop
         if self.state in (State.STARTING, *TRAINING):
             if deadline_s is None:
-                self._request(Request(Action.CHECKPOINT_AND_EXIT), fallback=signal.SIGTERM)
-                self.kill_at = self.clock() + self.stop_timeout
+                self.current.request(Request(Action.CHECKPOINT_AND_EXIT), fallback=signal.SIGTERM)
+                self.current.kill_at = self.clock() + self.stop_timeout
             else:
-                self._request(Request(Action.CHECKPOINT_AND_EXIT, self.checkpoints.step_budget(deadline_s)),
-                              fallback=signal.SIGTERM)
-                self.kill_at = self.clock() + deadline_s + self.spec.health.kill_grace_seconds
+                self.current.request(Request(Action.CHECKPOINT_AND_EXIT, self.checkpoints.step_budget(deadline_s)),
+                                     fallback=signal.SIGTERM)
+                self.current.kill_at = self.clock() + deadline_s + self.spec.health.kill_grace_seconds
             self._set(State.STOPPING, reason)
         elif self.state in WAITING:
             self._set(State.PREEMPTED if reason == "preempted" else State.STOPPED, reason)
@@ -301,14 +289,9 @@ class Job:
             refused.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
             return refused
         future = self.checkpoints.wait_for_next(after_step=self.watch.step)
-        self._request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
+        self.current.request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
         self._set(State.CHECKPOINTING, "requested")
         return future
-
-    def _request(self, request: Request, fallback: int) -> None:
-        sent = self.link is not None and self.link.send(events.CheckpointRequest.of(request))
-        if not sent and self.worker is not None:
-            self.worker.signal(fallback)  # the signal fallback: same meaning, next boundary
 
     def fail(self, error: str) -> None:
         """An internal error while handling this job: treat it as a crash of its worker."""
@@ -343,26 +326,11 @@ class Job:
         if event.tier != "memory" and self.state is State.CHECKPOINTING:
             self._set(State.RUNNING, "checkpoint failed")
 
-    # --- the worker's output and exit ---
-
-    def _on_output(self) -> None:
-        chunk = self.worker.stdout.read(65536)
-        if chunk:
-            self.output.feed(chunk)
-            return
-        self.output.ended()
-        self.loop.unwatch(self.worker.stdout)
-        self.worker_exited(self.worker.wait())
-
-    def _release(self) -> None:
-        if self.link is not None:
-            self.link.close()
-            self.link = None
-        self.worker, self.kill_at = None, None
+    # --- the worker's exit ---
 
     def worker_exited(self, status: int) -> None:
         """The current worker exited with `status` (a shell-style status: 128 + N for signal N)."""
-        self._release()
+        self.current.release()
         self.last_status = status
         self.checkpoints.fail_waiters(f"worker exited ({status}) before the checkpoint")
         log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
@@ -378,18 +346,17 @@ class Job:
             self._set(state, self.stop_reason + detail)
         elif status == exit_codes.GANG_RESTART:
             self._peer_failed()
-        elif self.hang is not None:
-            self._crashed(self.hang, "hang")
+        elif self.current.hang is not None:
+            self._crashed(self.current.hang, "hang")
         elif status == exit_codes.STOPPED:
             self.start()  # stopped on a request from outside the daemon: resume
         elif status == exit_codes.NONFINITE_LOSS:
             self._nonfinite_exit()
         elif status == exit_codes.BAD_INPUT:
-            self.error = self.output.last_error() or f"worker exited with {status}"
+            self.error = self.current.output.last_error() or f"worker exited with {status}"
             self._set(State.FAILED, f"exit {status}")
         else:
-            crash = crashes.classify(status, list(self.output.tail), oom_kills_before=self._oom_kills,
-                                     oom_kills_after=crashes.oom_kill_count())
+            crash = self.current.crash(status)
             self.error_detail = crash.detail
             self._crashed(crash.message, crash.reason)
 
@@ -437,30 +404,13 @@ class Job:
         self.standbys.tick()
         if self.state is State.BACKOFF and now >= self.backoff_until:
             self.start()
-        if self.kill_at is not None and now >= self.kill_at and self.worker is not None:
-            log.warning("worker did not stop in time; killing it", job=self.name)
-            self.worker.signal(signal.SIGKILL)
-            self.kill_at = None
-        if self.worker is not None and self.hang is None and self.kill_at is None:
-            self.hang = self.watch.verdict(now)
-            if self.hang is not None:
-                log.error("worker hung; terminating it", job=self.name, silent_s=round(now - self.watch.last_heard, 3),
-                          bound_s=round(self.watch.bound(), 3), step=self.watch.step)
-                # Stopped by a signal, SIGTERM would wait for a SIGCONT. In a gang no checkpoint can be
-                # taken without the hung worker, so the others' wait ends soonest with this one's death.
-                if self.worker.stopped() or self.gang.place is not None:
-                    self.worker.signal(signal.SIGKILL)
-                else:
-                    self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
-                    self.kill_at = now + self.spec.health.kill_grace_seconds
+        self.current.tick(now, self.spec.health.kill_grace_seconds, gang=self.gang.place is not None)
 
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
-        timers = [self.kill_at, self.standbys.due]
+        timers = [*self.current.timers(), self.standbys.due]
         if self.state is State.BACKOFF:
             timers.append(self.backoff_until)
-        if self.worker is not None and self.hang is None and self.kill_at is None:
-            timers.append(self.watch.deadline())
         return min((t for t in timers if t is not None), default=None)
 
     # --- reading ---
