@@ -278,6 +278,10 @@ class JobTracker:
             self._run_id = self._newest_run_id() or new_run_id()
         return self._run_id
 
+    def worker_env(self) -> dict[str, str]:
+        """The run id for the worker's checkpoint manifests, when the job logs to wandb."""
+        return {} if self.cfg is None else {"TPUD_WANDB_RUN_ID": self.run_id()}
+
     def log(self, event: events.Step, config: Callable[[], dict]) -> None:
         """A step event; config() is the job's spec as plain data, for a run that starts now."""
         if self.cfg is None:

@@ -5,6 +5,7 @@ It lives in the daemon rather than in the worker so that an upload outlives a wo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,12 +28,21 @@ class CheckpointTiers:
         `uploads` False: a host of a multi-host job other than host 0. Every host's part restores
         the whole replicated state, so one host uploads it; every host downloads.
         """
+        self.paths, self.on_upload, self.uploads = paths, on_upload, uploads
         self.local_job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
-        self.keep = spec.checkpoint.keep
+        self.remote, self.keep = spec.checkpoint.remote, spec.checkpoint.keep
         self.tier = GcsTier.for_spec(spec)
         self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep,
                                   on_result=lambda key, transfer: on_upload(key, transfer, self._error(transfer)))
                          if self.tier and uploads else None)
+
+    def adopt(self, spec: JobSpec) -> CheckpointTiers:
+        """The tiers of the job's new spec: these, or new ones when the GCS tier changed."""
+        if spec.checkpoint.remote == self.remote and spec.checkpoint.keep == self.keep:
+            return self
+        # The old uploader finishes its upload in flight in the background, then stops.
+        threading.Thread(target=self.close, name=f"close-uploads-{spec.name}", daemon=True).start()
+        return CheckpointTiers(spec, self.paths, self.on_upload, uploads=self.uploads)
 
     @staticmethod
     def names(spec: JobSpec) -> list[str]:

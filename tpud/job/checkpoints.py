@@ -68,6 +68,13 @@ class JobCheckpoints:
         self.waiters.append(waiter)
         return waiter.future
 
+    @staticmethod
+    def refused(error: str) -> Future:
+        """The answer to a request no checkpoint can answer."""
+        future: Future = Future()
+        future.set_exception(RuntimeError(error))
+        return future
+
     def fail_waiters(self, error: str) -> None:
         for waiter in self.waiters:
             waiter.future.set_exception(RuntimeError(error))

@@ -24,10 +24,10 @@ log = structlog.get_logger()
 
 
 class CurrentWorker:
-    def __init__(self, job: str, loop, spawn: Callable[[JobSpec, dict[str, str]], WorkerProcess],
-                 standbys: StandbyPool, watch: HangWatch, *, on_event: Callable[[events.Event], None],
-                 on_exit: Callable[[int], None]):
-        self.job, self.loop, self.spawn, self.standbys, self.watch = job, loop, spawn, standbys, watch
+    def __init__(self, job: str, channel_path: Path, loop, standbys: StandbyPool, watch: HangWatch, *,
+                 on_event: Callable[[events.Event], None], on_exit: Callable[[int], None]):
+        """standbys: the job's spares, and how it starts a worker; on_exit(status) once one exited."""
+        self.job, self.channel_path, self.loop, self.standbys, self.watch = job, channel_path, loop, standbys, watch
         self.on_event, self.on_exit = on_event, on_exit
         self.process: WorkerProcess | None = None
         self.link: channel.Link | None = None
@@ -36,15 +36,17 @@ class CurrentWorker:
         self.hang: str | None = None  # why it was judged hung
         self._oom_kills: int | None = None
 
-    def start(self, spec: JobSpec, env: dict[str, str]) -> int:
-        """A spare that warmed up with the same `env`, or a new process; its pid."""
-        self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.on_event)
+    def start(self, spec: JobSpec, extra_env: dict[str, str]) -> int:
+        """A spare that warmed up with the same environment, or a new process; its pid."""
+        env = {"TPUD_CHANNEL": str(self.channel_path), **extra_env}
+        self.watch.new_worker(spec.health)
+        self.link = channel.Link(self.channel_path, self.loop, self.on_event)
         self._oom_kills = crashes.oom_kill_count()
         self.output.new_worker()
         self.hang = None
         self.process, warm = self.standbys.take(spec, env), True
         if self.process is None:
-            self.process, warm = self.spawn(spec, env), False
+            self.process, warm = self.standbys.spawn(spec, env, standby=False), False
         self.loop.watch(self.process.stdout, self._on_output)
         log.info("worker started", job=self.job, pid=self.process.pid, standby=warm)
         self.standbys.keep(spec, env, 1)

@@ -27,6 +27,11 @@ class GangView:
         return {**self.place.worker_env(), "RANK": str(self.place.host), "WORLD_SIZE": str(self.place.hosts),
                 "LOCAL_RANK": "0"}
 
+    @property
+    def uploads(self) -> bool:
+        """One host uploads a multi-host job's steps: every host's part holds the whole state."""
+        return self.place is None or self.place.host == 0
+
     def new_worker(self) -> None:
         self.latest = None
 

@@ -51,6 +51,15 @@ class Ledger:
         if saved.get("phase", IDLE) != IDLE and saved.get("saved_unix"):
             self._add("down", max(0.0, self.wall() - saved["saved_unix"]))
 
+    @classmethod
+    def for_job(cls, saved: dict | None, job: str, metrics, clock: Callable[[], float]) -> Ledger:
+        """A job's ledger, its badput and goodput in `metrics`, whose counters go on from the saved totals."""
+        ledger = cls(saved, clock=clock, on_badput=lambda kind, seconds: metrics.badput(job, kind, seconds),
+                     on_ratio=lambda ratio: metrics.goodput(job, ratio))
+        for kind, seconds in ledger.badput.items():
+            metrics.badput(job, kind, seconds)
+        return ledger
+
     # --- what the supervisor tells us ---
 
     def enter(self, phase: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -87,8 +86,7 @@ class Job:
                  spawn: Spawn = WorkerProcess, gang: GangPlace | None = None,
                  memory_budget: MemoryBudget | None = None):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
-        self.clock, self.stop_timeout, self.log_format = clock, stop_timeout, log_format
-        self.name = spec.name
+        self.clock, self.stop_timeout, self.name = clock, stop_timeout, spec.name
         self.state = State.PENDING
         self.digest: str | None = None  # of the job file this spec came from
         self.error: str | None = None
@@ -102,48 +100,34 @@ class Job:
         self.watch = HangWatch(spec.health, clock)
         self._preparing = False  # a thread is fetching the newest checkpoint from GCS
         self.gang = GangView(gang, self.name, metrics)  # several hosts: this host's place, and its worker's gang
-        # What it owns.
-        self.tiers = CheckpointTiers(spec, paths, self.checkpoints.upload_result, uploads=self._uploads)
-        self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25))
-        self._memory_env: dict[str, str] = {}
+        self.tiers = CheckpointTiers(spec, paths, self.checkpoints.upload_result, uploads=self.gang.uploads)
         self._record_path = paths.layout.record_file(self.name)
-        if not self._record_path.exists():  # a blank state directory ("delete it to start over")
-            self.memory.discard()  # states a former life of this home left in shared memory
+        self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25),
+                                blank=not self._record_path.exists())
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
                                     self.name, loop, clock)
-        self.current = CurrentWorker(self.name, loop, lambda s, env: spawn(s, paths, log_format, env), self.standbys,
-                                     self.watch, on_event=self.handle, on_exit=self.worker_exited)
+        self.current = CurrentWorker(self.name, paths.channel(self.name), loop, self.standbys, self.watch,
+                                     on_event=self.handle, on_exit=self.worker_exited)
         self.record = JobRecord.load(self._record_path)
-        self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
-        self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
-                                     on_badput=lambda kind, seconds: self.metrics.badput(self.name, kind, seconds),
-                                     on_ratio=lambda ratio: self.metrics.goodput(self.name, ratio))
-        for kind, seconds in self.ledger.badput.items():
-            self.metrics.badput(self.name, kind, seconds)
+        self.held = self.record.held  # an operator's `tpud stop` holds the job until `tpud start`
+        self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks,
+                                 on_restart=lambda reason: self.metrics.restart(self.name, reason))
+        self.ledger = goodput.Ledger.for_job(self.record.goodput, self.name, metrics, clock)
         self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=RESTART_REASONS)
         self.checkpoints.found_local(self.tiers.local_job_dir)
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
                                   saved=self.record.wandb, newest_run_id=lambda: self.tiers.newest_run_id(),
                                   config=lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
         self._saved_at = self.clock()
-        self.restart_reasons: dict[str, int] = {}  # this daemon's restarts of the job, by reason
         self.metrics.job_state(self.name, self.state.value)
 
     # --- the record ---
-
-    @property
-    def held(self) -> bool:
-        return self.record.held
-
-    @held.setter
-    def held(self, held: bool) -> None:
-        self.record.held = held
 
     def save(self) -> None:
         """Write job.json now (it is also written at every state change)."""
         self._saved_at = self.clock()
         r = self.record
-        r.restarts_total, r.rollbacks = self.restarts.total, self.restarts.rollbacks
+        r.restarts_total, r.rollbacks, r.held = self.restarts.total, self.restarts.rollbacks, self.held
         r.goodput, r.wandb = self.ledger.to_dict(), self.tracker.to_dict()
         r.save(self._record_path, self.name)
 
@@ -181,12 +165,10 @@ class Job:
         if self.next_spec is not None:  # a reload interrupted by a stop: the new spec wins
             self._adopt(self.next_spec)
         self.error, self.stop_reason, self.current.kill_at, self.error_detail = None, None, None, []
-        memory_env = self.memory.worker_env(self.spec)
-        if memory_env is None:
+        if self.memory.worker_env(self.spec) is None:
             self.error = f"checkpoint.memory: {self.memory.refused}"
             self._set(State.FAILED, "the memory tier does not fit in its budget")
             return
-        self._memory_env = memory_env
         self.ledger.enter(goodput.WORKER)  # fetching from GCS is part of starting up
         urls = inputs.remote_urls(self.spec)
         if self.tiers.tier is None and not urls:
@@ -194,11 +176,8 @@ class Job:
             return
         self._preparing = True
         self._set(State.STARTING, "fetching the newest checkpoint, the dataset and the model from GCS")
-        threading.Thread(target=self._prepare, args=(urls,), name=f"prepare-{self.name}", daemon=True).start()
-
-    def _prepare(self, urls: list[str]) -> None:
-        error = inputs.fetch(self.tiers, urls, self.spec, self.paths.layout)
-        self.loop.post(lambda: self._prepared(error))
+        inputs.fetch_in_background(self.tiers, urls, self.spec, self.paths.layout,
+                                   lambda error: self.loop.post(lambda: self._prepared(error)))
 
     def _prepared(self, error: tuple[str, str] | None) -> None:
         self._preparing = False
@@ -211,21 +190,11 @@ class Job:
         else:
             self._spawn()
 
-    @property
-    def _uploads(self) -> bool:
-        """One host uploads a multi-host job's steps: every host's part holds the whole state."""
-        return self.gang.place is None or self.gang.place.host == 0
-
     def _spawn(self) -> None:
-        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name)), **self.gang.worker_env(), **self._memory_env}
-        if self.spec.logging.wandb is not None:
-            env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
         self.report.new_worker()
         self.gang.new_worker()
-        self.watch.new_worker(self.spec.health)
-        pid = self.current.start(self.spec, env)
-        if self.record.first_started is None:
-            self.record.first_started = time.time()
+        pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env()})
+        self.record.first_started = self.record.first_started or time.time()
         self._set(State.STARTING, f"pid {pid}")
 
     def stop(self, reason: str, deadline_s: float | None = None) -> None:
@@ -238,13 +207,10 @@ class Job:
         if self._preparing:
             return  # _prepared() sees the stop
         if self.state in (State.STARTING, *TRAINING):
-            if deadline_s is None:
-                self.current.request(Request(Action.CHECKPOINT_AND_EXIT), fallback=signal.SIGTERM)
-                self.current.kill_at = self.clock() + self.stop_timeout
-            else:
-                self.current.request(Request(Action.CHECKPOINT_AND_EXIT, self.checkpoints.step_budget(deadline_s)),
-                                     fallback=signal.SIGTERM)
-                self.current.kill_at = self.clock() + deadline_s + self.spec.health.kill_grace_seconds
+            budget = None if deadline_s is None else self.checkpoints.step_budget(deadline_s)
+            self.current.request(Request(Action.CHECKPOINT_AND_EXIT, budget), fallback=signal.SIGTERM)
+            grace = self.stop_timeout if deadline_s is None else deadline_s + self.spec.health.kill_grace_seconds
+            self.current.kill_at = self.clock() + grace
             self._set(State.STOPPING, reason)
         elif self.state in WAITING:
             self._set(State.PREEMPTED if reason == "preempted" else State.STOPPED, reason)
@@ -272,22 +238,16 @@ class Job:
                 self.start()
 
     def _adopt(self, spec: JobSpec) -> None:
-        old_remote = self.spec.checkpoint.remote
         self.spec, self.next_spec = spec, None
         self.standbys.discard()  # they warmed up for the old spec (another backend, perhaps)
         self.tracker.cfg = spec.logging.wandb
         self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=())  # a tier it gained
-        if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
-            # The old uploader finishes its upload in flight in the background, then stops.
-            threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
-            self.tiers = CheckpointTiers(spec, self.paths, self.checkpoints.upload_result, uploads=self._uploads)
+        self.tiers = self.tiers.adopt(spec)
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
         if self.state not in TRAINING:
-            refused: Future = Future()
-            refused.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
-            return refused
+            return self.checkpoints.refused(f"job {self.name} is {self.state.value}, not running")
         future = self.checkpoints.wait_for_next(after_step=self.watch.step)
         self.current.request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
         self._set(State.CHECKPOINTING, "requested")
@@ -344,8 +304,10 @@ class Job:
             detail = "" if status == exit_codes.STOPPED else f" (exit {status}, no final checkpoint)"
             state = State.PREEMPTED if self.stop_reason == "preempted" else State.STOPPED
             self._set(state, self.stop_reason + detail)
-        elif status == exit_codes.GANG_RESTART:
-            self._peer_failed()
+        elif status == exit_codes.GANG_RESTART:  # another host's worker failed: meet the gang's next generation
+            self.restarts.peer()  # the failing host spends its own restart budget; this one spends none
+            self.gang.peer_restarts += 1
+            self.start()
         elif self.current.hang is not None:
             self._crashed(self.current.hang, "hang")
         elif status == exit_codes.STOPPED:
@@ -363,36 +325,20 @@ class Job:
     def _nonfinite_exit(self) -> None:
         """Exit 76: roll back to the newest checkpoint (the worker recorded the batches to skip), or fail."""
         what, rollback = self.report.nonfinite_exit()
-        max_rollbacks = self.spec.health.max_rollbacks
         if rollback and self.restarts.rollback(self.spec):
-            self._restarted("nonfinite")
-            self.error = what
-            self.backoff_until = self.clock()
-            self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {max_rollbacks}")
+            self.error, self.backoff_until = what, self.clock()
+            self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {self.spec.health.max_rollbacks}")
             return
         spent = f"; {self.restarts.rollbacks} rollbacks spent" if rollback else ""
         self.error = what + spent
         self._set(State.FAILED, f"exit 76: {what}{spent}")
 
-    def _peer_failed(self) -> None:
-        """Another host's worker failed (exit 77): start again at once to meet the gang's next
-        generation. The failing host spends its own restart budget; this one spends none."""
-        self.restarts.peer()
-        self.gang.peer_restarts += 1
-        self._restarted("peer")
-        self.start()
-
-    def _restarted(self, reason: str) -> None:
-        self.restart_reasons[reason] = self.restart_reasons.get(reason, 0) + 1
-        self.metrics.restart(self.name, reason)
-
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error
-        delay = self.restarts.crashed(self.spec, self.clock())
+        delay = self.restarts.crashed(self.spec, self.clock(), reason)
         if delay is None:
             self._set(State.FAILED, f"{self.restarts.budget_spent_reason(self.spec)}; last: {reason}: {error}")
             return
-        self._restarted(reason)
         self.backoff_until = self.clock() + delay
         self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")
 
@@ -408,9 +354,8 @@ class Job:
 
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
-        timers = [*self.current.timers(), self.standbys.due]
-        if self.state is State.BACKOFF:
-            timers.append(self.backoff_until)
+        backoff = self.backoff_until if self.state is State.BACKOFF else None
+        timers = [*self.current.timers(), self.standbys.due, backoff]
         return min((t for t in timers if t is not None), default=None)
 
     # --- reading ---
@@ -426,18 +371,11 @@ class Job:
         return self.state in ACTIVE
 
     def snapshot(self) -> dict:
-        progress, evaluated, first = self.report.progress, self.report.evaluated, self.record.first_started
+        first = self.record.first_started
         return {
             "name": self.name, "state": self.state.value, "file": str(self.file),
-            "pid": None if self.worker is None else self.worker.pid,
-            "step": self.report.restored_step if progress is None else progress.step, "max_steps": self.spec.train.max_steps,
-            "loss": None if progress is None else progress.loss,
-            "tokens_per_second": None if progress is None else progress.tokens_per_s,
-            "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
-            "restart_reasons": dict(self.restart_reasons),
-            "step_time_s": None if progress is None else progress.step_time_s,
-            "eval_loss": None if evaluated is None else evaluated.loss,
-            "eval_step": None if evaluated is None else evaluated.step,
+            "pid": None if self.worker is None else self.worker.pid, **self.report.snapshot(self.spec.train.max_steps),
+            "restarts": self.restarts.total, "restart_reasons": dict(self.restarts.reasons),
             "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
             "age_seconds": None if first is None else round(time.time() - first, 1),
             "goodput": self.ledger.snapshot(), "gang": self.gang.snapshot(),

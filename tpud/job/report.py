@@ -40,6 +40,18 @@ class WorkerReport:
     def on_nonfinite(self, event: events.NonFinite) -> None:
         self.nonfinite = event
 
+    def snapshot(self, max_steps: int) -> dict:
+        progress, evaluated = self.progress, self.evaluated
+        return {
+            "step": self.restored_step if progress is None else progress.step, "max_steps": max_steps,
+            "loss": None if progress is None else progress.loss,
+            "tokens_per_second": None if progress is None else progress.tokens_per_s,
+            "mfu": None if progress is None else progress.mfu,
+            "step_time_s": None if progress is None else progress.step_time_s,
+            "eval_loss": None if evaluated is None else evaluated.loss,
+            "eval_step": None if evaluated is None else evaluated.step,
+        }
+
     def nonfinite_exit(self) -> tuple[str, bool]:
         """Exit 76: what went wrong, and whether the worker asked for a rollback."""
         event = self.nonfinite
