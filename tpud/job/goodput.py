@@ -54,10 +54,10 @@ class Ledger:
     @classmethod
     def for_job(cls, saved: dict | None, job: str, metrics, clock: Callable[[], float]) -> Ledger:
         """A job's ledger, its badput and goodput in `metrics`, whose counters go on from the saved totals."""
-        ledger = cls(saved, clock=clock, on_badput=lambda kind, seconds: metrics.badput(job, kind, seconds),
-                     on_ratio=lambda ratio: metrics.goodput(job, ratio))
-        for kind, seconds in ledger.badput.items():
+        ledger = cls(saved, clock=clock, on_ratio=lambda ratio: metrics.goodput(job, ratio))
+        for kind, seconds in ledger.badput.items():  # the down time it just booked is in these once
             metrics.badput(job, kind, seconds)
+        ledger.on_badput = lambda kind, seconds: metrics.badput(job, kind, seconds)
         return ledger
 
     # --- what the supervisor tells us ---
