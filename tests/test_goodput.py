@@ -1,5 +1,7 @@
 """The goodput ledger: every second of a job's life in exactly one bucket."""
 
+import time
+
 import pytest
 
 from engine.events import Badput
@@ -97,3 +99,23 @@ def test_badput_is_reported_as_it_accrues(clock):
     clock.advance(4)
     book.enter(WORKER)
     assert seen == [("backoff", 4)]
+
+
+def test_a_jobs_badput_counters_go_on_from_its_saved_totals_counting_the_down_time_once(clock):
+    counted = {}
+
+    class Metrics:
+        def badput(self, job, kind, seconds):
+            counted[kind] = counted.get(kind, 0.0) + seconds
+
+        def goodput(self, job, ratio):
+            pass
+
+    saved = {"productive": 10.0, "badput": {"down": 5.0, "lost": 2.0}, "phase": WORKER, "saved_unix": time.time() - 100}
+    book = Ledger.for_job(saved, "j", Metrics(), clock)  # tpud was down for 100 s while the job meant to run
+    assert book.badput["down"] == pytest.approx(105, abs=1) and counted["down"] == book.badput["down"]
+    assert counted["lost"] == 2
+    book.enter(BACKOFF)
+    clock.advance(3)
+    book.enter(IDLE)
+    assert counted["backoff"] == 3 and set(counted) == set(book.badput)

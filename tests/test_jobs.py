@@ -82,9 +82,9 @@ def step(n, step_time=0.5, **badput):
 def make_job(tmp_path):
     now = [1000.0]
 
-    def make(restart=None, health=None, workers=None, metrics=None):
+    def make(restart=None, health=None, workers=None, metrics=None, checkpoint=None):
         spec = JobSpec.model_validate({
-            "name": "j", "health": health or {},
+            "name": "j", "health": health or {}, "checkpoint": checkpoint or {},
             "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
                         "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
         workers = workers or Workers()
@@ -144,7 +144,7 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     make, now = make_job
     job = make()
     job.start()
-    job.output.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
+    job.current.output.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
     job.worker_exited(78)
     assert job.state is State.FAILED and len(job.workers.cold) == 1 and "attention.kernel" in job.error
 
@@ -183,7 +183,7 @@ def test_a_crash_is_classified_for_metrics_and_status(make_job):
     make, now = make_job
     job = make()
     job.start()
-    job.output.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
+    job.current.output.tail.extend(["Traceback (most recent call last):", '  File "train.py", line 9, in step',
                      "    boom()", "RuntimeError: injected crash after step 4"])
     job.worker_exited(1)
     assert job.metrics.restarts == ["exception"] and job.state is State.BACKOFF
@@ -222,11 +222,11 @@ def test_a_silent_worker_is_hung_after_the_bound_then_terminated_and_killed(make
     assert job.next_timer() == now[0] + 100.0  # the daemon's loop wakes then, not at its next tick
     now[0] += 99
     job.tick()
-    assert job.hang is None and worker.signals == []
+    assert job.current.hang is None and worker.signals == []
     now[0] += 2
     job.tick()
-    assert "no heartbeat for 101s" in job.hang and worker.signals == [signal.SIGTERM]
-    assert job.next_timer() == job.kill_at == now[0] + job.spec.health.kill_grace_seconds
+    assert "no heartbeat for 101s" in job.current.hang and worker.signals == [signal.SIGTERM]
+    assert job.next_timer() == job.current.kill_at == now[0] + job.spec.health.kill_grace_seconds
     now[0] += job.spec.health.kill_grace_seconds
     job.tick()
     assert worker.signals == [signal.SIGTERM, signal.SIGKILL]
@@ -241,8 +241,8 @@ def test_a_stopped_worker_is_killed_at_once_since_it_cannot_act_on_sigterm(make_
     job.worker.is_stopped = True  # SIGSTOP: SIGTERM would stay pending until a SIGCONT
     now[0] += 101
     job.tick()
-    assert "no heartbeat for 101s" in job.hang and job.worker.signals == [signal.SIGKILL]
-    assert job.kill_at is None
+    assert "no heartbeat for 101s" in job.current.hang and job.worker.signals == [signal.SIGKILL]
+    assert job.current.kill_at is None
 
 
 def test_startup_and_checkpoints_get_longer_allowances(make_job):
@@ -268,7 +268,7 @@ def test_startup_and_checkpoints_get_longer_allowances(make_job):
 def connect(job) -> channel.Connection:
     """A real channel between the job and a stand-in worker: the worker's end."""
     ours, theirs = socket.socketpair()
-    job.link.connection = channel.Connection(ours)
+    job.current.link.connection = channel.Connection(ours)
     return channel.Connection(theirs)
 
 
@@ -281,7 +281,7 @@ def test_a_preemption_checkpoints_within_the_deadline_and_ends_preempted(make_jo
     job.preempt(30.0)
     assert job.state is State.STOPPING
     assert worker_end.receive() == [events.CheckpointRequest(events.Action.CHECKPOINT_AND_EXIT, 30.0 - 6.0 - 1.0)]
-    assert job.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
+    assert job.current.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
     job.worker_exited(75)
     assert job.state is State.PREEMPTED and len(job.workers.cold) == 1
     job.notice_cleared()  # the maintenance is over: run again
@@ -460,6 +460,23 @@ def test_a_spare_that_dies_is_replaced_at_once_then_after_a_backoff_if_they_keep
     assert len(workers.made) == 4 and pool.spares == []  # discarded: none until keep() is asked again
 
 
+def test_every_event_a_worker_sends_goes_to_its_owners_and_every_owners_handler_is_routed(make_job):
+    from tpud.job import routing
+
+    make, _ = make_job
+    job = make(checkpoint={"remote": "gs://bucket/ckpt"})  # every part present: the GCS tier too
+    assert set(routing.ROUTES) == set(events.WORKER_EVENTS)
+    parts = {"job": job, **vars(job)}
+    for kind, owners in routing.ROUTES.items():
+        assert owners, f"{kind.__name__} has no owner"
+        for owner in owners:
+            assert callable(getattr(parts[owner], routing.handler_name(kind), None)), (kind.__name__, owner)
+    for owner, part in parts.items():  # a handler the table leaves out would never be called
+        for kind in events.WORKER_EVENTS:
+            if callable(getattr(type(part), routing.handler_name(kind), None)):
+                assert owner in routing.ROUTES[kind], (kind.__name__, owner)
+
+
 def test_an_event_a_worker_never_sends_is_ignored(make_job):
     make, _ = make_job
     job = make()
@@ -543,3 +560,18 @@ def test_a_checkpoint_committed_before_the_daemon_started_is_in_status_and_metri
     assert sample("tpud_checkpoint_last_committed_step") == 80
     assert sample("tpud_checkpoint_last_committed_timestamp_seconds") == 1_700_000_600.0
     assert job.snapshot()["last_checkpoint"]["step"] == 80 and job.snapshot()["checkpoints"]["local"]["step"] == 80
+
+
+def test_a_failed_upload_is_a_failing_gcs_tier_in_status_until_the_next_upload(make_job):
+    from tpud.checkpoints.gcs import Transfer
+
+    make, _ = make_job
+    job = make(checkpoint={"remote": "gs://bucket/ckpt"})
+    report = job.tiers.uploader.on_result  # what the uploader's thread calls after each attempt
+    report((20, 0), None)
+    report((20, 0), None)
+    assert job.snapshot()["checkpoint_failures"]["gcs"]["count"] == 2
+    assert job.snapshot()["warnings"] == [
+        "gcs checkpoint failed 2 times in a row, last at step 20 0s ago: upload failed; it is retried"]
+    report((20, 0), Transfer("step_000000020", 1, 5, 0, 0.5))
+    assert job.snapshot()["warnings"] == [] and job.snapshot()["checkpoints"]["gcs"]["step"] == 20

@@ -263,18 +263,24 @@ class JobTracker:
     """
 
     def __init__(self, cfg: WandbConfig | None, *, job: str, directory: Path, saved: dict,
-                 newest_run_id: Callable[[], str | None]):
-        """saved: the job record's {run_id, step}; newest_run_id(): the run id in the newest local checkpoint."""
-        self.cfg, self.job, self.directory = cfg, job, directory
+                 newest_run_id: Callable[[], str | None], config: Callable[[], dict] = dict):
+        """saved: the job record's {run_id, step}; newest_run_id(): the run id in the newest local checkpoint;
+        config(): the job's spec as plain data, for a run that starts."""
+        self.cfg, self.job, self.directory, self.config = cfg, job, directory, config
         self._run_id: str | None = saved.get("run_id")
         self.step: int = saved.get("step", 0)
         self._newest_run_id = newest_run_id
         self.run: WandbRun | None = None
+        self.rank = 0  # the worker's: one wandb logger per job, the host of rank 0
 
     def run_id(self) -> str:
         if self._run_id is None:
             self._run_id = self._newest_run_id() or new_run_id()
         return self._run_id
+
+    def worker_env(self) -> dict[str, str]:
+        """The run id for the worker's checkpoint manifests, when the job logs to wandb."""
+        return {} if self.cfg is None else {"TPUD_WANDB_RUN_ID": self.run_id()}
 
     def log(self, event: events.Step, config: Callable[[], dict]) -> None:
         """A step event; config() is the job's spec as plain data, for a run that starts now."""
@@ -291,6 +297,19 @@ class JobTracker:
         if self.run is not None:
             self.run.log({"eval_loss": event.loss, "eval_perplexity": event.perplexity}, step=event.step)
             self.step = self.run.last_step
+
+    # --- the worker's events (tpud/job/routing.py) ---
+
+    def on_hello(self, event: events.Hello) -> None:
+        self.rank = event.rank
+
+    def on_step(self, event: events.Step) -> None:
+        if self.rank == 0:
+            self.log(event, self.config)
+
+    def on_eval(self, event: events.Eval) -> None:
+        if self.rank == 0:
+            self.log_eval(event)
 
     def finish_in_background(self) -> None:
         """The job ended: finish the run without waiting (a restart resumes it)."""

@@ -5,26 +5,61 @@ It lives in the daemon rather than in the worker so that an upload outlives a wo
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from engine import events
+from engine.checkpoint import manifest as mf
 from engine.spec.schema import JobSpec
-from tpud.checkpoints.gcs import GcsTier
-from tpud.checkpoints.uploader import Uploader, ensure_newest_local
+from tpud.checkpoints.gcs import GcsTier, Transfer
+from tpud.checkpoints.uploader import Key, Uploader, ensure_newest_local
 from tpud.paths import Paths
 
 
 class CheckpointTiers:
     """The GCS tier of one job, when it has one: its uploader, and the download before a start."""
 
-    def __init__(self, spec: JobSpec, paths: Paths, on_upload=None, *, uploads: bool = True):
-        """on_upload(key, transfer or None) after each upload attempt, from the uploader's thread.
+    def __init__(self, spec: JobSpec, paths: Paths, on_upload: Callable[[Key, Transfer | None, str | None], None],
+                 *, uploads: bool = True):
+        """on_upload(key, transfer, error) after each upload attempt, from the uploader's thread:
+        transfer None and the uploader's error when the attempt failed.
 
         `uploads` False: a host of a multi-host job other than host 0. Every host's part restores
         the whole replicated state, so one host uploads it; every host downloads.
         """
+        self.paths, self.on_upload, self.uploads = paths, on_upload, uploads
         self.local_job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
-        self.keep = spec.checkpoint.keep
+        self.remote, self.keep = spec.checkpoint.remote, spec.checkpoint.keep
         self.tier = GcsTier.for_spec(spec)
-        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, on_result=on_upload)
+        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep,
+                                  on_result=lambda key, transfer: on_upload(key, transfer, self._error(transfer)))
                          if self.tier and uploads else None)
+
+    def adopt(self, spec: JobSpec) -> CheckpointTiers:
+        """The tiers of the job's new spec: these, or new ones when the GCS tier changed."""
+        if spec.checkpoint.remote == self.remote and spec.checkpoint.keep == self.keep:
+            return self
+        # The old uploader finishes its upload in flight in the background, then stops.
+        threading.Thread(target=self.close, name=f"close-uploads-{spec.name}", daemon=True).start()
+        return CheckpointTiers(spec, self.paths, self.on_upload, uploads=self.uploads)
+
+    @staticmethod
+    def names(spec: JobSpec) -> list[str]:
+        """The tiers a job's checkpoints go to."""
+        return ["local"] + ["memory"] * (spec.checkpoint.memory is not None) + ["gcs"] * bool(spec.checkpoint.remote)
+
+    def _error(self, transfer) -> str | None:
+        return None if transfer is not None else self.uploader.stats.last_error or "upload failed"
+
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
+        if event.tier != "memory" and self.uploader is not None:  # the memory tier stays on this host
+            self.uploader.submit(Path(event.path))
+
+    def newest_run_id(self) -> str | None:
+        """The wandb run id in the newest local checkpoint."""
+        newest = mf.committed_steps(self.local_job_dir)
+        return newest[-1][2].wandb_run_id if newest else None
 
     def prepare(self) -> None:
         """Before a worker starts: bring the newest committed step here if only GCS has it."""

@@ -241,7 +241,7 @@ class Uploader:
 
     def _failed(self, key: Key, step_dir: Path, error: Exception) -> bool:
         retry = self._record_failure(step_dir, error)
-        self._report(key, None)  # after the record: the callback may read stats().last_error
+        self._report(key, None)  # after the record: the callback may read stats.last_error
         return retry
 
     def _record_failure(self, step_dir: Path, error: Exception) -> bool:

@@ -1,16 +1,19 @@
 """What a job knows of its checkpoints: the newest committed one on any tier, the callers of
-`tpud checkpoint-now` waiting for the next local commit, the tiers' failure streaks, and how
-long a local save takes (which sets how much of a preemption deadline the step may use)."""
+`tpud checkpoint-now` waiting for the next local commit, the tiers' failure streaks, how
+long a local save takes (which sets how much of a preemption deadline the step may use),
+and the checkpoint metrics."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import events
 from engine.checkpoint import manifest as mf
+from engine.spec.schema import CheckpointConfig
 from tpud.job.save_failures import SaveFailures
 
 
@@ -33,8 +36,10 @@ class Waiter:
 
 
 class JobCheckpoints:
-    def __init__(self, job: str):
-        self.job = job
+    def __init__(self, job: str, metrics, config: Callable[[], CheckpointConfig],
+                 post: Callable[[Callable[[], None]], None]):
+        """config(): the job's checkpoint section as it is now; post(fn): run fn on the daemon's loop."""
+        self.job, self.metrics, self.config, self.post = job, metrics, config, post
         self.last: Checkpoint | None = None  # the newest on disk or GCS
         self.memory: Checkpoint | None = None  # the newest in the memory tier
         self.tiers: dict[str, Checkpoint] = {}  # the newest on each tier (local, memory, gcs)
@@ -54,6 +59,7 @@ class JobCheckpoints:
         step, path, manifest = committed[-1]
         self.last = self.tiers["local"] = Checkpoint(step, manifest.micro_step, "local", str(path),
                                                      manifest.created_unix)
+        self.metrics.checkpoint_found(self.job, tier="local", step=step, at=manifest.created_unix)
         return self.last
 
     def wait_for_next(self, after_step: int) -> Future:
@@ -62,10 +68,39 @@ class JobCheckpoints:
         self.waiters.append(waiter)
         return waiter.future
 
+    @staticmethod
+    def refused(error: str) -> Future:
+        """The answer to a request no checkpoint can answer."""
+        future: Future = Future()
+        future.set_exception(RuntimeError(error))
+        return future
+
     def fail_waiters(self, error: str) -> None:
         for waiter in self.waiters:
             waiter.future.set_exception(RuntimeError(error))
         self.waiters.clear()
+
+    # --- the worker's events (tpud/job/routing.py) ---
+
+    def on_step(self, event: events.Step) -> None:
+        ckpt = self.config()  # a save comes at whichever interval ends first
+        if intervals := [s for s in (ckpt.interval_seconds, ckpt.interval_steps * event.step_time_s) if s]:
+            self.metrics.checkpoint_interval(self.job, min(intervals))
+
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
+        self.metrics.checkpoint(self.job, tier=event.tier, reason=event.reason, seconds=event.seconds,
+                                bytes=event.bytes, step=event.step)
+        if event.tier == "memory":
+            self.in_memory(event)
+        else:
+            self.committed(event)
+
+    def on_checkpoint_failed(self, event: events.CheckpointFailed) -> None:
+        self.metrics.checkpoint_failure(self.job, event.tier)
+        memory = event.tier == "memory"
+        self.failures.failed("memory" if memory else "local", event.error, event.step)
+        if not memory:  # only a local commit answers checkpoint-now
+            self.fail_waiters(event.error)
 
     def committed(self, event: events.CheckpointCommitted) -> None:
         """A local commit: the newest checkpoint, and the answer to the waiters it satisfies."""
@@ -91,9 +126,15 @@ class JobCheckpoints:
         self.memory = None
         self.tiers.pop("memory", None)
 
-    def failed(self, event: events.CheckpointFailed) -> None:
-        self.failures.failed("local", event.error, event.step)
-        self.fail_waiters(event.error)
+    def upload_result(self, key: tuple[int, int], transfer, error: str | None) -> None:
+        """From the uploader's thread, after each attempt (tpud/checkpoints/tiers.py)."""
+        if transfer is None:
+            self.metrics.checkpoint_failure(self.job, "gcs")
+            self.post(lambda: self.failures.failed("gcs", error, key[0]))
+            return
+        self.metrics.checkpoint(self.job, tier="gcs", reason="upload", seconds=transfer.seconds,
+                                bytes=transfer.bytes, step=key[0])
+        self.post(lambda: self.uploaded(*key))
 
     def uploaded(self, step: int, micro_step: int) -> None:
         self.failures.committed("gcs")

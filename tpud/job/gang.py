@@ -7,13 +7,17 @@ from its own crashes, which spend its restart budget.
 
 from __future__ import annotations
 
+import structlog
+
 from engine import events
 from tpud.gang.discovery import GangPlace
 
+log = structlog.get_logger()
+
 
 class GangView:
-    def __init__(self, place: GangPlace | None):
-        self.place = place
+    def __init__(self, place: GangPlace | None, job: str, metrics):
+        self.place, self.job, self.metrics = place, job, metrics
         self.latest: events.Gang | None = None  # the current worker's latest report
         self.peer_restarts = 0
 
@@ -23,13 +27,20 @@ class GangView:
         return {**self.place.worker_env(), "RANK": str(self.place.host), "WORLD_SIZE": str(self.place.hosts),
                 "LOCAL_RANK": "0"}
 
+    @property
+    def uploads(self) -> bool:
+        """One host uploads a multi-host job's steps: every host's part holds the whole state."""
+        return self.place is None or self.place.host == 0
+
     def new_worker(self) -> None:
         self.latest = None
 
-    def heard(self, event: events.Gang) -> bool:
-        """The worker's report; whether the state status shows changed."""
+    def on_gang(self, event: events.Gang) -> None:
+        self.metrics.gang(self.job, event.host, event.present, event.generation)
         before, self.latest = self.state, event
-        return self.state != before
+        if self.state != before:
+            log.info("gang", job=self.job, state=self.state, host=event.host, hosts=event.hosts,
+                     generation=event.generation)
 
     @property
     def state(self) -> str | None:

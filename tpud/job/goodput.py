@@ -34,9 +34,12 @@ _PHASE_KIND = {BACKOFF: "backoff", DOWN: "down"}
 
 class Ledger:
     def __init__(self, saved: dict | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, on_badput: Callable[[str, float], None] | None = None):
+                 wall: Callable[[], float] = time.time, on_badput: Callable[[str, float], None] | None = None,
+                 on_ratio: Callable[[float], None] | None = None):
+        """on_badput(kind, seconds) for each addition to a badput kind; on_ratio(ratio) after each step event."""
         saved = saved or {}
         self.clock, self.wall, self.on_badput = clock, wall, on_badput or (lambda kind, seconds: None)
+        self.on_ratio = on_ratio or (lambda ratio: None)
         self.productive: float = saved.get("productive", 0.0)
         self.badput: dict[str, float] = {k: saved.get("badput", {}).get(k, 0.0) for k in KINDS}
         self.phase = IDLE
@@ -47,6 +50,15 @@ class Ledger:
         # A job that was meant to run when tpud last saw it waited for its host meanwhile.
         if saved.get("phase", IDLE) != IDLE and saved.get("saved_unix"):
             self._add("down", max(0.0, self.wall() - saved["saved_unix"]))
+
+    @classmethod
+    def for_job(cls, saved: dict | None, job: str, metrics, clock: Callable[[], float]) -> Ledger:
+        """A job's ledger, its badput and goodput in `metrics`, whose counters go on from the saved totals."""
+        ledger = cls(saved, clock=clock, on_ratio=lambda ratio: metrics.goodput(job, ratio))
+        for kind, seconds in ledger.badput.items():  # the down time it just booked is in these once
+            metrics.badput(job, kind, seconds)
+        ledger.on_badput = lambda kind, seconds: metrics.badput(job, kind, seconds)
+        return ledger
 
     # --- what the supervisor tells us ---
 
@@ -91,6 +103,14 @@ class Ledger:
         self._steps_reached = max(self._steps_reached, step)
         if step > w["start_step"]:
             self._per_step = w["productive"] / (step - w["start_step"])
+
+    def on_started(self, event: events.Started) -> None:
+        self.worker_started(event.step, event.badput)
+
+    def on_step(self, event: events.Step) -> None:
+        self.worker_report(event.step, event.badput)
+        if self.ratio is not None:
+            self.on_ratio(self.ratio)
 
     def worker_exited(self, lost_work: bool) -> None:
         """The worker is gone: its unreported time was lost work, or its final checkpoint."""

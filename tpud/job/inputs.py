@@ -5,6 +5,9 @@ tier, when this host's disk lacks it), and the job's gs:// datasets and init_fro
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 from engine.layout import StateLayout
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
@@ -16,6 +19,13 @@ def remote_urls(spec: JobSpec) -> list[str]:
     if (spec.model.init_from or "").startswith("gs://"):
         urls.append(spec.model.init_from)
     return urls
+
+
+def fetch_in_background(tiers: CheckpointTiers, urls: list[str], spec: JobSpec, layout: StateLayout,
+                        done: Callable[[tuple[str, str] | None], None]) -> None:
+    """fetch() on a thread of its own, then done(its result) on that thread."""
+    threading.Thread(target=lambda: done(fetch(tiers, urls, spec, layout)), name=f"prepare-{spec.name}",
+                     daemon=True).start()
 
 
 def fetch(tiers: CheckpointTiers, urls: list[str], spec: JobSpec, layout: StateLayout) -> tuple[str, str] | None:

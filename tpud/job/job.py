@@ -6,15 +6,16 @@ status and timer ticks, and the job decides. The worker's exit code says what ha
 (engine/exit_codes.py, docs/architecture.md). What the job owns but does not decide lives beside it:
 the restart budget and backoff, the hang bound and crash reasons (health/), the warm spares
 (standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
-what a worker needs from GCS before it starts (inputs.py), its output (output.py), the gang
-(gang.py), wandb (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py).
+what a worker needs from GCS before it starts (inputs.py), the current worker's process
+(current.py), what it reported (report.py), the gang (gang.py), its checkpoints (checkpoints.py), wandb
+(tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py). Each worker event goes to
+the parts that own it (routing.py); the job hears only those that can change its state.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -24,25 +25,24 @@ from typing import Protocol
 import structlog
 
 from engine import events, exit_codes
-from engine.checkpoint import manifest as mf
 from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.tiers import CheckpointTiers
-from tpud.job import goodput, inputs, states
+from tpud.job import goodput, inputs, routing, states
 from tpud.gang.discovery import GangPlace
 from tpud.job.checkpoints import JobCheckpoints
+from tpud.job.current import CurrentWorker
 from tpud.job.gang import GangView
 from tpud.job.health import crashes
 from tpud.job.health.hang import HangWatch
-from tpud.job.output import WorkerOutput
 from tpud.job.record import JobRecord
+from tpud.job.report import WorkerReport
 from tpud.job.health.restarts import Restarts
 from tpud.job.memory import JobMemory, MemoryBudget
 from tpud.job.standby import StandbyPool
 from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
 from tpud.tracking import JobTracker
-from tpud.worker import channel
 from tpud.worker.process import WorkerProcess
 
 log = structlog.get_logger()
@@ -86,79 +86,48 @@ class Job:
                  spawn: Spawn = WorkerProcess, gang: GangPlace | None = None,
                  memory_budget: MemoryBudget | None = None):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
-        self.clock, self.stop_timeout, self.log_format = clock, stop_timeout, log_format
-        self.name = spec.name
+        self.clock, self.stop_timeout, self.name = clock, stop_timeout, spec.name
         self.state = State.PENDING
         self.digest: str | None = None  # of the job file this spec came from
         self.error: str | None = None
         self.error_detail: list[str] = []
-        self.progress: events.Step | None = None  # the latest step event, for status
-        self.evaluated: events.Eval | None = None  # the latest validation loss, for status
-        self.restored_step: int | None = None  # status's step before the first step event
-        self.checkpoints = JobCheckpoints(self.name)
+        self.report = WorkerReport(self.name, metrics, clock)
+        self.checkpoints = JobCheckpoints(self.name, metrics, lambda: self.spec.checkpoint, loop.post)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
         self.backoff_until = 0.0
-        self.kill_at: float | None = None
-        # The current worker and what it told us.
-        self._spawn_worker = spawn
-        self.worker: WorkerProcess | None = None
         self.last_status: int | None = None  # the last worker's exit status (`tpud run` exits with it)
-        self.link: channel.Link | None = None
-        self.rank = 0
-        self.hang: str | None = None  # why the current worker was judged hung
-        self.watch = HangWatch(spec.health, clock())
-        self.nonfinite: events.NonFinite | None = None
-        self.output = WorkerOutput(loop.relay)
-        self._oom_kills: int | None = None
+        self.watch = HangWatch(spec.health, clock)
         self._preparing = False  # a thread is fetching the newest checkpoint from GCS
-        self.gang = GangView(gang)  # several hosts: this host's place, and the gang as its worker sees it
-        # What it owns.
-        self.tiers = CheckpointTiers(spec, paths, self._uploaded, uploads=self._uploads)
-        self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25))
-        self._memory_env: dict[str, str] = {}
+        self.gang = GangView(gang, self.name, metrics)  # several hosts: this host's place, and its worker's gang
+        self.tiers = CheckpointTiers(spec, paths, self.checkpoints.upload_result, uploads=self.gang.uploads)
         self._record_path = paths.layout.record_file(self.name)
-        if not self._record_path.exists():  # a blank state directory ("delete it to start over")
-            self.memory.discard()  # states a former life of this home left in shared memory
+        self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25),
+                                blank=not self._record_path.exists())
         self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
                                     self.name, loop, clock)
+        self.current = CurrentWorker(self.name, paths.channel(self.name), loop, self.standbys, self.watch,
+                                     on_event=self.handle, on_exit=self.worker_exited)
         self.record = JobRecord.load(self._record_path)
-        self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks)
-        self.ledger = goodput.Ledger(self.record.goodput, clock=clock,
-                                     on_badput=lambda kind, seconds: self.metrics.badput(self.name, kind, seconds))
-        for kind, seconds in self.ledger.badput.items():
-            self.metrics.badput(self.name, kind, seconds)
-        self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=RESTART_REASONS)
-        if (found := self.checkpoints.found_local(self.tiers.local_job_dir)) is not None:
-            self.metrics.checkpoint_found(self.name, tier="local", step=found.step, at=found.at)
+        self.held = self.record.held  # an operator's `tpud stop` holds the job until `tpud start`
+        self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks,
+                                 on_restart=lambda reason: self.metrics.restart(self.name, reason))
+        self.ledger = goodput.Ledger.for_job(self.record.goodput, self.name, metrics, clock)
+        self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=RESTART_REASONS)
+        self.checkpoints.found_local(self.tiers.local_job_dir)
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
-                                  saved=self.record.wandb, newest_run_id=self._newest_run_id)
+                                  saved=self.record.wandb, newest_run_id=lambda: self.tiers.newest_run_id(),
+                                  config=lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
         self._saved_at = self.clock()
-        self.restart_reasons: dict[str, int] = {}  # this daemon's restarts of the job, by reason
-        self._handlers: dict[type[events.Event], Callable] = {
-            events.Hello: self._hello, events.Heartbeat: self._heartbeat, events.Started: self._started,
-            events.Step: self._step, events.CheckpointStarted: self._checkpoint_started,
-            events.CheckpointCommitted: self._committed, events.CheckpointFailed: self._checkpoint_failed,
-            events.CheckpointRestored: self._restored, events.NonFinite: self._nonfinite, events.Eval: self._eval,
-            events.Gang: self._gang,
-        }
         self.metrics.job_state(self.name, self.state.value)
 
     # --- the record ---
-
-    @property
-    def held(self) -> bool:
-        return self.record.held
-
-    @held.setter
-    def held(self, held: bool) -> None:
-        self.record.held = held
 
     def save(self) -> None:
         """Write job.json now (it is also written at every state change)."""
         self._saved_at = self.clock()
         r = self.record
-        r.restarts_total, r.rollbacks = self.restarts.total, self.restarts.rollbacks
+        r.restarts_total, r.rollbacks, r.held = self.restarts.total, self.restarts.rollbacks, self.held
         r.goodput, r.wandb = self.ledger.to_dict(), self.tracker.to_dict()
         r.save(self._record_path, self.name)
 
@@ -183,6 +152,10 @@ class Job:
             self.ledger.enter(goodput.DOWN if waiting else _LEDGER_PHASE.get(state, goodput.IDLE))
         self.save()
 
+    @property
+    def worker(self) -> WorkerProcess | None:
+        return self.current.process
+
     # --- commands (from the daemon loop) ---
 
     def start(self) -> None:
@@ -191,13 +164,11 @@ class Job:
             return
         if self.next_spec is not None:  # a reload interrupted by a stop: the new spec wins
             self._adopt(self.next_spec)
-        self.error, self.stop_reason, self.kill_at, self.error_detail = None, None, None, []
-        memory_env = self.memory.worker_env(self.spec)
-        if memory_env is None:
+        self.error, self.stop_reason, self.current.kill_at, self.error_detail = None, None, None, []
+        if self.memory.worker_env(self.spec) is None:
             self.error = f"checkpoint.memory: {self.memory.refused}"
             self._set(State.FAILED, "the memory tier does not fit in its budget")
             return
-        self._memory_env = memory_env
         self.ledger.enter(goodput.WORKER)  # fetching from GCS is part of starting up
         urls = inputs.remote_urls(self.spec)
         if self.tiers.tier is None and not urls:
@@ -205,11 +176,8 @@ class Job:
             return
         self._preparing = True
         self._set(State.STARTING, "fetching the newest checkpoint, the dataset and the model from GCS")
-        threading.Thread(target=self._prepare, args=(urls,), name=f"prepare-{self.name}", daemon=True).start()
-
-    def _prepare(self, urls: list[str]) -> None:
-        error = inputs.fetch(self.tiers, urls, self.spec, self.paths.layout)
-        self.loop.post(lambda: self._prepared(error))
+        inputs.fetch_in_background(self.tiers, urls, self.spec, self.paths.layout,
+                                   lambda error: self.loop.post(lambda: self._prepared(error)))
 
     def _prepared(self, error: tuple[str, str] | None) -> None:
         self._preparing = False
@@ -222,30 +190,12 @@ class Job:
         else:
             self._spawn()
 
-    @property
-    def _uploads(self) -> bool:
-        """One host uploads a multi-host job's steps: every host's part holds the whole state."""
-        return self.gang.place is None or self.gang.place.host == 0
-
     def _spawn(self) -> None:
-        env = {"TPUD_CHANNEL": str(self.paths.channel(self.name)), **self.gang.worker_env(), **self._memory_env}
-        if self.spec.logging.wandb is not None:
-            env["TPUD_WANDB_RUN_ID"] = self.tracker.run_id()
-        self.link = channel.Link(Path(env["TPUD_CHANNEL"]), self.loop, self.handle)
-        self._oom_kills = crashes.oom_kill_count()
-        self.output.new_worker()
-        self.hang, self.nonfinite = None, None
+        self.report.new_worker()
         self.gang.new_worker()
-        self.watch.new_worker(self.spec.health, self.clock())
-        self.worker, warm = self.standbys.take(self.spec, env), True
-        if self.worker is None:
-            self.worker, warm = self._spawn_worker(self.spec, self.paths, self.log_format, env), False
-        self.loop.watch(self.worker.stdout, self._on_output)
-        log.info("worker started", job=self.name, pid=self.worker.pid, standby=warm)
-        self.standbys.keep(self.spec, env, 1)
-        if self.record.first_started is None:
-            self.record.first_started = time.time()
-        self._set(State.STARTING, f"pid {self.worker.pid}")
+        pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env()})
+        self.record.first_started = self.record.first_started or time.time()
+        self._set(State.STARTING, f"pid {pid}")
 
     def stop(self, reason: str, deadline_s: float | None = None) -> None:
         """Checkpoint and stop; a worker that does not stop in time is killed.
@@ -257,13 +207,10 @@ class Job:
         if self._preparing:
             return  # _prepared() sees the stop
         if self.state in (State.STARTING, *TRAINING):
-            if deadline_s is None:
-                self._request(Request(Action.CHECKPOINT_AND_EXIT), fallback=signal.SIGTERM)
-                self.kill_at = self.clock() + self.stop_timeout
-            else:
-                self._request(Request(Action.CHECKPOINT_AND_EXIT, self.checkpoints.step_budget(deadline_s)),
-                              fallback=signal.SIGTERM)
-                self.kill_at = self.clock() + deadline_s + self.spec.health.kill_grace_seconds
+            budget = None if deadline_s is None else self.checkpoints.step_budget(deadline_s)
+            self.current.request(Request(Action.CHECKPOINT_AND_EXIT, budget), fallback=signal.SIGTERM)
+            grace = self.stop_timeout if deadline_s is None else deadline_s + self.spec.health.kill_grace_seconds
+            self.current.kill_at = self.clock() + grace
             self._set(State.STOPPING, reason)
         elif self.state in WAITING:
             self._set(State.PREEMPTED if reason == "preempted" else State.STOPPED, reason)
@@ -291,31 +238,20 @@ class Job:
                 self.start()
 
     def _adopt(self, spec: JobSpec) -> None:
-        old_remote = self.spec.checkpoint.remote
         self.spec, self.next_spec = spec, None
         self.standbys.discard()  # they warmed up for the old spec (another backend, perhaps)
         self.tracker.cfg = spec.logging.wandb
-        self.metrics.job_series(self.name, tiers=self._tier_names(spec), restart_reasons=())  # a tier it gained
-        if spec.checkpoint.remote != old_remote or spec.checkpoint.keep != self.tiers.keep:
-            # The old uploader finishes its upload in flight in the background, then stops.
-            threading.Thread(target=self.tiers.close, name=f"close-uploads-{self.name}", daemon=True).start()
-            self.tiers = CheckpointTiers(spec, self.paths, self._uploaded, uploads=self._uploads)
+        self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=())  # a tier it gained
+        self.tiers = self.tiers.adopt(spec)
 
     def checkpoint_now(self, deadline_s: float | None) -> Future:
         """A future resolved with the next committed local checkpoint (or an error)."""
         if self.state not in TRAINING:
-            refused: Future = Future()
-            refused.set_exception(RuntimeError(f"job {self.name} is {self.state.value}, not running"))
-            return refused
+            return self.checkpoints.refused(f"job {self.name} is {self.state.value}, not running")
         future = self.checkpoints.wait_for_next(after_step=self.watch.step)
-        self._request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
+        self.current.request(Request(Action.CHECKPOINT, deadline_s), fallback=signal.SIGUSR1)
         self._set(State.CHECKPOINTING, "requested")
         return future
-
-    def _request(self, request: Request, fallback: int) -> None:
-        sent = self.link is not None and self.link.send(events.CheckpointRequest.of(request))
-        if not sent and self.worker is not None:
-            self.worker.signal(fallback)  # the signal fallback: same meaning, next boundary
 
     def fail(self, error: str) -> None:
         """An internal error while handling this job: treat it as a crash of its worker."""
@@ -328,133 +264,33 @@ class Job:
     # --- the worker's events ---
 
     def handle(self, event: events.Event) -> None:
-        """An event from the current worker (engine/events.py)."""
-        self.watch.heard(self.clock())
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(event)
+        """An event from the current worker (engine/events.py), for the parts that own it (routing.py)."""
+        self.watch.heard()  # any message is a sign of life
+        routing.route(self, event)
 
-    def _hello(self, event: events.Hello) -> None:
-        self.rank = event.rank
-        self._alive(None)
-
-    def _heartbeat(self, event: events.Heartbeat) -> None:
-        self._alive(event.step)
+    def on_heartbeat(self, event: events.Heartbeat | events.Started) -> None:
         if self.state is State.STARTING:
             self._set(State.RUNNING)  # the loop is running: restore and compilation are behind it
 
-    def _alive(self, step: int | None) -> None:
-        self.metrics.heartbeat(self.name, self.clock())
-        self.watch.heard(self.clock(), step)
-        self.watch.saving(None)  # the loop runs on: an async save needs no allowance
+    on_started = on_heartbeat
 
-    def _started(self, event: events.Started) -> None:
-        self.watch.loop_started(event.step)
-        self.ledger.worker_started(event.step, event.badput)
-        if self.state is State.STARTING:
-            self._set(State.RUNNING)
-
-    @staticmethod
-    def _tier_names(spec: JobSpec) -> list[str]:
-        return ["local"] + ["memory"] * (spec.checkpoint.memory is not None) + ["gcs"] * bool(spec.checkpoint.remote)
-
-    def _step(self, event: events.Step) -> None:
-        self.watch.stepped(event.step, event.step_time_s)
-        ckpt = self.spec.checkpoint  # a save comes at whichever interval ends first
-        if intervals := [s for s in (ckpt.interval_seconds, ckpt.interval_steps * event.step_time_s) if s]:
-            self.metrics.checkpoint_interval(self.name, min(intervals))
-        self.progress = event
-        self.metrics.heartbeat(self.name, self.clock())
-        self.metrics.job_progress(self.name, step=event.step, loss=event.loss,
-                                  tokens_per_second=event.tokens_per_s, mfu=event.mfu)
-        self.ledger.worker_report(event.step, event.badput)
-        if self.ledger.ratio is not None:
-            self.metrics.goodput(self.name, self.ledger.ratio)
-        if self.rank == 0:  # one wandb logger per job: the host of rank 0
-            self.tracker.log(event, lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
+    def on_step(self, event: events.Step) -> None:
         if self.clock() - self._saved_at >= SAVE_EVERY_S:
             self.save()
 
-    def _eval(self, event: events.Eval) -> None:
-        self.evaluated = event
-        self.metrics.eval_loss(self.name, event.loss)
-        if self.rank == 0:
-            self.tracker.log_eval(event)
-
-    def _checkpoint_started(self, event: events.CheckpointStarted) -> None:
-        if event.tier != "memory":  # the loop waits for a disk save only
-            self.watch.saving(self.clock())
-
-    def _gang(self, event: events.Gang) -> None:
-        self.metrics.gang(self.name, event.host, event.present, event.generation)
-        if self.gang.heard(event):
-            log.info("gang", job=self.name, state=self.gang.state, host=event.host, hosts=event.hosts,
-                     generation=event.generation)
-
-    def _restored(self, event: events.CheckpointRestored) -> None:
-        self.restored_step = event.step
-
-    def _nonfinite(self, event: events.NonFinite) -> None:
-        self.nonfinite = event
-
-    def _committed(self, event: events.CheckpointCommitted) -> None:
-        self.restarts.progressed()  # it made progress: not a crash loop
-        self.metrics.checkpoint(self.name, tier=event.tier, reason=event.reason, seconds=event.seconds,
-                                bytes=event.bytes, step=event.step)
-        if event.tier == "memory":
-            self.checkpoints.in_memory(event)
-            return
-        self.watch.saving(None)
-        self.checkpoints.committed(event)
-        if self.tiers.uploader is not None:
-            self.tiers.uploader.submit(Path(event.path))
-        if self.state is State.CHECKPOINTING and not self.checkpoints.waiters:
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
+        if event.tier != "memory" and self.state is State.CHECKPOINTING and not self.checkpoints.waiters:
             self._set(State.RUNNING, f"checkpoint at step {event.step}")
 
-    def _checkpoint_failed(self, event: events.CheckpointFailed) -> None:
-        self.metrics.checkpoint_failure(self.name, event.tier)
-        if event.tier == "memory":
-            self.checkpoints.failures.failed("memory", event.error, event.step)
-            return
-        self.watch.saving(None)
-        self.checkpoints.failed(event)
-        if self.state is State.CHECKPOINTING:
+    def on_checkpoint_failed(self, event: events.CheckpointFailed) -> None:
+        if event.tier != "memory" and self.state is State.CHECKPOINTING:
             self._set(State.RUNNING, "checkpoint failed")
 
-    # --- the GCS tier (the uploader's thread) ---
-
-    def _uploaded(self, key: tuple[int, int], transfer) -> None:
-        """From the uploader's thread: the GCS tier's metrics, and status's newest checkpoint."""
-        if transfer is None:
-            self.metrics.checkpoint_failure(self.name, "gcs")
-            uploader = self.tiers.uploader
-            error = (uploader.stats().last_error if uploader is not None else None) or "upload failed"
-            self.loop.post(lambda: self.checkpoints.failures.failed("gcs", error, key[0]))
-            return
-        self.metrics.checkpoint(self.name, tier="gcs", reason="upload", seconds=transfer.seconds,
-                                bytes=transfer.bytes, step=key[0])
-        self.loop.post(lambda: self.checkpoints.uploaded(*key))
-
-    # --- the worker's output and exit ---
-
-    def _on_output(self) -> None:
-        chunk = self.worker.stdout.read(65536)
-        if chunk:
-            self.output.feed(chunk)
-            return
-        self.output.ended()
-        self.loop.unwatch(self.worker.stdout)
-        self.worker_exited(self.worker.wait())
-
-    def _release(self) -> None:
-        if self.link is not None:
-            self.link.close()
-            self.link = None
-        self.worker, self.kill_at = None, None
+    # --- the worker's exit ---
 
     def worker_exited(self, status: int) -> None:
         """The current worker exited with `status` (a shell-style status: 128 + N for signal N)."""
-        self._release()
+        self.current.release()
         self.last_status = status
         self.checkpoints.fail_waiters(f"worker exited ({status}) before the checkpoint")
         log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
@@ -468,59 +304,41 @@ class Job:
             detail = "" if status == exit_codes.STOPPED else f" (exit {status}, no final checkpoint)"
             state = State.PREEMPTED if self.stop_reason == "preempted" else State.STOPPED
             self._set(state, self.stop_reason + detail)
-        elif status == exit_codes.GANG_RESTART:
-            self._peer_failed()
-        elif self.hang is not None:
-            self._crashed(self.hang, "hang")
+        elif status == exit_codes.GANG_RESTART:  # another host's worker failed: meet the gang's next generation
+            self.restarts.peer()  # the failing host spends its own restart budget; this one spends none
+            self.gang.peer_restarts += 1
+            self.start()
+        elif self.current.hang is not None:
+            self._crashed(self.current.hang, "hang")
         elif status == exit_codes.STOPPED:
             self.start()  # stopped on a request from outside the daemon: resume
         elif status == exit_codes.NONFINITE_LOSS:
             self._nonfinite_exit()
         elif status == exit_codes.BAD_INPUT:
-            self.error = self.output.last_error() or f"worker exited with {status}"
+            self.error = self.current.output.last_error() or f"worker exited with {status}"
             self._set(State.FAILED, f"exit {status}")
         else:
-            crash = crashes.classify(status, list(self.output.tail), oom_kills_before=self._oom_kills,
-                                     oom_kills_after=crashes.oom_kill_count())
+            crash = self.current.crash(status)
             self.error_detail = crash.detail
             self._crashed(crash.message, crash.reason)
 
     def _nonfinite_exit(self) -> None:
         """Exit 76: roll back to the newest checkpoint (the worker recorded the batches to skip), or fail."""
-        event = self.nonfinite
-        what = (f"non-finite loss ({event.loss}) at step {event.step}" if event is not None
-                else "non-finite loss (the worker's report was lost)")
-        rollback = event is not None and event.policy == "rollback"
-        max_rollbacks = self.spec.health.max_rollbacks
+        what, rollback = self.report.nonfinite_exit()
         if rollback and self.restarts.rollback(self.spec):
-            self._restarted("nonfinite")
-            self.error = what
-            self.backoff_until = self.clock()
-            self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {max_rollbacks}")
+            self.error, self.backoff_until = what, self.clock()
+            self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {self.spec.health.max_rollbacks}")
             return
         spent = f"; {self.restarts.rollbacks} rollbacks spent" if rollback else ""
         self.error = what + spent
         self._set(State.FAILED, f"exit 76: {what}{spent}")
 
-    def _peer_failed(self) -> None:
-        """Another host's worker failed (exit 77): start again at once to meet the gang's next
-        generation. The failing host spends its own restart budget; this one spends none."""
-        self.restarts.peer()
-        self.gang.peer_restarts += 1
-        self._restarted("peer")
-        self.start()
-
-    def _restarted(self, reason: str) -> None:
-        self.restart_reasons[reason] = self.restart_reasons.get(reason, 0) + 1
-        self.metrics.restart(self.name, reason)
-
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error
-        delay = self.restarts.crashed(self.spec, self.clock())
+        delay = self.restarts.crashed(self.spec, self.clock(), reason)
         if delay is None:
             self._set(State.FAILED, f"{self.restarts.budget_spent_reason(self.spec)}; last: {reason}: {error}")
             return
-        self._restarted(reason)
         self.backoff_until = self.clock() + delay
         self._set(State.BACKOFF, f"{reason}; restart in {delay:.1f}s")
 
@@ -532,37 +350,15 @@ class Job:
         self.standbys.tick()
         if self.state is State.BACKOFF and now >= self.backoff_until:
             self.start()
-        if self.kill_at is not None and now >= self.kill_at and self.worker is not None:
-            log.warning("worker did not stop in time; killing it", job=self.name)
-            self.worker.signal(signal.SIGKILL)
-            self.kill_at = None
-        if self.worker is not None and self.hang is None and self.kill_at is None:
-            self.hang = self.watch.verdict(now)
-            if self.hang is not None:
-                log.error("worker hung; terminating it", job=self.name, silent_s=round(now - self.watch.last_heard, 3),
-                          bound_s=round(self.watch.bound(), 3), step=self.watch.step)
-                # Stopped by a signal, SIGTERM would wait for a SIGCONT. In a gang no checkpoint can be
-                # taken without the hung worker, so the others' wait ends soonest with this one's death.
-                if self.worker.stopped() or self.gang.place is not None:
-                    self.worker.signal(signal.SIGKILL)
-                else:
-                    self.worker.signal(signal.SIGTERM)  # a worker that is merely slow still checkpoints and exits
-                    self.kill_at = now + self.spec.health.kill_grace_seconds
+        self.current.tick(now, self.spec.health.kill_grace_seconds, gang=self.gang.place is not None)
 
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
-        timers = [self.kill_at, self.standbys.due]
-        if self.state is State.BACKOFF:
-            timers.append(self.backoff_until)
-        if self.worker is not None and self.hang is None and self.kill_at is None:
-            timers.append(self.watch.deadline())
+        backoff = self.backoff_until if self.state is State.BACKOFF else None
+        timers = [*self.current.timers(), self.standbys.due, backoff]
         return min((t for t in timers if t is not None), default=None)
 
     # --- reading ---
-
-    def _newest_run_id(self) -> str | None:
-        newest = mf.committed_steps(self.tiers.local_job_dir)
-        return newest[-1][2].wandb_run_id if newest else None
 
     def close(self, timeout: float = 30.0) -> None:
         """The daemon is exiting: flush what is buffered for this job."""
@@ -575,18 +371,11 @@ class Job:
         return self.state in ACTIVE
 
     def snapshot(self) -> dict:
-        progress, first = self.progress, self.record.first_started
+        first = self.record.first_started
         return {
             "name": self.name, "state": self.state.value, "file": str(self.file),
-            "pid": None if self.worker is None else self.worker.pid,
-            "step": self.restored_step if progress is None else progress.step, "max_steps": self.spec.train.max_steps,
-            "loss": None if progress is None else progress.loss,
-            "tokens_per_second": None if progress is None else progress.tokens_per_s,
-            "mfu": None if progress is None else progress.mfu, "restarts": self.restarts.total,
-            "restart_reasons": dict(self.restart_reasons),
-            "step_time_s": None if progress is None else progress.step_time_s,
-            "eval_loss": None if self.evaluated is None else self.evaluated.loss,
-            "eval_step": None if self.evaluated is None else self.evaluated.step,
+            "pid": None if self.worker is None else self.worker.pid, **self.report.snapshot(self.spec.train.max_steps),
+            "restarts": self.restarts.total, "restart_reasons": dict(self.restarts.reasons),
             "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
             "age_seconds": None if first is None else round(time.time() - first, 1),
             "goodput": self.ledger.snapshot(), "gang": self.gang.snapshot(),

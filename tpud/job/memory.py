@@ -75,17 +75,27 @@ class MemoryBudget:
 class JobMemory:
     """One job's memory tier: whether its worker gets one, and its directory."""
 
-    def __init__(self, name: str, root: Path, budget: MemoryBudget):
+    def __init__(self, name: str, root: Path, budget: MemoryBudget, *, blank: bool = False):
+        """blank: the job has no record (a new state directory: "delete it to start over")."""
         self.name, self.root, self.budget = name, root, budget
         self.refused: str | None = None  # why a tier the job asked for cannot be had
+        self.env: dict[str, str] = {}  # what the last worker started was given
+        if blank:
+            self.discard()  # states a former life of this home left in shared memory
 
     @property
     def job_dir(self) -> Path:
         return self.root / self.name
 
     def worker_env(self, spec: JobSpec) -> dict[str, str] | None:
-        """TPUD_MEMORY_DIR for the worker when the job has the tier; None when a tier the job asked
-        for does not fit (self.refused says why); {} when it runs without one."""
+        """TPUD_MEMORY_DIR for the next worker when the job has the tier; None when a tier the job
+        asked for does not fit (self.refused says why); {} when it runs without one."""
+        env = self._env(spec)
+        if env is not None:
+            self.env = env
+        return env
+
+    def _env(self, spec: JobSpec) -> dict[str, str] | None:
         cfg, self.refused = spec.checkpoint.memory, None
         if cfg is None or not cfg.interval_steps:
             self.discard()

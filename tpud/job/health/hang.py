@@ -10,40 +10,60 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 
+from engine import events
 from engine.spec.schema import HealthConfig
 
 
 class HangWatch:
-    def __init__(self, health: HealthConfig, now: float):
-        self.health = health
-        self.last_heard = now
+    def __init__(self, health: HealthConfig, clock: Callable[[], float]):
+        self.health, self.clock = health, clock
+        self.last_heard = clock()
         self.started_step: int | None = None  # where the worker's loop began
         self.step = 0                         # the latest step it reported
         self.step_times: deque[float] = deque(maxlen=64)
         self.saving_since: float | None = None  # a checkpoint is being written
 
-    def new_worker(self, health: HealthConfig, now: float) -> None:
+    def new_worker(self, health: HealthConfig) -> None:
         """A worker starts: it restores and compiles first. The step times of earlier workers
         stay (the same job steps at the same pace), and so does the latest step."""
-        self.health, self.last_heard = health, now
+        self.health, self.last_heard = health, self.clock()
         self.started_step, self.saving_since = None, None
 
-    def heard(self, now: float, step: int | None = None) -> None:
-        self.last_heard = now
+    def heard(self, step: int | None = None) -> None:
+        self.last_heard = self.clock()
         if step is not None:
             self.step = step
 
-    def loop_started(self, step: int) -> None:
-        self.started_step = self.step = step
+    # --- the worker's events (tpud/job/routing.py) ---
 
-    def stepped(self, step: int, step_time_s: float) -> None:
-        self.step = step
-        self.step_times.append(step_time_s)
+    def on_hello(self, event: events.Hello) -> None:
+        self.heard()
+        self.saving_since = None  # the loop runs on: an async save needs no allowance
 
-    def saving(self, now: float | None) -> None:
-        """A save began (`now`), or None: it ended, or the loop runs on beside an async one."""
-        self.saving_since = now
+    def on_heartbeat(self, event: events.Heartbeat) -> None:
+        self.heard(event.step)
+        self.saving_since = None
+
+    def on_started(self, event: events.Started) -> None:
+        self.started_step = self.step = event.step
+
+    def on_step(self, event: events.Step) -> None:
+        self.step = event.step
+        self.step_times.append(event.step_time_s)
+
+    def on_checkpoint_started(self, event: events.CheckpointStarted) -> None:
+        if event.tier != "memory":  # the loop waits for a disk save only
+            self.saving_since = self.clock()
+
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted | events.CheckpointFailed) -> None:
+        if event.tier != "memory":
+            self.saving_since = None
+
+    on_checkpoint_failed = on_checkpoint_committed  # the save is over either way
+
+    # --- reading ---
 
     def bound(self) -> float:
         """Seconds of silence after which the worker counts as hung."""

@@ -10,8 +10,10 @@ and restart at once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine import events
 from engine.backoff import Backoff
 from engine.spec.schema import JobSpec
 
@@ -22,8 +24,10 @@ class Restarts:
     rollbacks: int = 0  # non-finite-loss rollbacks: persisted, their budget never resets
     crash_times: deque[float] = field(default_factory=deque)  # clock times, within the window
     streak: int = 0     # crashes since a worker last committed a checkpoint: the backoff's exponent
+    reasons: dict[str, int] = field(default_factory=dict)  # this daemon's restarts, by reason: for status
+    on_restart: Callable[[str], None] = lambda reason: None  # each restart's reason, as it is counted
 
-    def crashed(self, spec: JobSpec, now: float) -> float | None:
+    def crashed(self, spec: JobSpec, now: float, reason: str) -> float | None:
         """A crash at `now`: seconds to wait before the restart, or None when the budget is spent."""
         policy = spec.restart
         while self.crash_times and now - self.crash_times[0] > policy.window_seconds:
@@ -31,8 +35,8 @@ class Restarts:
         if len(self.crash_times) >= policy.max_restarts:
             return None
         self.crash_times.append(now)
-        self.total += 1
         self.streak += 1
+        self._restart(reason)
         return Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds).delay(self.streak)
 
     def budget_spent_reason(self, spec: JobSpec) -> str:
@@ -43,13 +47,18 @@ class Restarts:
         if self.rollbacks >= spec.health.max_rollbacks:
             return False
         self.rollbacks += 1
-        self.total += 1
+        self._restart("nonfinite")
         return True
 
     def peer(self) -> None:
         """Another host's worker failed and the gang restarts: counted, but no crash of this host's."""
-        self.total += 1
+        self._restart("peer")
 
-    def progressed(self) -> None:
-        """A worker committed a checkpoint: its crashes are not a crash loop."""
+    def _restart(self, reason: str) -> None:
+        self.total += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        self.on_restart(reason)
+
+    def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
+        """The worker made progress: its crashes are not a crash loop."""
         self.streak = 0

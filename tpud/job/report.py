@@ -1,0 +1,60 @@
+"""What a job's workers last reported of their training: the latest step, the validation loss,
+the step a worker restored, a non-finite loss, and the metrics that show them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine import events
+
+
+class WorkerReport:
+    def __init__(self, job: str, metrics, clock: Callable[[], float]):
+        self.job, self.metrics, self.clock = job, metrics, clock
+        self.progress: events.Step | None = None  # the latest step event, for status
+        self.evaluated: events.Eval | None = None  # the latest validation loss, for status
+        self.restored_step: int | None = None  # status's step before the first step event
+        self.nonfinite: events.NonFinite | None = None  # the current worker's, for its exit 76
+
+    def new_worker(self) -> None:
+        self.nonfinite = None
+
+    def on_hello(self, event: events.Hello | events.Heartbeat) -> None:
+        self.metrics.heartbeat(self.job, self.clock())
+
+    on_heartbeat = on_hello  # both say only that the worker is alive
+
+    def on_step(self, event: events.Step) -> None:
+        self.progress = event
+        self.metrics.heartbeat(self.job, self.clock())
+        self.metrics.job_progress(self.job, step=event.step, loss=event.loss, tokens_per_second=event.tokens_per_s,
+                                  mfu=event.mfu)
+
+    def on_eval(self, event: events.Eval) -> None:
+        self.evaluated = event
+        self.metrics.eval_loss(self.job, event.loss)
+
+    def on_checkpoint_restored(self, event: events.CheckpointRestored) -> None:
+        self.restored_step = event.step
+
+    def on_nonfinite(self, event: events.NonFinite) -> None:
+        self.nonfinite = event
+
+    def snapshot(self, max_steps: int) -> dict:
+        progress, evaluated = self.progress, self.evaluated
+        return {
+            "step": self.restored_step if progress is None else progress.step, "max_steps": max_steps,
+            "loss": None if progress is None else progress.loss,
+            "tokens_per_second": None if progress is None else progress.tokens_per_s,
+            "mfu": None if progress is None else progress.mfu,
+            "step_time_s": None if progress is None else progress.step_time_s,
+            "eval_loss": None if evaluated is None else evaluated.loss,
+            "eval_step": None if evaluated is None else evaluated.step,
+        }
+
+    def nonfinite_exit(self) -> tuple[str, bool]:
+        """Exit 76: what went wrong, and whether the worker asked for a rollback."""
+        event = self.nonfinite
+        if event is None:
+            return "non-finite loss (the worker's report was lost)", False
+        return f"non-finite loss ({event.loss}) at step {event.step}", event.policy == "rollback"
