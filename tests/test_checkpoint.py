@@ -14,7 +14,7 @@ from tests.conftest import tiny
 from tests.recorders import Recorder
 
 # Each test trains and checkpoints for real, a few seconds each: with the end-to-end tests, not the unit tests.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.in_process]
 
 QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
          "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4")
