@@ -2,9 +2,7 @@
 # The whole suite (`make test`), in two stages that keep a 2-core machine busy:
 #   1. the xla tests (XLA compiles on about one core) beside the unit tests and the slow tests
 #      that train in pytest's own process (in_process), which fill the time the xla tests take;
-#   2. the end-to-end tests in two pytest-xdist lanes, a test file to a lane (a module's shared
-#      reference run is trained once): much of a test waits on a worker's imports, a daemon's
-#      poll or a backoff, while the other lane's test uses the core.
+#   2. the end-to-end tests, alone: their supervisors and workers want the whole machine.
 # Arguments go to every pytest run (-x, -k EXPR, --durations=N, test paths); -m is this script's
 # own. Exit 0 only if every stage passes.
 set -uo pipefail
@@ -27,7 +25,7 @@ xla_pid=  # reaped: its number may be another process's by the time the trap run
 echo; echo "=== the xla tests, run beside the unit tests ==="
 cat "$xla_log"
 echo; echo "=== the end-to-end tests ==="
-"$python" -m pytest -m "slow and not xla and not in_process" -n 2 --dist loadfile "$@"
+"$python" -m pytest -m "slow and not xla and not in_process" "$@"
 slow=$(ran $?)
 echo "stages: unit $unit, xla $xla, end-to-end $slow"
 [ "$unit" -eq 0 ] && [ "$xla" -eq 0 ] && [ "$slow" -eq 0 ]
