@@ -14,15 +14,16 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
 
 
-@pytest.fixture
-def tiny_spec():
-    """The demo job with overrides, as the engine sees it."""
+def tiny(*overrides: str):
+    """The demo job with overrides, as the engine sees it (for module-scoped fixtures too)."""
     from engine.spec.loader import load_spec
 
-    def make(*overrides: str):
-        return load_spec(TINY_JOB, ["data.corpus_bytes=400000", *overrides])
+    return load_spec(TINY_JOB, ["data.corpus_bytes=400000", *overrides])
 
-    return make
+
+@pytest.fixture
+def tiny_spec():
+    return tiny
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole suite (`make test`), in two stages that keep a 2-core machine busy:
-#   1. the xla tests (XLA compiles on about one core) beside the unit tests;
+#   1. the xla tests (XLA compiles on about one core) beside the unit tests and the slow tests
+#      that train in pytest's own process (in_process), which fill the time the xla tests take;
 #   2. the end-to-end tests, alone: their supervisors and workers want the whole machine.
 # Arguments go to every pytest run (-x, -k EXPR, --durations=N, test paths); -m is this script's
 # own. Exit 0 only if every stage passes.
@@ -16,7 +17,7 @@ xla_log=$(mktemp)
 trap 'rm -f "$xla_log"; [ -n "${xla_pid:-}" ] && kill "$xla_pid" 2>/dev/null' EXIT
 "$python" -m pytest -m "xla" "$@" >"$xla_log" 2>&1 &
 xla_pid=$!
-"$python" -m pytest -m "not xla and not slow" "$@"
+"$python" -m pytest -m "not xla and (not slow or in_process)" "$@"
 unit=$(ran $?)
 wait "$xla_pid"
 xla=$(ran $?)
@@ -24,7 +25,7 @@ xla_pid=  # reaped: its number may be another process's by the time the trap run
 echo; echo "=== the xla tests, run beside the unit tests ==="
 cat "$xla_log"
 echo; echo "=== the end-to-end tests ==="
-"$python" -m pytest -m "slow and not xla" "$@"
+"$python" -m pytest -m "slow and not xla and not in_process" "$@"
 slow=$(ran $?)
 echo "stages: unit $unit, xla $xla, end-to-end $slow"
 [ "$unit" -eq 0 ] && [ "$xla" -eq 0 ] && [ "$slow" -eq 0 ]

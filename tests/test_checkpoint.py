@@ -11,10 +11,11 @@ from engine import events
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.train import Trainer
+from tests.conftest import tiny
 from tests.recorders import Recorder
 
 # Each test trains and checkpoints for real, a few seconds each: with the end-to-end tests, not the unit tests.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.in_process]
 
 QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
          "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4")
@@ -38,9 +39,17 @@ def assert_same_training_state(a: Trainer, b: Trainer):
             assert torch.equal(value, sb["state"][key][field]), (key, field)
 
 
-def test_periodic_and_final_checkpoints_are_committed_with_a_manifest(tiny_spec, tmp_path):
-    assert trainer(tiny_spec(*QUICK), tmp_path).run() == 0
-    committed = mf.committed_steps(job_dir(tmp_path))
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """One uninterrupted QUICK run, which the tests only read: its trainer, events and home."""
+    home = tmp_path_factory.mktemp("whole")
+    run = trainer(tiny(*QUICK), home, hooks := Recorder())
+    assert run.run() == 0
+    return run, hooks, home
+
+
+def test_periodic_and_final_checkpoints_are_committed_with_a_manifest(whole):
+    committed = mf.committed_steps(job_dir(whole[2]))
     assert [step for step, _, _ in committed][-2:] == [8, 12]  # keep=3: 4 was retired
     step, path, manifest = committed[-1]
     assert manifest.reason == "final" and manifest.micro_step == 0 and manifest.world_size == 1
@@ -48,10 +57,9 @@ def test_periodic_and_final_checkpoints_are_committed_with_a_manifest(tiny_spec,
     assert mf.problems(path, manifest, checksums=True) == []
 
 
-def test_resume_from_a_partial_step_checkpoint_is_bitwise_identical(tiny_spec, tmp_path):
+def test_resume_from_a_partial_step_checkpoint_is_bitwise_identical(tiny_spec, tmp_path, whole):
     spec = tiny_spec(*QUICK)
-    whole = trainer(spec, tmp_path / "whole", hooks := Recorder())
-    whole.run()
+    whole, hooks, _ = whole
     # Stop inside step 6's accumulation (one micro-batch done), checkpointing first.
     stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
     first = trainer(spec, tmp_path / "cut", Recorder(stop))
@@ -157,11 +165,21 @@ def test_when_the_only_checkpoint_is_damaged_the_process_refuses_to_train_on_it(
     assert len(list((job_dir(tmp_path) / "corrupt").iterdir())) == 1
 
 
+FIRST_STEPS = (*QUICK, "train.max_steps=3", "checkpoint.interval_steps=0")
+
+
+@pytest.fixture(scope="module")
+def first_steps(tmp_path_factory):
+    """The FIRST_STEPS run uninterrupted: its trainer and events, which the tests only read."""
+    run = trainer(tiny(*FIRST_STEPS), tmp_path_factory.mktemp("first-steps"), hooks := Recorder())
+    assert run.run() == 0
+    return run, hooks
+
+
 @pytest.mark.parametrize("stop_at", [Boundary(0, 0), Boundary(0, 1), Boundary(0, 2)])
-def test_a_checkpoint_before_the_first_update_resumes_exactly(tiny_spec, tmp_path, stop_at):
-    spec = tiny_spec(*QUICK, "train.max_steps=3", "checkpoint.interval_steps=0")
-    whole = trainer(spec, tmp_path / "whole", hooks := Recorder())
-    whole.run()
+def test_a_checkpoint_before_the_first_update_resumes_exactly(tiny_spec, tmp_path, first_steps, stop_at):
+    spec = tiny_spec(*FIRST_STEPS)
+    whole, hooks = first_steps
     assert trainer(spec, tmp_path / "cut", Recorder({stop_at: Request(Action.CHECKPOINT_AND_EXIT, 0)})).run() == 75
     resumed = trainer(spec, tmp_path / "cut", again := Recorder())
     assert resumed.run() == 0

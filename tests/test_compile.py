@@ -15,7 +15,7 @@ from engine.train import Trainer
 from tests.recorders import Recorder
 from tests.test_checkpoint import assert_same_training_state, job_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.in_process]
 # Two small blocks and token-chunked loss (a chunk budget of 0 MiB forces it), so both kinds of
 # compiled code run; every step saved to memory.
 QUICK = ("device.compile=true", "train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1",

@@ -125,21 +125,18 @@ class Worker:
         return [r["step"] for r in self.records if r["event"] == "step"]
 
 
+# A repeating crash, and a restart after a hang, in real processes: tests/test_health.py (under the daemon).
+
+
 @pytest.mark.slow
-def test_crash_exits_1_with_a_traceback_then_once_passes_and_repeat_crashes_again(tmp_path):
-    once = Worker(tmp_path / "once", "debug.inject.crash_at_step=3")
+def test_crash_exits_1_with_a_traceback_then_once_passes(tmp_path):
+    once = Worker(tmp_path, "debug.inject.crash_at_step=3")
     code, stderr = once.finish()
     assert code == 1 and "Traceback" in stderr and "RuntimeError: injected crash after step 3" in stderr
-    assert once.steps()[-1] == 3 and markers(tmp_path / "once") == ["crash-3"]
-    rerun = Worker(tmp_path / "once", "debug.inject.crash_at_step=3")
+    assert once.steps()[-1] == 3 and markers(tmp_path) == ["crash-3"]
+    rerun = Worker(tmp_path, "debug.inject.crash_at_step=3")
     assert rerun.finish()[0] == 0
     assert rerun.steps() == [3, 4, 5, 6]  # resumed at the step 2 checkpoint, passed step 3
-
-    first = Worker(tmp_path / "repeat", "debug.inject.crash_at_step=3", "debug.inject.repeat=true")
-    assert first.finish()[0] == 1
-    again = Worker(tmp_path / "repeat", "debug.inject.crash_at_step=3", "debug.inject.repeat=true")
-    code, stderr = again.finish()
-    assert code == 1 and "injected crash after step 3" in stderr and again.steps() == [3]
 
 
 @pytest.mark.slow
@@ -157,6 +154,4 @@ def test_hang_stops_all_progress_ignores_sigterm_and_dies_on_sigkill(tmp_path):
     finally:
         hung.proc.send_signal(signal.SIGKILL)
     assert hung.finish()[0] == -signal.SIGKILL
-    assert markers(tmp_path) == ["hang-3"]
-    rerun = Worker(tmp_path, "debug.inject.hang_at_step=3")
-    assert rerun.finish()[0] == 0 and rerun.steps() == [3, 4, 5, 6]
+    assert markers(tmp_path) == ["hang-3"]  # what makes the restart pass the step

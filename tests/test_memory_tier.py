@@ -21,6 +21,7 @@ from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 from engine.train import Trainer
+from tests.conftest import tiny
 from tests.helpers import Daemon, metric, wait_until, write
 from tests.recorders import Recorder
 from tests.test_checkpoint import assert_same_training_state, job_dir
@@ -36,12 +37,22 @@ def memory_steps(root: Path) -> list[tuple[int, int]]:
     return [(step, m.micro_step) for step, _, m in mf.parts(root)]
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The QUICK run uninterrupted, its memory tier dropped: the trainer that tests compare with."""
+    home = tmp_path_factory.mktemp("whole")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TPUD_MEMORY_DIR", str(home / "shm"))
+        run = Trainer(tiny(*QUICK), home, Recorder())
+        assert run.run() == 0
+    shutil.rmtree(home / "shm")
+    return run
+
+
 @pytest.mark.slow
-def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skipped(tiny_spec, tmp_path, memory):
+def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skipped(tiny_spec, tmp_path, memory,
+                                                                                   whole):
     spec = tiny_spec(*QUICK)
-    whole = Trainer(spec, tmp_path / "whole", Recorder())
-    assert whole.run() == 0
-    shutil.rmtree(memory)
     # STOP takes no checkpoint: disk has step 4, memory steps 6 and 7 (every step; two kept).
     assert Trainer(spec, tmp_path / "cut", Recorder({Boundary(7, 0): Request(Action.STOP)})).run() == 75
     assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path / "cut"))] == [4]
@@ -74,11 +85,8 @@ def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tin
 
 
 @pytest.mark.slow
-def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_path, memory):
+def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_path, memory, whole):
     spec = tiny_spec(*QUICK)
-    whole = Trainer(spec, tmp_path / "whole", Recorder())
-    whole.run()
-    shutil.rmtree(memory)
     stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
     assert Trainer(spec, tmp_path / "cut", Recorder(stop)).run() == 75
     assert (5, 1) in memory_steps(memory)

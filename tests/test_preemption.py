@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -35,12 +36,18 @@ def job_file(home, accum=2, max_steps=MAX_STEPS):
     return path
 
 
-def uninterrupted(tmp_path, job):
-    """The same job run straight through without a daemon: the state to end at."""
+def uninterrupted(tmp_path, job) -> Future:
+    """The same job run straight through without a daemon: the state to end at. It trains beside
+    the test's daemon (2 cores); the future's result is that state."""
     state = tmp_path / "whole"
-    subprocess.run([PYTHON, "-m", "engine.train", str(job), "--state-dir", str(state)], check=True,
-                   env=python_env(), stdout=subprocess.DEVNULL, timeout=300)
-    return checkpoint_state(mf.committed_steps(state / "checkpoints" / "pre")[-1][1], tmp_path)
+    proc = subprocess.Popen([PYTHON, "-m", "engine.train", str(job), "--state-dir", str(state)], env=python_env(),
+                            stdout=subprocess.DEVNULL)
+
+    def end_state():
+        assert proc.wait(timeout=300) == 0
+        return checkpoint_state(mf.committed_steps(state / "checkpoints" / "pre")[-1][1], tmp_path)
+
+    return ThreadPoolExecutor(1).submit(end_state)
 
 
 def committed(home):
@@ -66,7 +73,8 @@ def finish(home, tmp_path, server, whole):
         daemon.wait_for(lambda jobs: jobs["pre"]["state"] == "SUCCEEDED", "the resumed job to finish", timeout=300)
     finally:
         stop(daemon)
-    assert_same_state(checkpoint_state(committed(home)[-1][1], tmp_path), whole)  # its progress: the last step too
+    end = checkpoint_state(committed(home)[-1][1], tmp_path)
+    assert_same_state(end, whole.result(timeout=300))  # its progress: the last step too
     return daemon
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from tests.conftest import REPO
 from tests.helpers import committed, wait_until
 from tpud.paths import Paths
-from tpud.worker.process import WorkerProcess, process_stopped
+from tpud.worker.process import WorkerProcess
 
 pytestmark = pytest.mark.slow  # real worker processes importing torch
 
@@ -42,7 +41,7 @@ def standby(tiny_spec, tmp_path):
 def test_a_standby_warms_up_at_the_lowest_priority_and_trains_only_once_released(standby):
     spec, paths, worker = standby
     # The imports run on a thread at nice 19, so a spare never slows the worker it stands in for.
-    wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=10)
+    wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=60)
     time.sleep(1.0)
     assert worker.proc.poll() is None and committed(paths.layout.checkpoints(spec.name)) == []  # waiting, not training
     assert worker.release(spec)
@@ -53,7 +52,7 @@ def test_a_standby_warms_up_at_the_lowest_priority_and_trains_only_once_released
 def test_a_released_standby_trains_at_normal_priority(standby, tiny_spec):
     spec, paths, worker = standby
     spec = tiny_spec("train.max_steps=200", "scheduler.warmup_steps=1", "checkpoint.interval_steps=0")
-    wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=10)
+    wait_until(lambda: 19 in nice_values(worker.pid), "the warm-up thread at nice 19", timeout=60)
     assert worker.release(spec)  # mid-import: what is left of the imports speeds up too
     # Every thread is back at the worker's own priority (tpud runs as root; unprivileged, the
     # import-spawned threads would stay low, which the worker docs say).
@@ -77,20 +76,6 @@ def test_a_standby_whose_stdin_closes_exits_quietly(standby):
     assert worker.proc.wait(timeout=60) == 0
     assert committed(paths.layout.checkpoints(spec.name)) == []
     assert not worker.release(spec)  # a spare that is gone cannot be released: the daemon spawns afresh
-
-
-def test_a_stopped_process_is_recognised():
-    proc = subprocess.Popen(["sleep", "30"])
-    try:
-        assert not process_stopped(proc.pid)
-        os.kill(proc.pid, signal.SIGSTOP)
-        wait_until(lambda: process_stopped(proc.pid), "the stop")
-        os.kill(proc.pid, signal.SIGCONT)
-        wait_until(lambda: not process_stopped(proc.pid), "the continue")
-    finally:
-        proc.kill()
-        proc.wait()
-    assert not process_stopped(proc.pid)  # gone: not stopped
 
 
 def test_a_reader_never_sees_a_half_written_spec(standby):
@@ -124,7 +109,7 @@ def test_a_worker_asked_to_stop_before_its_hooks_exist_stops_as_asked(standby):
     that record signals exist) is recorded from the first instant, not fatal: once it runs, the
     worker stops as asked, exit 75, not killed by the signal's default (143)."""
     spec, paths, worker = standby
-    wait_until(lambda: catches(worker.pid, signal.SIGTERM), "a SIGTERM handler from the start", timeout=10)
+    wait_until(lambda: catches(worker.pid, signal.SIGTERM), "a SIGTERM handler from the start", timeout=60)
     worker.signal(signal.SIGTERM)
     assert worker.release(spec)
     assert worker.proc.wait(timeout=120) == 75, worker.stdout.read().decode(errors="replace")[-3000:]
