@@ -30,11 +30,12 @@ class Batch:
     @classmethod
     def of(cls, rows: np.ndarray, segments: np.ndarray | None = None) -> Batch:
         """From windows [B, T + 1] of tokens and, when documents are masked, their segment ids."""
-        tokens = torch.from_numpy(rows.astype(np.int64))
+        rows = rows.astype(np.int64)
+        tokens = torch.from_numpy(rows)
         if segments is None:
             return cls(tokens[:, :-1], tokens[:, 1:])
         crossing = segments[:, 1:] != segments[:, :-1]  # target t is the next document's first token
-        targets = np.where(crossing, IGNORE, rows[:, 1:]).astype(np.int64)
+        targets = np.where(crossing, IGNORE, rows[:, 1:])
         inputs = segments[:, :-1]
         index = np.arange(inputs.shape[1], dtype=np.int32)
         starts = np.where(np.diff(inputs, axis=1, prepend=inputs[:, :1]) != 0, index, 0)
