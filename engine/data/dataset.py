@@ -58,37 +58,48 @@ class Windows:
         """[len(windows), window] tokens."""
         return np.stack([self.stream.read(int(w) * self.window, (int(w) + 1) * self.window) for w in windows])
 
-    def _starts(self, w: int) -> np.ndarray:
-        """Offsets in window w (1 .. window - 1) where a document begins: the ends of the earlier
-        documents inside it, from the index alone (a few pages of it, whatever its size)."""
-        begin, end = np.uint64(w * self.window), np.uint64((w + 1) * self.window)
-        inside = self.documents[np.searchsorted(self.documents, begin, "right"):
-                                np.searchsorted(self.documents, end, "left")]
-        return np.unique(inside - begin).astype(np.int64)  # unique: an empty document starts nothing
+    def _inside(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each window's first token, and the range [lo, hi) of the index's entries strictly inside
+        it: the ends of earlier documents, so where documents begin (a few pages of the index,
+        whatever its size)."""
+        begins = windows.astype(np.uint64) * np.uint64(self.window)
+        lo = np.searchsorted(self.documents, begins, "right")
+        return begins, lo, np.searchsorted(self.documents, begins + np.uint64(self.window), "left")
+
+    def _starts(self, begin: np.uint64, lo: int, hi: int) -> np.ndarray:
+        """Offsets in a window (1 .. window - 1) where a document begins."""
+        return np.unique(self.documents[lo:hi] - begin).astype(np.int64)  # unique: an empty document starts nothing
 
     def segments(self, windows: np.ndarray) -> np.ndarray:
         """int32 [len(windows), window]: each token's document, counted from the window's first (0)."""
         out = np.zeros((len(windows), self.window), dtype=np.int32)
-        for row, w in zip(out, windows):
-            row[self._starts(int(w))] = 1
+        for row, inside in zip(out, zip(*self._inside(windows))):
+            row[self._starts(*inside)] = 1
         return np.cumsum(out, axis=1, dtype=np.int32)
 
     def boundaries(self, windows: np.ndarray) -> np.ndarray:
         """int64 [len(windows)]: documents beginning inside each window, each one a prediction
         (the previous document's last token -> its first) that no loss is taken on."""
-        return np.array([len(self._starts(int(w))) for w in windows], dtype=np.int64)
+        begins, lo, hi = self._inside(windows)
+        counts = (hi - lo).astype(np.int64)
+        for i in np.flatnonzero(counts > 1):  # only there can an empty document repeat an end
+            counts[i] = len(self._starts(begins[i], lo[i], hi[i]))
+        return counts
 
 
 class Shuffled:
     def __init__(self, windows: Windows, seed: int):
         self.windows, self.seed = windows, seed
         self.n, self.window = windows.n, windows.window
-        self._epoch, self._perm = -1, None
+        self._cached: tuple[int, order.Permutation | None] = (-1, None)
 
     def _permutation(self, epoch: int) -> order.Permutation:
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, order.Permutation(self.n, order.key_of(SHUFFLE_KEY, self.seed, epoch))
-        return self._perm
+        # One attribute, replaced whole: the prefetch thread and the training thread (counting a
+        # step's targets) both read samples, and must never pair one epoch with another's order.
+        cached = self._cached
+        if cached[0] != epoch:
+            cached = self._cached = (epoch, order.Permutation(self.n, order.key_of(SHUFFLE_KEY, self.seed, epoch)))
+        return cached[1]
 
     def read(self, what: str, samples: np.ndarray) -> np.ndarray:
         epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n)
