@@ -206,6 +206,7 @@ def test_the_step_loss_counts_every_target_of_the_global_batch_once(dataset, tmp
             assert len(set(counts.tolist())) > 1, counts  # uneven: a mean of means would differ
             assert trainer.loader.step_targets(0) == counts.sum() < 8 * 32
         trainer.batches.close()
+        trainer.checkpointer.close()
     for split, whole in zip(grads[4], grads[1]):
         assert (split - whole).abs().max() <= 1e-6 * whole.abs().max()
 
