@@ -27,6 +27,7 @@ def segment_ids(segments: torch.Tensor) -> torch.Tensor:
 
 def flash(blocks: FlashBlocks, mesh) -> AttentionFn:
     from torch_xla.experimental.custom_kernel import FlashAttention, flash_attention
+
     # The kernel reads block sizes from this class attribute, not from arguments.
     FlashAttention.DEFAULT_BLOCK_SIZES.update(blocks.model_dump())
 

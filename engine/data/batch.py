@@ -36,12 +36,11 @@ class Batch:
             return cls(tokens[:, :-1], tokens[:, 1:])
         crossing = segments[:, 1:] != segments[:, :-1]  # target t is the next document's first token
         targets = np.where(crossing, IGNORE, rows[:, 1:])
-        inputs = segments[:, :-1]
-        index = np.arange(inputs.shape[1], dtype=np.int32)
-        starts = np.where(np.diff(inputs, axis=1, prepend=inputs[:, :1]) != 0, index, 0)
+        segments = np.ascontiguousarray(segments[:, :-1], dtype=np.int32)  # the inputs'
+        index = np.arange(segments.shape[1], dtype=np.int32)
+        starts = np.where(np.diff(segments, axis=1, prepend=segments[:, :1]) != 0, index, 0)
         positions = index - np.maximum.accumulate(starts, axis=1)
-        return cls(tokens[:, :-1], torch.from_numpy(targets), torch.from_numpy(np.ascontiguousarray(inputs)),
-                   torch.from_numpy(positions.astype(np.int32)))
+        return cls(tokens[:, :-1], torch.from_numpy(targets), torch.from_numpy(segments), torch.from_numpy(positions))
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """fn applied to each tensor (pinning, sending to the device)."""
