@@ -260,3 +260,34 @@ def test_document_mask_on_the_builtin_corpus_masks_its_files(tiny_spec, tmp_path
     batches = [loader.batch(step, 0) for step in range(40)]
     assert any((b.targets == IGNORE).any() for b in batches)
     assert sum(int((b.targets != IGNORE).sum()) for b in batches[:1]) == loader.step_targets(0)
+
+
+@pytest.mark.parametrize("global_loss", [False, True])
+def test_loss_weights_make_any_split_of_the_global_batch_one_mean(dataset, tmp_path, global_loss):
+    """Per-token values standing for losses: however a step is split over 3 micro-batches and 2
+    ranks, each mean weighted as the trainer does gives the mean over every target of the step.
+    DDP: each rank's mean of its slice, the ranks' results averaged; SPMD (global_loss): one mean
+    over both ranks' slices, nothing averaged."""
+    from engine.backends.base import DataPosition
+
+    data = open_data(job(dataset).data, seed=1, cache_root=tmp_path, vocab_size=264)
+    ranks = [PackedLoader(data.train, 2, 3, position=DataPosition(r, 2), document_mask=True, global_loss=global_loss)
+             for r in range(2)]
+    value = lambda batch: torch.where(batch.targets != IGNORE, batch.targets.double().sin(), 0.0)  # noqa: E731
+    for step in range(4):
+        batches = [[loader.batch(step, m) for m in range(3)] for loader in ranks]
+        flat = [value(b) for per_rank in batches for b in per_rank]
+        expected = sum(v.sum() for v in flat) / sum(int((b.targets != IGNORE).sum()) for r in batches for b in r)
+        per_rank = []
+        for r, loader in enumerate(ranks):
+            means = []
+            for m in range(3):
+                shares = [batches[r][m]] if not global_loss else [batches[0][m], batches[1][m]]
+                mean = sum(value(b).sum() for b in shares) / sum(int((b.targets != IGNORE).sum()) for b in shares)
+                means.append(mean * loader.loss_weight(step, m))
+            per_rank.append(sum(means) / 3)
+        got = per_rank[0] if global_loss else sum(per_rank) / 2  # under SPMD every process holds the one loss
+        if global_loss:
+            assert per_rank[0] == per_rank[1]
+        assert got.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert any(len(set(ranks[0]._target_counts(s).flatten().tolist())) > 1 for s in range(4))  # uneven splits
