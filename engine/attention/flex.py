@@ -24,7 +24,9 @@ def block_mask(segments: torch.Tensor) -> BlockMask:
     def same_document(batch, head, q, kv):
         return (q >= kv) & (segments[batch, q] == segments[batch, kv])
 
-    return create_block_mask(same_document, b, None, t, t, device=segments.device, BLOCK_SIZE=min(BLOCK, t))
+    # Compiled on CUDA: made eagerly, the mask is first materialised whole, B x T x T.
+    return create_block_mask(same_document, b, None, t, t, device=segments.device, BLOCK_SIZE=min(BLOCK, t),
+                             _compile=segments.is_cuda)
 
 
 @functools.cache
