@@ -209,7 +209,7 @@ def loader_probe(dataset: str, step: int) -> dict:
     batch = loader.batch(step, 0)
     seconds = time.perf_counter() - started
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {"first_batch_s": seconds, "rss_mb": int(status["VmRSS"].split()[0]) / 1024, "shape": list(batch.shape),
+    return {"first_batch_s": seconds, "rss_mb": int(status["VmRSS"].split()[0]) / 1024, "shape": list(batch.inputs.shape),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -63,6 +63,7 @@ import yaml
 
 from engine import events, exit_codes, logs
 from engine.attention.sdpa import sdpa_attention
+from engine.data.batch import Batch
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.backends.base import peak_flops_for
@@ -152,11 +153,10 @@ def baseline_model(spec: JobSpec, device: str) -> tuple[Transformer, torch.optim
     return model, optimizer
 
 
-def baseline_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+def baseline_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: Batch,
                   grad_clip: float) -> torch.Tensor:
     cuda = model.output_weight.is_cuda
-    batch = batch.to(model.output_weight.device, non_blocking=True)
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    inputs, targets = (t.to(model.output_weight.device, non_blocking=True) for t in (batch.inputs, batch.targets))
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
         hidden = model(inputs).flatten(0, 1)
         if cuda:

@@ -28,9 +28,9 @@ log = structlog.get_logger()
 
 class Evaluator:
     def __init__(self, cfg: EvalConfig, samples: Samples, micro_batch_size: int, backend: Backend,
-                 module: nn.Module, bf16: bool, badput: Badput, emit: Emit):
+                 module: nn.Module, bf16: bool, badput: Badput, emit: Emit, document_mask: bool = False):
         self.cfg, self.backend, self.module, self.bf16 = cfg, backend, module, bf16
-        self.batches = PackedLoader(samples, micro_batch_size, 1, position=backend.data)
+        self.batches = PackedLoader(samples, micro_batch_size, 1, position=backend.data, document_mask=document_mask)
         self.badput, self.emit = badput, emit
         self.last_step: int | None = None
 
@@ -44,9 +44,9 @@ class Evaluator:
         with self.badput.timing("eval"), torch.no_grad():
             total = None
             for index in range(self.cfg.batches):
-                batch = self.backend.to_device(self.batches.rows(index))
+                batch = self.batches.rows(index).map(self.backend.to_device)
                 with self.backend.autocast(self.bf16):
-                    loss = self.module(batch[:, :-1], batch[:, 1:]).detach().float()
+                    loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions).detach().float()
                 total = loss if total is None else total + loss
                 self.backend.micro_step_end()
             values: list[float] = []

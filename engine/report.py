@@ -36,6 +36,7 @@ class StepResult:
     step: int              # steps completed, this one included
     values: torch.Tensor   # NAMES, on the device, not yet read
     lr: float
+    trained_tokens: int    # the global batch's targets that the loss counted (all but the ignored ones)
 
 
 def host_rss_bytes() -> int:
@@ -96,6 +97,9 @@ class Reporter:
         # Steps pending[0].step - 1 .. pending[-1].step - 1, whose micro-batch counts may differ (batch_ramp).
         tokens = self.loader.tokens_in_steps(pending[0].step - 1, pending[-1].step) * self.backend.data.world
         tokens_per_s = tokens / seconds
+        # Tokens fed to the model, and of them the targets trained on (fewer with masks), in the log line.
+        counts = {"tokens": tokens, "trained_tokens": (trained := sum(r.trained_tokens for r in pending)),
+                  "trained_tokens_per_s": round(trained / seconds, 1)}
         peak = self.backend.peak_flops()
         perf = {
             "tokens_per_s": round(tokens_per_s, 1),
@@ -118,6 +122,6 @@ class Reporter:
             if scalars is not None:
                 log.info("step", step=logged, max_steps=self.train.max_steps,
                          **{k: round(v, 5) for k, v in scalars.items()},
-                         **{k: v for k, v in perf.items() if v is not None})
+                         **{k: v for k, v in perf.items() if v is not None}, **counts)
 
         self.backend.read_values([result.values for result in pending], publish)

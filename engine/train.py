@@ -29,7 +29,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine import events, exit_codes
-from engine.attention import build_attention
+from engine.attention import build_attention, build_mask
 from engine.backends import build_backend
 from engine.backoff import Backoff
 from engine.badput import Badput
@@ -68,8 +68,10 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(inputs)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over the targets not ignored (engine.data.batch)."""
+        hidden = self.model(inputs, segments, positions)
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
@@ -86,12 +88,12 @@ class Trainer:
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
                                      inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
-        kernel, attention = build_attention(spec.attention, self.backend)
+        kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
         # Built on the meta device, then given its weights one tensor at a time in their final
         # placement: made on the host from the seed, so every backend starts from the same weights.
         with torch.device("meta"):
-            self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn)
+            self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn, build_mask(kernel))
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
         source = None  # the init_from directory, when this start takes its weights
         if spec.model.init_from is not None and not parts(checkpoints):  # parts: committed or not
@@ -120,7 +122,8 @@ class Trainer:
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
         skips_path = layout.skips_file(spec.name)
         self.loader = PackedLoader(data.train, micro_batch_size, accum,
-                                   spec.train.seed, self.backend.data, read_skips(skips_path), data.identity)
+                                   spec.train.seed, self.backend.data, read_skips(skips_path), data.identity,
+                                   spec.data.document_mask, self.backend.global_loss)
         self.batches = Prefetcher(self.loader, self.backend.host_ready)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
@@ -130,7 +133,7 @@ class Trainer:
                 raise ConfigError("eval", "the dataset has no validation split: prepare it with --val-fraction "
                                   "or --val-docs")
             self.evaluator = Evaluator(spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module,
-                                       self.bf16, self.badput, self.hooks.emit)
+                                       self.bf16, self.badput, self.hooks.emit, spec.data.document_mask)
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
                                          self.hooks.emit, hosts, memory_dir=memory_dir())
@@ -215,11 +218,15 @@ class Trainer:
         started = time.monotonic()
         # The phases are record_function scopes so `tpud profile` (engine.profiling) can tell them apart.
         with self.badput.timing("data"), record_function("tpud.data"):
-            batch = self.backend.to_device(self.batches.batch(p.step, p.micro_step))
+            batch = self.batches.batch(p.step, p.micro_step).map(self.backend.to_device)
+            # Device data, not a constant: under XLA every weight runs the same graph.
+            weight = self.backend.to_device(torch.tensor(self.loader.loss_weight(p.step, p.micro_step)))
         last = p.micro_step == accum - 1
         with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
             with self.backend.autocast(self.bf16), record_function("tpud.forward"):
-                loss = self.module(batch[:, :-1], batch[:, 1:])
+                # Weighted by its share of the step's targets (1.0 without masks): divided by the
+                # micro-batch count below, the step's loss is that of one batch of all its targets.
+                loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions) * weight
             if self.faults.poisons(self.loader.index(p.step, p.micro_step)):
                 loss = loss * float("nan")  # NaN gradients too, and so NaN weights: a real blow-up
             with record_function("tpud.backward"):
@@ -228,7 +235,7 @@ class Trainer:
         if not last:  # the step's last micro-batch runs on into the optimizer step: one graph under XLA
             self.backend.micro_step_end()
         p.micro_step += 1
-        p.tokens_seen += batch.shape[0] * (batch.shape[1] - 1) * self.backend.data.world
+        p.tokens_seen += batch.inputs.numel() * self.backend.data.world
         self._micro_seconds = time.monotonic() - started
 
     @record_function("tpud.optimizer")
@@ -246,7 +253,7 @@ class Trainer:
         self.backend.step_end()
         p.step, p.micro_step, p.loss_sum = p.step + 1, 0, None
         self.badput.startup_ends()  # the first step is startup's last part; a no-op after it
-        return StepResult(p.step, values, self.optimizer.param_groups[0]["lr"])
+        return StepResult(p.step, values, self.optimizer.param_groups[0]["lr"], self.loader.step_targets(p.step - 1))
 
     # --- requests and checkpoints ---
 

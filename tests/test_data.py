@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from engine.backends.base import DataPosition
+from engine.data.batch import Batch
 from engine.data.corpus import stdlib_corpus
 from engine.errors import ConfigError
 from tests.recorders import array_loader
@@ -25,16 +26,18 @@ TOKENS = np.arange(8 * 10, dtype=np.int64) % 256  # ten windows of 8 tokens, eac
 def test_batches_are_a_pure_function_of_seed_and_step():
     first = loader(TOKENS)
     again = loader(TOKENS)
-    assert torch.equal(first.batch(3, 0), again.batch(3, 0))  # fresh loader, same batch: resumable
-    assert not torch.equal(first.batch(3, 0), loader(TOKENS, seed=1).batch(3, 0))
-    assert first.batch(0, 0).shape == (4, 8) and first.batch(0, 0).dtype == torch.int64
+    assert first.batch(3, 0) == again.batch(3, 0)  # fresh loader, same batch: resumable
+    assert first.batch(3, 0) != loader(TOKENS, seed=1).batch(3, 0)
+    batch = first.batch(0, 0)
+    assert batch.inputs.shape == batch.targets.shape == (4, 7) and batch.inputs.dtype == torch.int64
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])  # targets: the inputs shifted by one
 
 
 def test_every_window_is_seen_once_per_epoch():
     data = loader(TOKENS, mb=5)
-    starts = torch.cat([data.batch(0, 0), data.batch(1, 0)])[:, 0]
+    starts = torch.cat([data.batch(0, 0).inputs, data.batch(1, 0).inputs])[:, 0]
     assert sorted(starts.tolist()) == list(range(0, 80, 8))  # two batches = one epoch of ten windows
-    next_epoch = torch.cat([data.batch(2, 0), data.batch(3, 0)])[:, 0]
+    next_epoch = torch.cat([data.batch(2, 0).inputs, data.batch(3, 0).inputs])[:, 0]
     assert sorted(next_epoch.tolist()) == list(range(0, 80, 8))
     assert not torch.equal(starts, next_epoch)  # reshuffled
 
@@ -42,9 +45,9 @@ def test_every_window_is_seen_once_per_epoch():
 def test_ranks_and_micro_batches_partition_the_global_batch():
     whole = loader(TOKENS, mb=4).batch(1, 0)
     ranks = [loader(TOKENS, mb=2, rank=r, world=2).batch(1, 0) for r in range(2)]
-    assert torch.equal(torch.cat(ranks), whole)
+    assert Batch.cat(ranks) == whole
     micros = loader(TOKENS, mb=2, accum=2)
-    assert torch.equal(torch.cat([micros.batch(1, 0), micros.batch(1, 1)]), whole)
+    assert Batch.cat([micros.batch(1, 0), micros.batch(1, 1)]) == whole
 
 
 def test_corpus_too_small_is_an_error():

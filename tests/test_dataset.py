@@ -12,6 +12,7 @@ from engine import events, exit_codes
 from engine.backends.base import DataPosition
 from engine.data import order
 from engine.data.dataset import Prepared, open_data
+from engine.data.batch import Batch
 from engine.data.loader import PackedLoader
 from engine.data.pipeline import prepare
 from engine.data.options import Options
@@ -78,7 +79,7 @@ def test_a_mixture_reads_each_dataset_in_its_weight(tmp_path):
     cfg = load_spec(TINY_JOB, [f"data.mixture=[{{dataset: {tmp_path / 'a'}, weight: 3}}, "
                                f"{{dataset: {tmp_path / 'b'}, weight: 1}}]", "data.seq_len=32"]).data
     data = open_data(cfg, seed=0, cache_root=tmp_path, vocab_size=300)
-    rows = data.train.rows(np.arange(4000))
+    rows = data.train.read("rows", np.arange(4000))
     share_a = (rows[:, 0] == ord("a")).mean()
     assert abs(share_a - 0.75) < 0.01 and ((rows[:, 0] == ord("a")) | (rows[:, 0] == ord("b")) | (rows[:, 0] == 256)).all()
     assert data.identity == f"{a.identity}*3;{b.identity}*1"
@@ -91,8 +92,8 @@ def test_global_batches_do_not_depend_on_the_number_of_ranks(dataset, tmp_path):
     four = [PackedLoader(data.train, 1, 1, position=DataPosition(r, 4)) for r in range(4)]
     for step in (0, 3, 10**9):
         whole = one.batch(step, 0)
-        assert torch.equal(torch.cat([loader.batch(step, 0) for loader in two]), whole)
-        assert torch.equal(torch.cat([loader.batch(step, 0) for loader in four]), whole)
+        assert Batch.cat([loader.batch(step, 0) for loader in two]) == whole
+        assert Batch.cat([loader.batch(step, 0) for loader in four]) == whole
 
 
 def test_windows_straddle_shards_and_match_the_token_stream(dataset):

@@ -43,6 +43,28 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tiny_spec, t
     assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=1e-5)
 
 
+def test_two_ddp_ranks_weigh_uneven_document_masked_targets_like_one_process(tiny_spec, tmp_path):
+    """Short documents: each rank's slice holds its own number of targets; the gradients' average
+    over ranks must still be the loss over every target of the global batch."""
+    from engine.data.pipeline import prepare
+    from engine.data.prepare import Options
+    from tests import corpus
+
+    source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(300), "jsonl")
+    prepare(Options(inputs=(str(source),), tokenizer="bytes", out=str(tmp_path / "docs"), workers=1, progress=False))
+    masked = [f"data.dataset={tmp_path / 'docs'}", "model.vocab_size=264", "data.document_mask=true",
+              "train.mixed_precision=fp32", "train.grad_accum_steps=2", "data.seq_len=32"]
+    ddp = torchrun(tmp_path / "ddp", *masked, "data.micro_batch_size=2", "device.mesh.data=-1", "device.mesh.fsdp=1")
+    recorded = StepLosses()
+    single = Trainer(tiny_spec(*COMMON, *masked, "data.micro_batch_size=4"), tmp_path / "one", recorded)
+    single.run()
+    counts = [single.loader._target_counts(step) for step in range(4)]
+    assert len({int(c.sum()) for c in counts}) > 1  # the steps' target counts differ
+    assert ddp["losses"] == pytest.approx(recorded.losses, rel=1e-5)
+    weights = [p.detach().sum().item() for p in single.model.parameters()]
+    assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=1e-5)
+
+
 def test_a_request_reaching_one_rank_is_carried_out_by_all(tmp_path):
     # Under the default mesh (FSDP over both ranks); no rank hangs in a checkpoint the other skipped.
     torchrun(tmp_path, "data.micro_batch_size=2", PROBE_RANK0_CHECKPOINT_AT="2,0")

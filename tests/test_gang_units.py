@@ -54,7 +54,7 @@ def test_the_samples_of_a_step_are_the_same_on_three_ranks_and_on_two(tiny_spec)
         rows = []
         for rank in range(world):
             loader = PackedLoader(samples, micro, accum, 0, DataPosition(rank, world))
-            rows += [tuple(r) for m in range(accum.at(step)) for r in loader.batch(step, m).tolist()]
+            rows += [tuple(r) for m in range(accum.at(step)) for r in loader.batch(step, m).inputs.tolist()]
         return sorted(rows)
 
     for step in (0, 5):

@@ -13,6 +13,7 @@ import torch
 from engine import events, exit_codes
 from engine.backends.base import DataPosition
 from engine.checkpoint import manifest as mf
+from engine.data.batch import Batch
 from engine.data.loader import AccumSchedule, merge_skips, read_skips, write_skips
 from tests.recorders import array_loader
 from engine.hooks import Boundary
@@ -41,8 +42,8 @@ def stream(data, steps):
 def test_a_skipped_range_is_jumped_over_and_everything_after_moves_on():
     flat, skipping = loader(), loader(skips=[(2, 1)])
     assert stream(skipping, 6) == [0, 1, 3, 4, 5, 6]
-    assert torch.equal(skipping.batch(2, 0), flat.batch(3, 0))
-    assert torch.equal(skipping.batch(1, 0), flat.batch(1, 0))  # before the range: unchanged
+    assert skipping.batch(2, 0) == flat.batch(3, 0)
+    assert skipping.batch(1, 0) == flat.batch(1, 0)  # before the range: unchanged
     assert skipping.tokens_in_steps(0, 6) == flat.tokens_in_steps(0, 6)  # the same work per step
     assert skipping.state_dict() == flat.state_dict()  # the geometry check does not see skips
 
@@ -64,7 +65,7 @@ def test_every_rank_skips_the_same_micro_batches():
     for step in range(4):
         for m in range(2):
             ranks = [loader(accum=2, mb=2, rank=r, world=2, skips=skip).batch(step, m) for r in range(2)]
-            assert torch.equal(torch.cat(ranks), whole.batch(step, m))
+            assert Batch.cat(ranks) == whole.batch(step, m)
 
 
 @pytest.mark.parametrize("seed", range(20))

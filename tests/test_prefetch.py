@@ -25,11 +25,11 @@ def test_batches_are_the_loaders_in_order_after_jumps_and_when_skips_change():
                  (7, 1), (7, 2),                                  # a jump (a resume mid-step)
                  (2, 0)]                                          # and back (a rollback)
         for step, micro in order:
-            assert torch.equal(batches.batch(step, micro), loader.batch(step, micro)), (step, micro)
+            assert batches.batch(step, micro) == loader.batch(step, micro), (step, micro)
         loader.skips = [(loader.index(8, 0), 3)]  # a skip recorded while (8, 0) was being read
-        assert torch.equal(batches.batch(2, 1), loader.batch(2, 1))
-        assert torch.equal(batches.batch(2, 2), loader.batch(2, 2))
-        assert torch.equal(batches.batch(8, 0), loader.batch(8, 0))
+        assert batches.batch(2, 1) == loader.batch(2, 1)
+        assert batches.batch(2, 2) == loader.batch(2, 2)
+        assert batches.batch(8, 0) == loader.batch(8, 0)
     finally:
         batches.close()
     # The batches asked for in order came from the prefetching thread, not the caller's.

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from engine.backends.base import DataPosition
 from engine.spec.schema import SchedulerConfig, TrainConfig
+from engine.data.batch import Batch
 from engine.data.loader import AccumSchedule
 from tests.recorders import array_loader
 from engine import events
@@ -158,7 +159,7 @@ TOKENS = np.arange(8 * 97, dtype=np.int64)  # 97 windows of 8 distinct tokens: e
 
 
 def window_ids(batch):
-    return (batch[:, 0] // 8).tolist()
+    return (batch.inputs[:, 0] // 8).tolist()
 
 
 def test_loader_positions_are_contiguous_across_a_ramp_change():
@@ -168,7 +169,7 @@ def test_loader_positions_are_contiguous_across_a_ramp_change():
     ramped = [loader.batch(step, m) for step in range(12) for m in range(RAMP.at(step))]
     assert len(ramped) == RAMP.before(12) == 3 + 4 + 3 + 6 * 4
     for g, batch in enumerate(ramped):
-        assert torch.equal(batch, flat.batch(g, 0))
+        assert batch == flat.batch(g, 0)
     # Non-overlapping: the first epoch's 97 windows are each seen once before any repeats.
     seen = [w for batch in ramped for w in window_ids(batch)]
     assert sorted(seen[:97]) == list(range(97)) and len(set(seen[:97])) == 97
@@ -183,9 +184,9 @@ def test_ranks_and_micro_batches_partition_the_global_batch_under_a_ramp():
     for step in range(5):
         # The step's global batch: micro-batches x ranks x 2 samples, right after the previous step's.
         first, n = ramp.before(step) * 2 * 2, ramp.at(step) * 2 * 2
-        expected = torch.cat([one.batch(g, 0) for g in range(first, first + n)])
+        expected = Batch.cat([one.batch(g, 0) for g in range(first, first + n)])
         parts = [ranks[r].batch(step, m) for m in range(ramp.at(step)) for r in range(2)]
-        assert torch.equal(torch.cat(parts), expected)
+        assert Batch.cat(parts) == expected
 
 
 def test_tokens_in_steps_counts_each_steps_micro_batches():

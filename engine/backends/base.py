@@ -44,11 +44,16 @@ class Backend:
     device: torch.device
     # Kernels this backend can run, best first; the first is what `auto` picks.
     attention_kernels: tuple[str, ...]
+    # Those of them that mask packed documents (data.document_mask) at their speed, best first.
+    document_mask_kernels: tuple[str, ...]
     # Devices that share one training step (for MFU), and this process's data slice.
     num_devices: int = 1
     data: DataPosition = DataPosition()
     mesh = None
     bf16: bool = False
+    # Whether one program's loss covers every process's slice of the batch (SPMD), rather than each
+    # process's loss its own slice, their gradients then averaged (DDP, FSDP).
+    global_loss: bool = False
 
     def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
         if not enabled:

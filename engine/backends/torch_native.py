@@ -38,6 +38,12 @@ def _checkpoint(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 
 
+# Attention kernels per device type, best first: all, and those that mask packed documents at
+# their speed. On CUDA sdpa takes a document mask only as a dense [B, 1, T, T] one, which rules
+# out its flash kernel; flex keeps it.
+KERNELS = {"cuda": (("sdpa", "flex", "eager"), ("flex", "eager")), "cpu": (("sdpa", "eager"), ("sdpa", "eager"))}
+
+
 class TorchBackend(Backend):
     checkpoint_fn = staticmethod(_checkpoint)
 
@@ -53,11 +59,10 @@ class TorchBackend(Backend):
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
-            self.attention_kernels = ("sdpa", "eager")
             self.bf16 = torch.cuda.is_bf16_supported()
         else:
             self.device = torch.device("cpu")
-            self.attention_kernels = ("sdpa", "eager")
+        self.attention_kernels, self.document_mask_kernels = KERNELS[device_type]
         self.distributed = world > 1
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
@@ -139,7 +144,7 @@ class TorchBackend(Backend):
         return batch.pin_memory() if self.device.type == "cuda" else batch
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and batch.dim():  # a scalar stays a host number: a kernel argument
             return batch.pin_memory().to(self.device, non_blocking=True)  # pin_memory: a no-op when pinned
         return batch
 

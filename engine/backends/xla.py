@@ -39,6 +39,7 @@ def weight_partition(name: str, param: torch.Tensor) -> tuple | None:
 
 class XlaBackend(Backend):
     name = "xla"
+    global_loss = True
     memory_tier = False  # sharded state: its shards would need the SPMD planners the disk tier uses
 
     def __init__(self, cfg: DeviceConfig, cache_dir: str | None):
@@ -70,6 +71,7 @@ class XlaBackend(Backend):
             self.agreement_group = dist.new_group(backend="gloo")
         self.device_kind = self._tpu_type()
         self.attention_kernels = ("splash", "flash", "eager") if self.device_kind else ("eager",)
+        self.document_mask_kernels = self.attention_kernels  # the Pallas kernels take segment ids
         self.bf16 = True
         self._peak_flops = cfg.peak_flops
         self._input_sharding = xs.ShardingSpec(self.mesh, (BATCH_AXES, None), minibatch=True)
@@ -137,6 +139,8 @@ class XlaBackend(Backend):
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
+        if not batch.dim():  # a scalar (a loss weight) is device data, not a constant: one graph for every value
+            return batch.to(self.device)
         (on_device,) = xm.send_cpu_data_to_device([batch], self.device, input_sharding=self._input_sharding)
         return on_device
 

@@ -16,6 +16,12 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 def stdlib_corpus(max_bytes: int) -> np.ndarray:
     """Byte tokens of the stdlib's .py files, concatenated, up to max_bytes."""
+    return stdlib_documents(max_bytes)[0]
+
+
+def stdlib_documents(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The corpus, and its document index as a prepared split stores it (engine.data.shards):
+    0, then where each file ends."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -31,4 +37,5 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
             break
     if total == 0:
         raise FileNotFoundError(f"no Python source found under {root}")
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    ends = np.cumsum([0] + [len(chunk) for chunk in chunks], dtype=np.uint64)
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8), ends

@@ -8,6 +8,9 @@ at 50 TB. Three ways to turn samples into windows:
     InOrder   window g mod n: the fixed validation batches
     Mixed     several sources blended in fixed proportions (engine.data.order.Blend)
 
+With document masking a window also has segment ids (which document each token is in),
+read from the split's stored document index, never guessed from an end-of-text token.
+
 Every stream is a pure function of the sample index, so the loader above it has no state to
 save and a resume at step 10^9 costs what a resume at step 10 does. Torch-free.
 """
@@ -22,7 +25,7 @@ import numpy as np
 
 from engine.data import manifest as mf
 from engine.data import order
-from engine.data.shards import ArrayStream, TokenStream
+from engine.data.shards import ArrayStream, TokenStream, document_index
 from engine.errors import ConfigError
 from engine.spec.schema import DataConfig
 
@@ -33,47 +36,86 @@ class Samples(Protocol):
     n: int  # windows in one pass over the data
     window: int
 
-    def rows(self, samples: np.ndarray) -> np.ndarray:
-        """[len(samples), window] tokens: the window of each global sample index."""
+    def read(self, what: str, samples: np.ndarray) -> np.ndarray:
+        """`what` (a Windows method: rows, segments or boundaries) of each global sample index's window."""
 
 
 class Windows:
-    """Non-overlapping windows of `window` tokens; a trailing partial window is dropped."""
+    """Non-overlapping windows of `window` tokens; a trailing partial window is dropped.
 
-    def __init__(self, stream: TokenStream | ArrayStream, window: int, name: str):
-        self.stream, self.window, self.name = stream, window, name
+    documents: the stream's document index (0, then where each document ends), for the
+    segment ids of document masking; None when the job does not mask.
+    """
+
+    def __init__(self, stream: TokenStream | ArrayStream, window: int, name: str, documents: np.ndarray | None = None):
+        self.stream, self.window, self.name, self.documents = stream, window, name, documents
         self.n = stream.n_tokens // window
 
+    def read(self, what: str, windows: np.ndarray) -> np.ndarray:
+        return getattr(self, what)(np.asarray(windows, dtype=np.int64))
+
     def rows(self, windows: np.ndarray) -> np.ndarray:
+        """[len(windows), window] tokens."""
         return np.stack([self.stream.read(int(w) * self.window, (int(w) + 1) * self.window) for w in windows])
+
+    def _inside(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each window's first token, and the range [lo, hi) of the index's entries strictly inside
+        it: the ends of earlier documents, so where documents begin (a few pages of the index,
+        whatever its size)."""
+        begins = windows.astype(np.uint64) * np.uint64(self.window)
+        lo = np.searchsorted(self.documents, begins, "right")
+        return begins, lo, np.searchsorted(self.documents, begins + np.uint64(self.window), "left")
+
+    def _starts(self, begin: np.uint64, lo: int, hi: int) -> np.ndarray:
+        """Offsets in a window (1 .. window - 1) where a document begins."""
+        return np.unique(self.documents[lo:hi] - begin).astype(np.int64)  # unique: an empty document starts nothing
+
+    def segments(self, windows: np.ndarray) -> np.ndarray:
+        """int32 [len(windows), window]: each token's document, counted from the window's first (0)."""
+        out = np.zeros((len(windows), self.window), dtype=np.int32)
+        for row, inside in zip(out, zip(*self._inside(windows))):
+            row[self._starts(*inside)] = 1
+        return np.cumsum(out, axis=1, dtype=np.int32)
+
+    def boundaries(self, windows: np.ndarray) -> np.ndarray:
+        """int64 [len(windows)]: documents beginning inside each window, each one a prediction
+        (the previous document's last token -> its first) that no loss is taken on."""
+        begins, lo, hi = self._inside(windows)
+        counts = (hi - lo).astype(np.int64)
+        for i in np.flatnonzero(counts > 1):  # only there can an empty document repeat an end
+            counts[i] = len(self._starts(begins[i], lo[i], hi[i]))
+        return counts
 
 
 class Shuffled:
     def __init__(self, windows: Windows, seed: int):
         self.windows, self.seed = windows, seed
         self.n, self.window = windows.n, windows.window
-        self._epoch, self._perm = -1, None
+        self._cached: tuple[int, order.Permutation | None] = (-1, None)
 
     def _permutation(self, epoch: int) -> order.Permutation:
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, order.Permutation(self.n, order.key_of(SHUFFLE_KEY, self.seed, epoch))
-        return self._perm
+        # One attribute, replaced whole: the prefetch thread and the training thread (counting a
+        # step's targets) both read samples, and must never pair one epoch with another's order.
+        cached = self._cached
+        if cached[0] != epoch:
+            cached = self._cached = (epoch, order.Permutation(self.n, order.key_of(SHUFFLE_KEY, self.seed, epoch)))
+        return cached[1]
 
-    def rows(self, samples: np.ndarray) -> np.ndarray:
+    def read(self, what: str, samples: np.ndarray) -> np.ndarray:
         epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n)
         windows = np.empty_like(positions)
         for epoch in np.unique(epochs):
             at = epochs == epoch
             windows[at] = self._permutation(int(epoch))(positions[at])
-        return self.windows.rows(windows)
+        return self.windows.read(what, windows)
 
 
 class InOrder:
     def __init__(self, windows: Windows):
         self.windows, self.n, self.window = windows, windows.n, windows.window
 
-    def rows(self, samples: np.ndarray) -> np.ndarray:
-        return self.windows.rows(np.asarray(samples, dtype=np.int64) % self.n)
+    def read(self, what: str, samples: np.ndarray) -> np.ndarray:
+        return self.windows.read(what, np.asarray(samples, dtype=np.int64) % self.n)
 
 
 class Mixed:
@@ -81,13 +123,16 @@ class Mixed:
         self.parts, self.blend = parts, order.Blend(weights, order.key_of(SHUFFLE_KEY, seed, len(parts)))
         self.n, self.window = sum(p.n for p in parts), parts[0].window
 
-    def rows(self, samples: np.ndarray) -> np.ndarray:
+    def read(self, what: str, samples: np.ndarray) -> np.ndarray:
         which, index = self.blend(samples)
-        out = np.empty((len(which), self.window), dtype=np.int64)
+        out = None
         for i, part in enumerate(self.parts):
             at = which == i
             if at.any():
-                out[at] = part.rows(index[at])
+                values = part.read(what, index[at])
+                if out is None:
+                    out = np.empty((len(which), *values.shape[1:]), dtype=values.dtype)
+                out[at] = values
         return out
 
 
@@ -102,12 +147,14 @@ class Prepared:
     def open(cls, path: str | Path) -> Prepared:
         return cls(Path(path), mf.read(path))
 
-    def windows(self, split: str, window: int) -> Windows | None:
-        """The split cut into windows; None when it holds less than one window."""
+    def windows(self, split: str, window: int, documents: bool = False) -> Windows | None:
+        """The split cut into windows, with its document index if `documents`; None when it holds
+        less than one window."""
         entry = self.manifest.splits.get(split)
         if entry is None or entry.tokens < window:
             return None
-        return Windows(TokenStream(self.path, entry), window, f"{self.path} ({split})")
+        return Windows(TokenStream(self.path, entry), window, f"{self.path} ({split})",
+                       document_index(self.path, entry) if documents else None)
 
 
 @dataclass(frozen=True)
@@ -125,13 +172,14 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
     model_dir: the local model.init_from directory, whose tokenizer the datasets must share."""
     window = data.seq_len + 1
     if not data.datasets:
-        from engine.data.corpus import stdlib_corpus
+        from engine.data.corpus import stdlib_documents
 
-        tokens = stdlib_corpus(data.corpus_bytes)
+        tokens, ends = stdlib_documents(data.corpus_bytes)
         max_token = int(tokens.max())
         if max_token >= vocab_size:
             raise ConfigError("model.vocab_size", f"{vocab_size} is below the corpus's largest token id")
-        return TrainingData(Shuffled(Windows(ArrayStream(tokens), window, "stdlib"), seed), None, "stdlib",
+        windows = Windows(ArrayStream(tokens), window, "stdlib", ends if data.document_mask else None)
+        return TrainingData(Shuffled(windows, seed), None, "stdlib",
                             max_token, {"corpus": "stdlib", "corpus_tokens": len(tokens)})
     mixture = bool(data.mixture)
     keys = [f"data.mixture.{i}.dataset" if mixture else "data.dataset" for i in range(len(data.datasets))]
@@ -142,7 +190,7 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
     trains, vals = [], []
     for i, (dataset, key) in enumerate(zip(prepared, keys)):
         try:
-            train, val = dataset.windows("train", window), dataset.windows("val", window)
+            train, val = (dataset.windows(split, window, data.document_mask) for split in ("train", "val"))
         except (ValueError, OSError) as e:  # a shard missing, truncated or damaged
             raise ConfigError(key, str(e)) from None
         if train is None:

@@ -14,19 +14,25 @@ micro-batches of all earlier steps, counted in closed form from the ramp.
 After a non-finite loss the supervisor rolls back and the batches of the bad step are
 skipped (`skips`): the stream of micro-batches jumps over them, so every later step reads
 the micro-batches that follow, still a pure function of (seed, skips, step, micro-step, rank).
+
+When targets are left out of the loss (document masking), micro-batches hold different numbers
+of targets; each micro-batch's loss is weighted (`loss_weight`) by its share of the step's
+targets, counted over the whole global batch, which every process can do alone: the counts too
+are a pure function of the step.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from engine.backends.base import DataPosition
+from engine.data.batch import Batch
 from engine.data.dataset import Samples
 from engine.errors import ConfigError
 from engine.spec.schema import TrainConfig
@@ -112,7 +118,10 @@ def write_skips(path: Path, skips: Skips) -> None:
 class PackedLoader:
     def __init__(self, samples: Samples, micro_batch_size: int, accum: AccumSchedule | int,
                  seed: int = 0, position: DataPosition = DataPosition(), skips: Iterable[Iterable[int]] = (),
-                 identity: str = ""):
+                 identity: str = "", document_mask: bool = False, global_loss: bool = False):
+        """document_mask: batches carry segment ids, positions and ignored boundary targets.
+        global_loss: one program's loss covers every process's slice (SPMD), instead of each
+        process's loss its own slice with the gradients averaged over processes (DDP, FSDP)."""
         self.samples, self.window = samples, samples.window
         self.n_windows = samples.n
         if self.n_windows < micro_batch_size:
@@ -121,7 +130,9 @@ class PackedLoader:
         self.micro_batch_size = micro_batch_size
         self.accum = accum if isinstance(accum, AccumSchedule) else AccumSchedule(accum)
         self.seed, self.position, self.identity = seed, position, identity
+        self.document_mask, self.global_loss = document_mask, global_loss
         self.skips = skips
+        self._counted: tuple[tuple[int, ...], np.ndarray] | None = None  # the last step's target counts
 
     @property
     def skips(self) -> Skips:
@@ -154,19 +165,52 @@ class PackedLoader:
         """Tokens this process feeds the model in steps start .. stop - 1."""
         return (self.accum.before(stop) - self.accum.before(start)) * self.micro_batch_size * (self.window - 1)
 
-    def batch(self, step: int, micro_step: int) -> torch.Tensor:
-        """int64 [micro_batch_size, seq_len + 1] for this process's slice of the global batch."""
+    def batch(self, step: int, micro_step: int) -> Batch:
+        """This process's slice of the global batch: micro_batch_size sequences of seq_len."""
         if not 0 <= micro_step < self.accum.at(step):
             raise IndexError(f"step {step} has {self.accum.at(step)} micro-batches, not a micro-step {micro_step}")
         # A skipped micro-batch index is skipped on every rank: ranks share the global index.
         return self.rows(self.index(step, micro_step))
 
-    def rows(self, index: int) -> torch.Tensor:
+    def _samples(self, index: int, rank: int) -> np.ndarray:
+        first = (index * self.position.world + rank) * self.micro_batch_size
+        return np.arange(first, first + self.micro_batch_size)
+
+    def rows(self, index: int) -> Batch:
         """This rank's slice of global micro-batch `index` of the stream."""
-        pos = self.position
-        first = (index * pos.world + pos.rank) * self.micro_batch_size
-        rows = self.samples.rows(np.arange(first, first + self.micro_batch_size))
-        return torch.from_numpy(rows.astype(np.int64))
+        samples = self._samples(index, self.position.rank)
+        segments = self.samples.read("segments", samples) if self.document_mask else None
+        return Batch.of(self.samples.read("rows", samples), segments)
+
+    def _target_counts(self, step: int) -> np.ndarray:
+        """[micro-batches, ranks]: the targets trained on in each rank's slice of each micro-batch
+        of `step`; from the document index alone, no tokens read."""
+        indices = tuple(self.index(step, m) for m in range(self.accum.at(step)))
+        if self._counted is None or self._counted[0] != indices:
+            world, full = self.position.world, self.micro_batch_size * (self.window - 1)
+            counts = np.full((len(indices), world), full, dtype=np.int64)
+            if self.document_mask:
+                for (i, index), r in itertools.product(enumerate(indices), range(world)):
+                    counts[i, r] -= self.samples.read("boundaries", self._samples(index, r)).sum()
+            self._counted = indices, counts
+        return self._counted[1]
+
+    def step_targets(self, step: int) -> int:
+        """The targets trained on in the whole global batch of `step`."""
+        return int(self._target_counts(step).sum())
+
+    def loss_weight(self, step: int, micro_step: int) -> float:
+        """What micro-batch `micro_step`'s mean loss is multiplied by, before the step divides
+        by its micro-batch count as without masks, so that the step's loss is the sum over every
+        target of the global batch divided by their number: one large batch's loss, whatever
+        share of the targets each micro-batch and rank holds. 1.0 exactly when every micro-batch
+        holds as many targets as every other (no masks)."""
+        counts = self._target_counts(step)
+        total = max(int(counts.sum()), 1)
+        if self.global_loss:  # the loss's mean is over the whole micro-batch; nothing averages it
+            return len(counts) * int(counts[micro_step].sum()) / total
+        # The mean is over this rank's slice, and the ranks' gradients are averaged.
+        return len(counts) * int(counts[micro_step, self.position.rank]) * self.position.world / total
 
     def state_dict(self) -> dict:
         # Position is a function of the step; the data's identity (seed included) and geometry

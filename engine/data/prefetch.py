@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.data.batch import Batch
 from engine.data.loader import PackedLoader
 
 
@@ -22,20 +23,20 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpud-prefetch")
         self._next: tuple[int, Future] | None = None
 
-    def batch(self, step: int, micro_step: int) -> torch.Tensor:
+    def batch(self, step: int, micro_step: int) -> Batch:
         """loader.batch(step, micro_step), made ready for the device; starts reading the one after."""
         index = self.loader.index(step, micro_step)
         after = (step, micro_step + 1) if micro_step + 1 < self.loader.accum.at(step) else (step + 1, 0)
         if self._next is not None and self._next[0] == index:
             batch = self._next[1].result()
         else:
-            batch = self.host_ready(self.loader.batch(step, micro_step))
+            batch = self.loader.batch(step, micro_step).map(self.host_ready)
         following = self.loader.index(*after)
         self._next = (following, self._pool.submit(self._read, following))
         return batch
 
-    def _read(self, index: int) -> torch.Tensor:
-        return self.host_ready(self.loader.rows(index))
+    def _read(self, index: int) -> Batch:
+        return self.loader.rows(index).map(self.host_ready)
 
     def close(self) -> None:
         self._next = None

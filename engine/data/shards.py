@@ -106,6 +106,11 @@ def _open(path: Path, expected: FileEntry) -> np.memmap:
     return np.memmap(path, dtype=dtype, mode="r", offset=10 + length, shape=(count,))
 
 
+def document_index(directory: Path, split: Split) -> np.memmap:
+    """The split's document index (uint64: 0, then where each document ends), memory-mapped."""
+    return _open(directory / split.index.path, split.index)
+
+
 class TokenStream:
     """A split's tokens, read by position across its memory-mapped shards."""
 

@@ -17,8 +17,11 @@ from torch import nn
 
 from engine.spec.schema import ModelConfig, RopeScaling
 
-# (q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, H, T, D], causal.
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], mask) -> [B, H, T, D]: causal, and with a
+# mask (the kernel's MaskFn of the segment ids) each token attends within its own document only.
+AttentionFn = Callable[..., torch.Tensor]
+# segment ids [B, T] -> the mask its kernel takes, made once per forward for every layer.
+MaskFn = Callable[[torch.Tensor], object]
 # Wraps a block call to recompute its activations in backward (backends supply their own).
 CheckpointFn = Callable[..., torch.Tensor]
 
@@ -56,14 +59,21 @@ def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
 
 
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T]: query t sees key s <= t of the same document (segment id)."""
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
+    return (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + D/2]) of x [B, H, T, D] by position-dependent angles.
+    """Rotate pairs (x[i], x[i + D/2]) of x [B, H, T, D] by position-dependent angles; cos and
+    sin broadcast against [B, H, T, D/2].
 
     The half-split layout (not interleaved pairs) keeps everything real-valued and
     contiguous, which XLA and the fused GPU kernels both handle well.
     """
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, None], sin[None, None]
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.to(x.dtype)
 
@@ -78,13 +88,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attention_fn = attention_fn
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attention_fn(q, k, v)
+        out = self.attention_fn(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -109,15 +119,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn, checkpoint_fn: CheckpointFn | None = None):
+    def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn, checkpoint_fn: CheckpointFn | None = None,
+                 mask_fn: MaskFn = document_mask):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.mask_fn = cfg, mask_fn
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, attention_fn) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -148,13 +159,21 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> final hidden states [B, T, dim] (after the last norm)."""
-        t = tokens.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> final hidden states [B, T, dim] (after the last norm).
+
+        With segment ids and positions [B, T] (document masking), each token attends only to
+        earlier tokens of its own document, at RoPE positions that restart with each document."""
+        if positions is None:
+            t = tokens.shape[1]
+            cos, sin = self.rope_cos[:t][None, None], self.rope_sin[:t][None, None]
+        else:
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        mask = None if segments is None else self.mask_fn(segments)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = self.checkpoint_fn(layer, h, cos, sin) if self.checkpoint_fn else layer(h, cos, sin)
+            h = self.checkpoint_fn(layer, h, cos, sin, mask) if self.checkpoint_fn else layer(h, cos, sin, mask)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ class ModelConfig(Section):
         return self.multiple_of * -(-hidden // self.multiple_of)
 
 
-AttentionKernel = Literal["auto", "sdpa", "eager", "flash", "splash"]
+AttentionKernel = Literal["auto", "sdpa", "eager", "flex", "flash", "splash"]
 
 
 class FlashBlocks(Section):
@@ -148,6 +148,11 @@ class DataConfig(Section):
     corpus_bytes: PositiveInt = Field(8_000_000, description="Upper bound on the built-in corpus's size.")
     seq_len: PositiveInt = 256
     micro_batch_size: PositiveInt = Field(16, description="Sequences per micro-batch per data-parallel rank.")
+    document_mask: bool = Field(
+        False, description="Each token attends only to earlier tokens of its own document, at RoPE positions that "
+        "restart with it, and no loss is taken on predicting a document's first token from the previous one; "
+        "documents come from the dataset's stored boundaries (the built-in corpus: its files). Needs a kernel "
+        "that masks: cpu sdpa or eager, cuda flex or eager, any xla kernel.")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
