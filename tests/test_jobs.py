@@ -575,3 +575,19 @@ def test_a_failed_upload_is_a_failing_gcs_tier_in_status_until_the_next_upload(m
         "gcs checkpoint failed 2 times in a row, last at step 20 0s ago: upload failed; it is retried"]
     report((20, 0), Transfer("step_000000020", 1, 5, 0, 0.5))
     assert job.snapshot()["warnings"] == [] and job.snapshot()["checkpoints"]["gcs"]["step"] == 20
+
+
+def test_a_worker_that_fails_after_its_final_checkpoint_is_not_restarted(make_job):
+    """A worker that aborts in its teardown after committing max_steps has nothing left to train:
+    restarting it would only wait for a gang whose other hosts are done."""
+    make, now = make_job
+    job = make()
+    job.start()
+    job.handle(events.CheckpointCommitted(job.spec.train.max_steps - 1, 0, "interval", "/c/a"))
+    job.worker_exited(134)  # before the final step: a crash like any other
+    assert job.state is State.BACKOFF
+    now[0] = job.backoff_until
+    job.tick()
+    job.handle(events.CheckpointCommitted(job.spec.train.max_steps, 0, "final", "/c/b"))
+    job.worker_exited(134)
+    assert job.state is State.SUCCEEDED and "(then exit 134)" in job.record.history[-1]["reason"]

@@ -117,6 +117,9 @@ class Encoder:
         return ids, lengths, tag
 
     def _died(self, span: str) -> PrepareError:
+        # A worker killed as it started is gone from active_children() before the snapshot above
+        # saw it; the executor's own table (private, hence the default) still holds it.
+        self.processes.update(getattr(self.pool, "_processes", None) or {})
         for process in self.processes.values():
             process.join(timeout=1)
         how = sorted({_how(p.exitcode) for p in self.processes.values() if p.exitcode not in (None, 0)})

@@ -62,6 +62,13 @@ class JobCheckpoints:
         self.metrics.checkpoint_found(self.job, tier="local", step=step, at=manifest.created_unix)
         return self.last
 
+    def holds_step(self, step: int) -> bool:
+        """Whether the newest committed local checkpoint (a gang's: globally) is at least `step`: a
+        worker that fails after committing max_steps (an abort in its teardown) left nothing to train,
+        and a restart would only wait for a gang whose other hosts are done."""
+        local = self.tiers.get("local")
+        return local is not None and local.micro_step == 0 and local.step >= step
+
     def wait_for_next(self, after_step: int) -> Future:
         """A future resolved with the next local commit of `after_step` or later."""
         waiter = Waiter(Future(), after_step=after_step)

@@ -89,8 +89,7 @@ class Job:
         self.clock, self.stop_timeout, self.name = clock, stop_timeout, spec.name
         self.state = State.PENDING
         self.digest: str | None = None  # of the job file this spec came from
-        self.error: str | None = None
-        self.error_detail: list[str] = []
+        self.error, self.error_detail = None, []  # what failed, and a crash's traceback lines
         self.report = WorkerReport(self.name, metrics, clock)
         self.checkpoints = JobCheckpoints(self.name, metrics, lambda: self.spec.checkpoint, loop.post)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
@@ -295,8 +294,9 @@ class Job:
         self.checkpoints.fail_waiters(f"worker exited ({status}) before the checkpoint")
         log.info("worker exited", job=self.name, status=status, stop_reason=self.stop_reason)
         self.ledger.worker_exited(lost_work=status not in (exit_codes.OK, exit_codes.STOPPED))
-        if status == exit_codes.OK:
-            self._set(State.SUCCEEDED, "reached max_steps")
+        if status == exit_codes.OK or (self.stop_reason != "reload"  # a worker failing after its final save
+                                       and self.checkpoints.holds_step(self.spec.train.max_steps)):
+            self._set(State.SUCCEEDED, "reached max_steps" + (f" (then exit {status})" if status else ""))
         elif self.stop_reason == "reload":  # however it exited, the new spec takes over
             self._adopt(self.next_spec or self.spec)
             self.start()
