@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -81,11 +82,10 @@ class Encoder:
 
     def __init__(self, tokenizer: tk.Tokenizer, workers: int):
         self.tokenizer = tokenizer
-        self.pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker,
-                                        (tokenizer,)) if workers > 1 else None
+        self.context = _RecordingContext()
+        self.pool = ProcessPoolExecutor(workers, self.context, _init_worker, (tokenizer,)) if workers > 1 else None
         self.pending: collections.deque[tuple[Future, object, int, str]] = collections.deque()
         self.in_flight, self.budget = 0, 2 * workers * CHUNK_CHARS
-        self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
 
     def submit(self, texts: list[str], tag: object, span: str) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
         """Queue a chunk (`span` names its records); yields the results collected to make room."""
@@ -99,9 +99,12 @@ class Encoder:
             self.pending.append((self.pool.submit(_encode, texts), tag, chars, span))
         except BrokenProcessPool:
             raise self._died(span) from None
+        except (OSError, ValueError):
+            # Starting a worker just as another dies can trip over the pipes the pool is closing.
+            if not self._ended():
+                raise
+            raise self._died(span) from None
         self.in_flight += chars
-        # The pool starts its workers as work arrives; keep them to tell how one died.
-        self.processes.update((p.pid, p) for p in multiprocessing.active_children())
 
     def drain(self) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
         while self.pending:
@@ -116,19 +119,46 @@ class Encoder:
         self.in_flight -= chars
         return ids, lengths, tag
 
+    def _ended(self) -> list[multiprocessing.process.BaseProcess]:
+        started = [p for p in self.context.started if p.pid is not None]
+        ready = multiprocessing.connection.wait([p.sentinel for p in started], timeout=0)
+        return [p for p in started if p.sentinel in ready]
+
     def _died(self, span: str) -> PrepareError:
-        # A worker killed as it started is gone from active_children() before the snapshot above
-        # saw it; the executor's own table (private, hence the default) still holds it.
-        self.processes.update(getattr(self.pool, "_processes", None) or {})
-        for process in self.processes.values():
-            process.join(timeout=1)
-        how = sorted({_how(p.exitcode) for p in self.processes.values() if p.exitcode not in (None, 0)})
+        # The pool knows a worker died when its sentinel closes, which the kernel does a moment
+        # before the exit status can be read: wait for the status of those.
+        ended = self._ended()
+        for process in ended:
+            process.join()
+        codes = {p.exitcode for p in ended} - {0}
+        if len(codes) > 1:
+            codes.discard(-signal.SIGTERM)  # how the pool stops the others once one has died
+        how = sorted(map(_how, codes))
+        # The pool stops only the workers in its table; one it was starting as the other died can
+        # sit on the task queue's lock forever, and the pool's shutdown waits for it.
+        for process in self.context.started:
+            if process not in ended and process.pid is not None and process.is_alive():
+                process.kill()
+                process.join()
         return PrepareError(f"a tokenizer process died ({', '.join(how) or 'it exited'}) while encoding {span}; "
                             f"nothing was written (for a document too large for memory, lower --max-doc-bytes)")
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _RecordingContext(multiprocessing.context.SpawnContext):
+    """Spawn, keeping every worker process the pool makes: its exit status outlives the pool's table."""
+
+    def __init__(self):
+        super().__init__()
+        self.started: list[multiprocessing.process.BaseProcess] = []
+
+    def Process(self, *args, **kwargs):  # noqa: N802 (multiprocessing's name)
+        process = super().Process(*args, **kwargs)
+        self.started.append(process)
+        return process
 
 
 def _how(exitcode: int) -> str:
