@@ -2,8 +2,9 @@
 
 Every evaluation reads the same `eval.batches` micro-batches (the validation split in order,
 each rank its slice of each), so the values of one run compare with each other and with a
-resumed run's. The loss is the mean over those micro-batches across every rank; the time
-counts as its own badput kind.
+resumed run's. The loss is the sum over every target of those micro-batches, across every rank,
+divided by their number (masked targets left out, as in training); the time counts as its own
+badput kind.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Evaluator:
     def __init__(self, cfg: EvalConfig, samples: Samples, micro_batch_size: int, backend: Backend,
                  module: nn.Module, bf16: bool, badput: Badput, emit: Emit, document_mask: bool = False):
         self.cfg, self.backend, self.module, self.bf16 = cfg, backend, module, bf16
-        self.batches = PackedLoader(samples, micro_batch_size, 1, position=backend.data, document_mask=document_mask)
+        self.batches = PackedLoader(samples, micro_batch_size, 1, position=backend.data, document_mask=document_mask,
+                                    global_loss=backend.global_loss)
         self.badput, self.emit = badput, emit
         self.last_step: int | None = None
 
@@ -43,10 +45,12 @@ class Evaluator:
         started = time.monotonic()
         with self.badput.timing("eval"), torch.no_grad():
             total = None
+            counts = self.batches.target_counts(tuple(range(self.cfg.batches)))
             for index in range(self.cfg.batches):
                 batch = self.batches.rows(index).map(self.backend.to_device)
                 with self.backend.autocast(self.bf16):
                     loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions).detach().float()
+                loss = loss * self.batches.weight(counts, index)
                 total = loss if total is None else total + loss
                 self.backend.micro_step_end()
             values: list[float] = []

@@ -3,8 +3,8 @@ ids and RoPE positions of each token.
 
 Made on the host from windows of seq_len + 1 tokens (engine.data.loader). A target the loss
 must leave out is IGNORE, which every loss honours (engine.losses): the prediction from one
-document's last token to the next one's first, and (later) the targets a loss mask drops, so a
-new reason to ignore a target changes this module only.
+document's last token to the next one's first, and the targets a loss mask drops (the prompts
+of chat data), so a new reason to ignore a target changes this module only (`kept`).
 """
 
 from __future__ import annotations
@@ -28,19 +28,20 @@ class Batch:
     positions: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, rows: np.ndarray, segments: np.ndarray | None = None) -> Batch:
-        """From windows [B, T + 1] of tokens and, when documents are masked, their segment ids."""
+    def of(cls, rows: np.ndarray, segments: np.ndarray | None = None, masks: np.ndarray | None = None) -> Batch:
+        """From windows [B, T + 1] of tokens and, when documents are masked, their segment ids;
+        masks: the windows' loss masks (1: a trained target), when the data has them."""
         rows = rows.astype(np.int64)
         tokens = torch.from_numpy(rows)
+        keep = kept(segments, masks)
+        targets = tokens[:, 1:] if keep is None else torch.from_numpy(np.where(keep, rows[:, 1:], IGNORE))
         if segments is None:
-            return cls(tokens[:, :-1], tokens[:, 1:])
-        crossing = segments[:, 1:] != segments[:, :-1]  # target t is the next document's first token
-        targets = np.where(crossing, IGNORE, rows[:, 1:])
+            return cls(tokens[:, :-1], targets)
         segments = np.ascontiguousarray(segments[:, :-1], dtype=np.int32)  # the inputs'
         index = np.arange(segments.shape[1], dtype=np.int32)
         starts = np.where(np.diff(segments, axis=1, prepend=segments[:, :1]) != 0, index, 0)
         positions = index - np.maximum.accumulate(starts, axis=1)
-        return cls(tokens[:, :-1], torch.from_numpy(targets), torch.from_numpy(segments), torch.from_numpy(positions))
+        return cls(tokens[:, :-1], targets, torch.from_numpy(segments), torch.from_numpy(positions))
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """fn applied to each tensor (pinning, sending to the device)."""
@@ -59,3 +60,13 @@ class Batch:
         """One batch of the sequences of several (ranks' slices of a global batch), in order."""
         return cls(**{f.name: None if (values := [getattr(b, f.name) for b in batches])[0] is None
                       else torch.cat(values) for f in fields(cls)})
+
+
+def kept(segments: np.ndarray | None, masks: np.ndarray | None) -> np.ndarray | None:
+    """bool [B, T]: which targets of windows [B, T + 1] the loss takes; None for all of them."""
+    keep = None
+    if segments is not None:
+        keep = segments[:, 1:] == segments[:, :-1]  # not the next document's first token
+    if masks is not None:
+        keep = masks[:, 1:].astype(bool) if keep is None else keep & masks[:, 1:].astype(bool)
+    return keep

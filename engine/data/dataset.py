@@ -9,7 +9,8 @@ at 50 TB. Three ways to turn samples into windows:
     Mixed     several sources blended in fixed proportions (engine.data.order.Blend)
 
 With document masking a window also has segment ids (which document each token is in),
-read from the split's stored document index, never guessed from an end-of-text token.
+read from the split's stored document index, never guessed from an end-of-text token. Chat
+data also has a loss mask (which tokens are trained targets), stored beside its tokens.
 
 Every stream is a pure function of the sample index, so the loader above it has no state to
 save and a resume at step 10^9 costs what a resume at step 10 does. Torch-free.
@@ -35,9 +36,10 @@ SHUFFLE_KEY = 0x5348_5546
 class Samples(Protocol):
     n: int  # windows in one pass over the data
     window: int
+    masked: bool  # whether some windows have a loss mask
 
     def read(self, what: str, samples: np.ndarray) -> np.ndarray:
-        """`what` (a Windows method: rows, segments or boundaries) of each global sample index's window."""
+        """`what` (a Windows method: rows, segments, boundaries or masks) of each global sample index's window."""
 
 
 class Windows:
@@ -45,11 +47,14 @@ class Windows:
 
     documents: the stream's document index (0, then where each document ends), for the
     segment ids of document masking; None when the job does not mask.
+    masks: the stream's loss mask (chat data), None when every token is trained.
     """
 
-    def __init__(self, stream: TokenStream | ArrayStream, window: int, name: str, documents: np.ndarray | None = None):
-        self.stream, self.window, self.name, self.documents = stream, window, name, documents
+    def __init__(self, stream: TokenStream | ArrayStream, window: int, name: str, documents: np.ndarray | None = None,
+                 masks: TokenStream | None = None):
+        self.stream, self.window, self.name, self.documents, self.mask_stream = stream, window, name, documents, masks
         self.n = stream.n_tokens // window
+        self.masked = masks is not None
 
     def read(self, what: str, windows: np.ndarray) -> np.ndarray:
         return getattr(self, what)(np.asarray(windows, dtype=np.int64))
@@ -57,6 +62,12 @@ class Windows:
     def rows(self, windows: np.ndarray) -> np.ndarray:
         """[len(windows), window] tokens."""
         return np.stack([self.stream.read(int(w) * self.window, (int(w) + 1) * self.window) for w in windows])
+
+    def masks(self, windows: np.ndarray) -> np.ndarray:
+        """uint8 [len(windows), window]: 1 where a token is a trained target."""
+        if self.mask_stream is None:
+            return np.ones((len(windows), self.window), dtype=np.uint8)
+        return np.stack([self.mask_stream.read(int(w) * self.window, (int(w) + 1) * self.window) for w in windows])
 
     def _inside(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each window's first token, and the range [lo, hi) of the index's entries strictly inside
@@ -90,7 +101,7 @@ class Windows:
 class Shuffled:
     def __init__(self, windows: Windows, seed: int):
         self.windows, self.seed = windows, seed
-        self.n, self.window = windows.n, windows.window
+        self.n, self.window, self.masked = windows.n, windows.window, windows.masked
         self._cached: tuple[int, order.Permutation | None] = (-1, None)
 
     def _permutation(self, epoch: int) -> order.Permutation:
@@ -112,7 +123,7 @@ class Shuffled:
 
 class InOrder:
     def __init__(self, windows: Windows):
-        self.windows, self.n, self.window = windows, windows.n, windows.window
+        self.windows, self.n, self.window, self.masked = windows, windows.n, windows.window, windows.masked
 
     def read(self, what: str, samples: np.ndarray) -> np.ndarray:
         return self.windows.read(what, np.asarray(samples, dtype=np.int64) % self.n)
@@ -122,6 +133,7 @@ class Mixed:
     def __init__(self, parts: list, weights: list[float], seed: int):
         self.parts, self.blend = parts, order.Blend(weights, order.key_of(SHUFFLE_KEY, seed, len(parts)))
         self.n, self.window = sum(p.n for p in parts), parts[0].window
+        self.masked = any(p.masked for p in parts)
 
     def read(self, what: str, samples: np.ndarray) -> np.ndarray:
         which, index = self.blend(samples)
@@ -154,7 +166,8 @@ class Prepared:
         if entry is None or entry.tokens < window:
             return None
         return Windows(TokenStream(self.path, entry), window, f"{self.path} ({split})",
-                       document_index(self.path, entry) if documents else None)
+                       document_index(self.path, entry) if documents else None,
+                       TokenStream(self.path, entry, masks=True) if entry.masks else None)
 
 
 @dataclass(frozen=True)
@@ -189,6 +202,11 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
         raise ConfigError(*problems[0])
     trains, vals = [], []
     for i, (dataset, key) in enumerate(zip(prepared, keys)):
+        chat = dataset.manifest.chat
+        if chat is not None and chat.window != window:
+            raise ConfigError("data.seq_len", f"{data.seq_len}, but {key} {dataset.path} packs its conversations "
+                              f"into windows of {chat.window} tokens: set data.seq_len to {chat.window - 1} "
+                              f"(or prepare it again with --seq-len {data.seq_len})")
         try:
             train, val = (dataset.windows(split, window, data.document_mask) for split in ("train", "val"))
         except (ValueError, OSError) as e:  # a shard missing, truncated or damaged

@@ -15,7 +15,7 @@ After a non-finite loss the supervisor rolls back and the batches of the bad ste
 skipped (`skips`): the stream of micro-batches jumps over them, so every later step reads
 the micro-batches that follow, still a pure function of (seed, skips, step, micro-step, rank).
 
-When targets are left out of the loss (document masking), micro-batches hold different numbers
+When targets are left out of the loss (document masking, the loss masks of chat data), micro-batches hold different numbers
 of targets; each micro-batch's loss is weighted (`loss_weight`) by its share of the step's
 targets, counted over the whole global batch, which every process can do alone: the counts too
 are a pure function of the step.
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends.base import DataPosition
-from engine.data.batch import Batch
+from engine.data.batch import Batch, kept
 from engine.data.dataset import Samples
 from engine.errors import ConfigError
 from engine.spec.schema import TrainConfig
@@ -180,18 +180,25 @@ class PackedLoader:
         """This rank's slice of global micro-batch `index` of the stream."""
         samples = self._samples(index, self.position.rank)
         segments = self.samples.read("segments", samples) if self.document_mask else None
-        return Batch.of(self.samples.read("rows", samples), segments)
+        masks = self.samples.read("masks", samples) if self.samples.masked else None
+        return Batch.of(self.samples.read("rows", samples), segments, masks)
 
     def _target_counts(self, step: int) -> np.ndarray:
-        """[micro-batches, ranks]: the targets trained on in each rank's slice of each micro-batch
-        of `step`; from the document index alone, no tokens read."""
-        indices = tuple(self.index(step, m) for m in range(self.accum.at(step)))
+        return self.target_counts(tuple(self.index(step, m) for m in range(self.accum.at(step))))
+
+    def target_counts(self, indices: tuple[int, ...]) -> np.ndarray:
+        """[micro-batches, ranks]: the targets trained on in each rank's slice of each global
+        micro-batch of `indices`; from the document index (and loss masks) alone, no tokens read."""
         if self._counted is None or self._counted[0] != indices:
             world, full = self.position.world, self.micro_batch_size * (self.window - 1)
             counts = np.full((len(indices), world), full, dtype=np.int64)
-            if self.document_mask:
-                for (i, index), r in itertools.product(enumerate(indices), range(world)):
-                    counts[i, r] -= self.samples.read("boundaries", self._samples(index, r)).sum()
+            for (i, index), r in itertools.product(enumerate(indices), range(world)):
+                samples = self._samples(index, r)
+                if self.samples.masked:
+                    segments = self.samples.read("segments", samples) if self.document_mask else None
+                    counts[i, r] = np.count_nonzero(kept(segments, self.samples.read("masks", samples)))
+                elif self.document_mask:
+                    counts[i, r] -= self.samples.read("boundaries", samples).sum()
             self._counted = indices, counts
         return self._counted[1]
 
@@ -205,12 +212,15 @@ class PackedLoader:
         target of the global batch divided by their number: one large batch's loss, whatever
         share of the targets each micro-batch and rank holds. 1.0 exactly when every micro-batch
         holds as many targets as every other (no masks)."""
-        counts = self._target_counts(step)
+        return self.weight(self._target_counts(step), micro_step)
+
+    def weight(self, counts: np.ndarray, micro: int) -> float:
+        """Micro-batch `micro`'s loss weight among target counts [micro-batches, ranks] (`loss_weight`)."""
         total = max(int(counts.sum()), 1)
         if self.global_loss:  # the loss's mean is over the whole micro-batch; nothing averages it
-            return len(counts) * int(counts[micro_step].sum()) / total
+            return len(counts) * int(counts[micro].sum()) / total
         # The mean is over this rank's slice, and the ranks' gradients are averaged.
-        return len(counts) * int(counts[micro_step, self.position.rank]) * self.position.world / total
+        return len(counts) * int(counts[micro, self.position.rank]) * self.position.world / total
 
     def state_dict(self) -> dict:
         # Position is a function of the step; the data's identity (seed included) and geometry

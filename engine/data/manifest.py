@@ -5,6 +5,8 @@
     DIR/train-00000.npy ...   token shards: the split's documents' tokens in source order,
     DIR/val-00000.npy ...     each followed by end-of-text (and led by BOS where defined)
     DIR/train-docs.npy        document offsets into the split's token stream (uint64, docs + 1)
+    DIR/train-mask-00000.npy  chat and prompt/completion data: which tokens are trained targets
+                              (uint8, one per token, shard for shard beside the token shards)
 
 A split's tokens are one stream cut into shards of a fixed number of tokens, so a document
 may straddle two shards; shards are storage, documents and windows are positions in the
@@ -45,6 +47,23 @@ class Split(_Model):
     tokens: int
     shards: list[FileEntry]
     index: FileEntry  # the document offsets
+    masks: list[FileEntry] = []  # loss masks, aligned with the shards (chat data only)
+    targets: int | None = Field(None, description="Tokens trained on (the masks' sum); None: every token.")
+
+
+class Chat(_Model):
+    """How conversations became windows (`tpud prepare --format chat|prompt-completion`)."""
+
+    format: Literal["chat", "prompt-completion"]
+    template_sha256: str
+    template: str  # where the template came from
+    train_on: Literal["assistant", "all", "last"]
+    window: int = Field(description="Tokens per packed window: the job's data.seq_len + 1.")
+    overlong: Literal["drop", "truncate"]
+    conversations: int = Field(0, description="Conversations packed, over both splits.")
+    dropped: int = Field(0, description="Conversations longer than a window, dropped (or left with no target).")
+    truncated: int = 0
+    padding_tokens: int = 0
 
 
 class Tokenizer(_Model):
@@ -81,11 +100,12 @@ class Manifest(_Model):
     sources: list[SourceEntry]
     skipped: Skips
     options: dict
+    chat: Chat | None = None
 
     @property
     def files(self) -> list[FileEntry]:
         """Every data file, the tokenizer's included: what a copy must carry."""
-        entries = [entry for split in self.splits.values() for entry in (*split.shards, split.index)]
+        entries = [entry for split in self.splits.values() for entry in (*split.shards, *split.masks, split.index)]
         if self.tokenizer.file:
             entries.append(self.tokenizer.file)
         return entries

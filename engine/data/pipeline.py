@@ -44,9 +44,10 @@ import structlog
 
 from engine.checkpoint.manifest import file_crc32c
 from engine.data import manifest as mf
-from engine.data import order, sources
+from engine.data import chat, order, sources
 from engine.data import tokenizer as tk
 from engine.data.options import Options, PrepareError
+from engine.data.packing import ConversationEncoder, Encoded, Packer
 from engine.data.shards import SplitWriter
 from engine.layout import atomic_write, fsync_path
 
@@ -59,17 +60,23 @@ VAL_KEY = 0x5641_4C49  # the validation draw's hash key, mixed with --seed
 
 # --- worker processes ---
 
-_worker_tokenizer: tk.Tokenizer | None = None
+_worker: tuple[tk.Tokenizer, ConversationEncoder | None] | None = None
 
 
-def _init_worker(tokenizer: tk.Tokenizer) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer: tk.Tokenizer, conversations: ConversationEncoder | None) -> None:
+    global _worker
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core is the parallelism
-    _worker_tokenizer = tokenizer
+    _worker = tokenizer, conversations
 
 
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _worker_tokenizer.encode_batch(texts)
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray] | Encoded:
+    return _encode_with(*_worker, texts)
+
+
+def _encode_with(tokenizer: tk.Tokenizer, conversations: ConversationEncoder | None,
+                 texts: list[str]) -> tuple[np.ndarray, np.ndarray] | Encoded:
+    """Texts as framed ids and lengths; conversations as an Encoded chunk."""
+    return tokenizer.encode_batch(texts) if conversations is None else conversations.encode(tokenizer, texts)
 
 
 class Encoder:
@@ -80,17 +87,18 @@ class Encoder:
     only add the copying between the two, and its start-up.
     """
 
-    def __init__(self, tokenizer: tk.Tokenizer, workers: int):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: tk.Tokenizer, workers: int, conversations: ConversationEncoder | None = None):
+        self.tokenizer, self.conversations = tokenizer, conversations
         self.context = _RecordingContext()
-        self.pool = ProcessPoolExecutor(workers, self.context, _init_worker, (tokenizer,)) if workers > 1 else None
+        self.pool = ProcessPoolExecutor(workers, self.context, _init_worker,
+                                        (tokenizer, conversations)) if workers > 1 else None
         self.pending: collections.deque[tuple[Future, object, int, str]] = collections.deque()
         self.in_flight, self.budget = 0, 2 * workers * CHUNK_CHARS
 
-    def submit(self, texts: list[str], tag: object, span: str) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
-        """Queue a chunk (`span` names its records); yields the results collected to make room."""
+    def submit(self, texts: list[str], tag: object, span: str) -> Iterator[tuple[object, object]]:
+        """Queue a chunk (`span` names its records); yields the (result, tag) pairs collected to make room."""
         if self.pool is None:
-            yield (*self.tokenizer.encode_batch(texts), tag)
+            yield _encode_with(self.tokenizer, self.conversations, texts), tag
             return
         chars = sum(map(len, texts))
         while self.pending and self.in_flight + chars > self.budget:
@@ -106,18 +114,18 @@ class Encoder:
             raise self._died(span) from None
         self.in_flight += chars
 
-    def drain(self) -> Iterator[tuple[np.ndarray, np.ndarray, object]]:
+    def drain(self) -> Iterator[tuple[object, object]]:
         while self.pending:
             yield self._collect()
 
-    def _collect(self) -> tuple[np.ndarray, np.ndarray, object]:
+    def _collect(self) -> tuple[object, object]:
         future, tag, chars, span = self.pending.popleft()
         try:
-            ids, lengths = future.result()
+            result = future.result()
         except BrokenProcessPool:
             raise self._died(span) from None
         self.in_flight -= chars
-        return ids, lengths, tag
+        return result, tag
 
     def _ended(self) -> list[multiprocessing.process.BaseProcess]:
         started = [p for p in self.context.started if p.pid is not None]
@@ -184,23 +192,26 @@ class Reader:
     def records(self) -> Iterator[sources.Record]:
         self.skips, self.bytes_done = mf.Skips(), 0
         self.per_source = {s.url: [0, 0] for s in self.inputs}
-        by_reason: collections.Counter = collections.Counter()
-        examples: list[str] = []
         for source in self.inputs:
             counts = self.per_source[source.url]
-            for item in sources.read(source, self.opts.text_field, self.opts.max_doc_bytes):
+            field = sources.Conversations(self.opts.format) if self.opts.chat else self.opts.text_field
+            for item in sources.read(source, field, self.opts.max_doc_bytes):
                 if isinstance(item, sources.Problem):
-                    if self.opts.on_error == "fail":
-                        raise PrepareError(f"{item} (--on-error skip skips such records and counts them)")
+                    self.problem(item)
                     counts[1] += 1
-                    by_reason[item.kind] += 1
-                    if len(examples) < 20:
-                        examples.append(str(item))
-                    self.skips = mf.Skips(count=sum(by_reason.values()), by_reason=dict(by_reason), examples=examples)
                     continue
                 counts[0] += 1
                 yield item
             self.bytes_done += source.size
+
+    def problem(self, item: sources.Problem) -> None:
+        """A bad record: raises (fail) or counts it (skip)."""
+        if self.opts.on_error == "fail":
+            raise PrepareError(f"{item} (--on-error skip skips such records and counts them)")
+        by_reason = dict(self.skips.by_reason)
+        by_reason[item.kind] = by_reason.get(item.kind, 0) + 1
+        examples = self.skips.examples + [str(item)] if len(self.skips.examples) < 20 else self.skips.examples
+        self.skips = mf.Skips(count=self.skips.count + 1, by_reason=by_reason, examples=examples)
 
     def texts(self) -> Iterator[str]:
         return (record.text for record in self.records())
@@ -240,12 +251,26 @@ class Progress:
             self.bar.close()
 
 
-def fingerprint(inputs: list[sources.Source], opts: Options, tokenizer_id: str) -> str:
+CHAT_OPTIONS = ("format", "train_on", "seq_len", "overlong")
+
+
+def fingerprint(inputs: list[sources.Source], opts: Options, tokenizer_id: str, template_id: str | None = None) -> str:
     what = {"format": mf.FORMAT, "inputs": [(s.url, s.size, s.mtime) for s in inputs], "tokenizer": tokenizer_id,
             "text_field": opts.text_field, "val_fraction": opts.val_fraction, "val_docs": opts.val_docs,
             "seed": opts.seed, "shard_tokens": opts.shard_tokens, "on_error": opts.on_error,
             "max_doc_bytes": opts.max_doc_bytes}
+    if opts.chat:  # only then: text datasets prepared before chat data existed stay up to date
+        what |= {"chat": {key: getattr(opts, key) for key in CHAT_OPTIONS} | {"template": template_id}}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _template(opts: Options) -> chat.Template | None:
+    if not opts.chat:
+        return None
+    if tk.parse_spec(opts.tokenizer) is not None:
+        raise PrepareError(f"--tokenizer {opts.tokenizer}: chat data needs the model's own tokenizer (a tokenizer "
+                           f"trained here would learn its special tokens from nothing)")
+    return chat.Template.load(opts.tokenizer, opts.chat_template)
 
 
 def _tokenizer_id(spec: str) -> str:
@@ -259,9 +284,10 @@ def prepare(opts: Options) -> mf.Manifest:
     try:
         inputs = sources.discover(opts.inputs, exclude=None if opts.out.startswith("gs://") else opts.out)
         tokenizer_id = _tokenizer_id(opts.tokenizer)
-    except (sources.InputError, tk.TokenizerError) as e:
+        template = _template(opts)
+    except (sources.InputError, tk.TokenizerError, chat.ChatError) as e:
         raise PrepareError(str(e)) from None
-    digest = fingerprint(inputs, opts, tokenizer_id)
+    digest = fingerprint(inputs, opts, tokenizer_id, template and template.sha256)
     if opts.out.startswith("gs://"):
         return _prepare_remote(inputs, opts, digest)
     return _prepare_local(inputs, opts, digest, Path(opts.out))
@@ -351,12 +377,21 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
     tokenizer = _resolve_tokenizer(opts.tokenizer, reader)
     is_val = _val_selector(opts, reader)
     workers = opts.workers or os.cpu_count() or 1
-    writers = {name: SplitWriter(staging, name, tokenizer.dtype, opts.shard_tokens) for name in mf.SPLITS}
+    writers = {name: SplitWriter(staging, name, tokenizer.dtype, opts.shard_tokens, opts.chat) for name in mf.SPLITS}
     progress = Progress(sum(s.size for s in inputs), opts.progress)
-    encoder = Encoder(tokenizer, workers)
+    template = _template(opts)
+    conversations = None if template is None else ConversationEncoder(template, opts.train_on, opts.seq_len + 1,
+                                                                       opts.overlong)
+    packing = Packing(writers, reader, opts.seq_len + 1, tokenizer.eos_id) if opts.chat else None
+    encoder = Encoder(tokenizer, workers, conversations)
 
-    def store(ids: np.ndarray, lengths: np.ndarray, tag: tuple[np.ndarray, int, int]) -> None:
-        val, text_bytes, finished_bytes = tag
+    def store(result: tuple[np.ndarray, np.ndarray] | Encoded, tag: tuple[np.ndarray, int, int, list[str]]) -> None:
+        val, text_bytes, finished_bytes, wheres = tag
+        if packing is not None:
+            packing.add(result, val, wheres)
+            progress.update(len(wheres), len(result.ids), text_bytes, finished_bytes)
+            return
+        ids, lengths = result
         ends = np.cumsum(lengths)
         starts = ends - lengths
         if not val.any():
@@ -370,13 +405,16 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
 
     try:
         ordinal = 0
-        for texts, text_bytes, span in _chunks(reader.records()):
+        for texts, text_bytes, wheres in _chunks(reader.records()):
             val = is_val(np.arange(ordinal, ordinal + len(texts)))
             ordinal += len(texts)
-            for result in encoder.submit(texts, (val, text_bytes, reader.bytes_done), span):
+            for result in encoder.submit(texts, (val, text_bytes, reader.bytes_done, wheres),
+                                         _span(wheres[0], wheres[-1])):
                 store(*result)
         for result in encoder.drain():
             store(*result)
+        if packing is not None:
+            packing.finish()
     finally:
         encoder.close()
         progress.close()
@@ -390,7 +428,7 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
                                   crc32c=file_crc32c(staging / "tokenizer.json"))
     entry = mf.Tokenizer(kind=tokenizer.kind, file=token_file, sha256=tokenizer.sha256,
                          vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id)
-    files = [f for split in splits.values() for f in (*split.shards, split.index)]
+    files = [f for split in splits.values() for f in (*split.shards, *split.masks, split.index)]
     return mf.Manifest(
         identity=mf.identity(tokenizer.sha256, files), fingerprint=digest, dtype=tokenizer.dtype.name,
         tokenizer=entry, splits=splits,
@@ -399,21 +437,58 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
         skipped=reader.skips,
         options={k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "val_docs", "seed",
                                                                 "shard_tokens", "on_error", "tokenizer",
-                                                                "max_doc_bytes")})
+                                                                "max_doc_bytes", *(CHAT_OPTIONS if opts.chat else ()))},
+        chat=None if packing is None else packing.entry(opts, template))
 
 
-def _chunks(records: Iterator[sources.Record]) -> Iterator[tuple[list[str], int, str]]:
-    """Texts in chunks of about CHUNK_CHARS, each with its size and the span of records it holds."""
-    texts, size, first = [], 0, None
+def _chunks(records: Iterator[sources.Record]) -> Iterator[tuple[list[str], int, list[str]]]:
+    """Texts in chunks of about CHUNK_CHARS, each with its size and where each record came from."""
+    texts, size, wheres = [], 0, []
     for record in records:
         texts.append(record.text)
+        wheres.append(record.where)
         size += len(record.text)
-        first = first or record.where
         if size >= CHUNK_CHARS:
-            yield texts, size, _span(first, record.where)
-            texts, size, first = [], 0, None
+            yield texts, size, wheres
+            texts, size, wheres = [], 0, []
     if texts:
-        yield texts, size, _span(first, record.where)
+        yield texts, size, wheres
+
+
+class Packing:
+    """Encoded conversations routed to their split's packer, and the windows packed into its writer;
+    a conversation the template refuses is a bad record (--on-error)."""
+
+    def __init__(self, writers: dict[str, SplitWriter], reader: Reader, window: int, pad_id: int):
+        self.writers, self.reader = writers, reader
+        self.packers = {name: Packer(window, pad_id) for name in writers}
+        self.outcomes: collections.Counter = collections.Counter()
+
+    def add(self, encoded: Encoded, val: np.ndarray, wheres: list[str]) -> None:
+        for i, kind, reason in encoded.notes:
+            if kind == "error":
+                self.reader.problem(sources.Problem(wheres[i], reason, "bad conversation"))
+            self.outcomes[kind] += 1
+        ends = np.cumsum(encoded.lengths)
+        for i in np.flatnonzero(encoded.lengths):
+            name = "val" if val[i] else "train"
+            start = ends[i] - encoded.lengths[i]
+            self._write(name, self.packers[name].add(encoded.ids[start:ends[i]], encoded.masks[start:ends[i]]))
+
+    def finish(self) -> None:
+        for name, packer in self.packers.items():
+            self._write(name, packer.finish())
+
+    def _write(self, name: str, windows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        for ids, masks, lengths in windows:
+            self.writers[name].add(ids, lengths, masks)
+
+    def entry(self, opts: Options, template: chat.Template) -> mf.Chat:
+        return mf.Chat(format=opts.format, template_sha256=template.sha256, template=template.origin,
+                       train_on=opts.train_on, window=opts.seq_len + 1, overlong=opts.overlong,
+                       conversations=sum(p.conversations for p in self.packers.values()),
+                       dropped=self.outcomes["dropped"], truncated=self.outcomes["truncated"],
+                       padding_tokens=sum(p.padding for p in self.packers.values()))
 
 
 def _span(first: str, last: str) -> str:

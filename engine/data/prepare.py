@@ -27,6 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the dataset directory (new or empty, or an earlier run's)")
     parser.add_argument("--text-field", default="text", metavar="NAME",
                         help="the JSON field or parquet/csv column holding the text (default: text)")
+    chat = parser.add_argument_group(
+        "chat and prompt/completion data (fine-tuning)",
+        "Each .jsonl/.json line or parquet row is one conversation, rendered with the tokenizer's chat template; "
+        "a loss mask beside the tokens says which are trained, and whole conversations are packed into windows of "
+        "--seq-len + 1 tokens (none crosses a window).")
+    chat.add_argument("--format", choices=("text", "chat", "prompt-completion"), default="text",
+                      help="text (default): one document per record; chat: {\"messages\": [{\"role\", "
+                      "\"content\"}, ...]} or ShareGPT {\"conversations\": [{\"from\", \"value\"}, ...]}; "
+                      "prompt-completion: {\"prompt\", \"completion\"} (strings or message lists)")
+    chat.add_argument("--chat-template", metavar="PATH",
+                      help="a Jinja chat template file (default: the tokenizer's, from tokenizer_config.json or "
+                      "chat_template.jinja beside tokenizer.json)")
+    chat.add_argument("--train-on", choices=("assistant", "all", "last"), default="assistant",
+                      help="which tokens are trained: every assistant turn with its end-of-turn token (default), "
+                      "the last assistant turn only, or all tokens")
+    chat.add_argument("--seq-len", type=int, metavar="N",
+                      help="the data.seq_len of the jobs that train on it (required for chat data)")
+    chat.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
+                      help="a conversation longer than a window: drop it (default) or keep its first window's "
+                      "tokens; either way counted in the manifest")
     val = parser.add_mutually_exclusive_group()
     val.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                      help="hold out this fraction of documents for validation, chosen by document (default 0)")
@@ -69,7 +89,9 @@ def options(args: argparse.Namespace) -> Options:
                    val_fraction=args.val_fraction, val_docs=args.val_docs, seed=args.seed,
                    shard_tokens=args.shard_tokens, max_doc_bytes=args.max_doc_bytes, on_error=args.on_error,
                    workers=max(0, args.workers),
-                   work_dir=args.work_dir, overwrite=args.overwrite, progress=args.progress)
+                   work_dir=args.work_dir, overwrite=args.overwrite, progress=args.progress, format=args.format,
+                   chat_template=args.chat_template, train_on=args.train_on, seq_len=args.seq_len,
+                   overlong=args.overlong)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     except (PrepareError, DatasetError, OSError, GoogleAPIError) as e:  # bad input, a full disk, a bucket
         print(f"tpud prepare: {e}", file=sys.stderr)
         return 1
-    summary = {name: {"documents": s.documents, "tokens": s.tokens} for name, s in manifest.splits.items()}
+    summary = {name: {"documents": s.documents, "tokens": s.tokens,
+                      **({"targets": s.targets} if s.targets is not None else {})}
+               for name, s in manifest.splits.items()}
     print(json.dumps({"out": args.out, "identity": manifest.identity, "vocab_size": manifest.tokenizer.vocab_size,
                       "splits": summary, "skipped": manifest.skipped.count}))
     return 0

@@ -53,35 +53,56 @@ class NpyAppender:
 
 
 class SplitWriter:
-    """A split's documents, in order, into shards of `shard_tokens` tokens and a document index."""
+    """A split's documents, in order, into shards of `shard_tokens` tokens and a document index;
+    with `masked`, a loss mask beside each shard, cut at the same places."""
 
-    def __init__(self, directory: Path, name: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, directory: Path, name: str, dtype: np.dtype, shard_tokens: int, masked: bool = False):
         self.directory, self.name, self.dtype, self.shard_tokens = directory, name, dtype, shard_tokens
         self.shards: list[FileEntry] = []
-        self.current: NpyAppender | None = None
+        self.masks: list[FileEntry] | None = [] if masked else None
+        self.current: tuple[NpyAppender, NpyAppender | None] | None = None
         self.index = NpyAppender(directory / f"{name}-docs.npy", np.uint64)
         self.index.append(np.zeros(1, dtype=np.uint64))
-        self.tokens = self.documents = 0
+        self.tokens = self.documents = self.targets = 0
 
-    def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-        """Documents whose framed tokens are `ids`, `lengths` tokens each."""
+    def add(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Documents whose framed tokens are `ids`, `lengths` tokens each; `mask` (masked splits):
+        1 where a token is a trained target."""
+        if (mask is None) != (self.masks is None):
+            raise ValueError(f"{self.name}: a loss mask must come with every document of a masked split only")
         self.index.append(self.tokens + np.cumsum(lengths, dtype=np.uint64))
         self.tokens += len(ids)
         self.documents += len(lengths)
+        if mask is not None:
+            self.targets += int(np.count_nonzero(mask))
         while len(ids):
             if self.current is None:
-                self.current = NpyAppender(self.directory / f"{self.name}-{len(self.shards):05d}.npy", self.dtype)
-            room = self.shard_tokens - self.current.length
-            self.current.append(ids[:room])
+                number = len(self.shards)
+                self.current = (NpyAppender(self.directory / f"{self.name}-{number:05d}.npy", self.dtype),
+                                None if mask is None else
+                                NpyAppender(self.directory / f"{self.name}-mask-{number:05d}.npy", np.uint8))
+            tokens, masks = self.current
+            room = self.shard_tokens - tokens.length
+            tokens.append(ids[:room])
             ids = ids[room:]
-            if self.current.length == self.shard_tokens:
-                self.shards.append(self.current.close())
-                self.current = None
+            if masks is not None:
+                masks.append(mask[:room])
+                mask = mask[room:]
+            if tokens.length == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        tokens, masks = self.current
+        self.shards.append(tokens.close())
+        if masks is not None:
+            self.masks.append(masks.close())
+        self.current = None
 
     def close(self) -> Split:
         if self.current is not None:
-            self.shards.append(self.current.close())
-        return Split(documents=self.documents, tokens=self.tokens, shards=self.shards, index=self.index.close())
+            self._close_shard()
+        return Split(documents=self.documents, tokens=self.tokens, shards=self.shards, index=self.index.close(),
+                     masks=self.masks or [], targets=None if self.masks is None else self.targets)
 
 
 def _open(path: Path, expected: FileEntry) -> np.memmap:
@@ -112,10 +133,10 @@ def document_index(directory: Path, split: Split) -> np.memmap:
 
 
 class TokenStream:
-    """A split's tokens, read by position across its memory-mapped shards."""
+    """A split's tokens (or with `masks`, its loss mask), read by position across its memory-mapped shards."""
 
-    def __init__(self, directory: Path, split: Split):
-        self.shards = [_open(directory / entry.path, entry) for entry in split.shards]
+    def __init__(self, directory: Path, split: Split, masks: bool = False):
+        self.shards = [_open(directory / entry.path, entry) for entry in (split.masks if masks else split.shards)]
         self.starts = [0]
         for shard in self.shards:
             self.starts.append(self.starts[-1] + len(shard))

@@ -166,11 +166,40 @@ def _remote_sources(arg: str) -> list[Source]:
     return sorted(sources, key=lambda s: s.url)
 
 
-def read(source: Source, text_field: str, max_doc_bytes: int) -> Iterator[Record | Problem]:
-    """The source's documents in order, or the problems found instead of them."""
+class Conversations:
+    """What a chat or prompt/completion record holds, in place of a text field: each record's
+    conversation becomes a Record whose text is its messages as JSON ([{"role", "content"}, ...])."""
+
+    COLUMNS = {"chat": ("messages", "conversations"), "prompt-completion": ("prompt", "completion")}
+
+    def __init__(self, fmt: str):
+        self.format, self.columns = fmt, self.COLUMNS[fmt]
+
+    def record(self, obj: object, where: str, limit: int) -> Record | Problem:
+        from engine.data.chat import ChatError, conversation
+
+        try:
+            messages = conversation(obj, self.format)
+        except ChatError as e:
+            return Problem(where, str(e), "bad conversation")
+        text = json.dumps(messages, ensure_ascii=False)
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # lone surrogates, from \ud800 escapes
+            return Problem(where, f"invalid UTF-8 in the conversation at character {e.start}", "invalid UTF-8")
+        return _too_long(where, "a conversation", limit) if size > limit else Record(text, where)
+
+
+def read(source: Source, field: str | Conversations, max_doc_bytes: int) -> Iterator[Record | Problem]:
+    """The source's documents in order, or the problems found instead of them; `field` names the
+    text field, or says the records are conversations."""
+    if isinstance(field, Conversations) and source.format not in ("jsonl", "parquet"):
+        yield Problem(source.url, f"{field.format} data is read from .jsonl, .json or .parquet files",
+                      "not conversations")
+        return
     try:
         with source.open() as stream:
-            yield from _READERS[source.format](source.url, stream, text_field, max_doc_bytes)
+            yield from _READERS[source.format](source.url, stream, field, max_doc_bytes)
     except (OSError, EOFError) as e:  # unreadable, truncated or corrupt compressed data
         yield Problem(source.url, f"cannot read: {e}", "unreadable")
 
@@ -195,7 +224,7 @@ def _jsonl(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Recor
         except (json.JSONDecodeError, RecursionError) as e:
             yield Problem(where, f"malformed JSON: {e}", "malformed JSON")
             continue
-        yield _field(obj, field, where, limit)
+        yield field.record(obj, where, limit) if isinstance(field, Conversations) else _field(obj, field, where, limit)
     if empty:
         yield Problem(url, "empty file", "empty file")
 
@@ -354,8 +383,10 @@ def _parquet(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Rec
             yield Problem(url, f"not a readable parquet file: {e}", "unreadable")
             return
         names = parquet.schema_arrow.names
-        if field not in names:
-            yield Problem(url, f"no column {field!r} (columns: {', '.join(map(repr, names[:8]))})", "missing field")
+        columns = [c for c in field.columns if c in names] if isinstance(field, Conversations) else [field]
+        if not columns or columns[0] not in names:
+            wanted = " or ".join(map(repr, field.columns if isinstance(field, Conversations) else [field]))
+            yield Problem(url, f"no column {wanted} (columns: {', '.join(map(repr, names[:8]))})", "missing field")
             return
         if parquet.metadata.num_rows == 0:
             yield Problem(url, "empty file (no rows)", "empty file")
@@ -365,14 +396,19 @@ def _parquet(url: str, stream: BinaryIO, field: str, limit: int) -> Iterator[Rec
             for group in range(parquet.num_row_groups):
                 meta = parquet.metadata.row_group(group)
                 size = sum(meta.column(i).total_uncompressed_size for i in range(meta.num_columns)
-                           if meta.column(i).path_in_schema.split(".")[0] == field)
+                           if meta.column(i).path_in_schema.split(".")[0] in columns)
                 if size > ROW_GROUP_BYTES:
-                    yield Problem(f"{url}:row {row + 1}", f"row group {group} holds {size} bytes of {field!r}, "
+                    yield Problem(f"{url}:row {row + 1}", f"row group {group} holds {size} bytes of {columns}, "
                                   f"more than the {ROW_GROUP_BYTES} read at once (write it with smaller row groups)",
                                   TOO_LONG)
                     row += meta.num_rows
                     continue
-                for batch in parquet.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
+                for batch in parquet.iter_batches(batch_size=1024, row_groups=[group], columns=columns):
+                    if isinstance(field, Conversations):
+                        for obj in batch.to_pylist():
+                            row += 1
+                            yield field.record(obj, f"{url}:row {row}", limit)
+                        continue
                     for value in batch.column(0).to_pylist():
                         row += 1
                         yield _text(value, field, f"{url}:row {row}", limit)

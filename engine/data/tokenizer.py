@@ -41,6 +41,7 @@ class Tokenizer:
     bos_id: int | None
     json: str | None = None  # tokenizer.json's text (huggingface)
     _hf: object = field(default=None, repr=False, compare=False)
+    _specials: np.ndarray | None = field(default=None, repr=False, compare=False)  # ids of special added tokens
 
     @property
     def sha256(self) -> str:
@@ -51,7 +52,7 @@ class Tokenizer:
         return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_hf": None}
+        return {**self.__dict__, "_hf": None, "_specials": None}
 
     def _backend(self):
         if self._hf is None:
@@ -90,6 +91,38 @@ class Tokenizer:
                 seqs[i] = np.concatenate([np.asarray(hf.encode(piece, add_special_tokens=False).ids, dtype=np.uint32)
                                           for piece in pieces(text, piece_chars)])
         return seqs
+
+    def encode_masked(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """A rendered conversation's ids, led by exactly one BOS where the tokenizer has one (a
+        template that renders it keeps its own), and its loss mask (uint8): 1 for each token that
+        starts inside a character span [start, end), a span ending after its first special token
+        (the end of the turn: what follows it, such as a newline, is the template's). The first
+        token is never a target: nothing precedes it."""
+        if self.kind == "bytes":
+            data = text.encode("utf-8")
+            ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint32)
+            starts = np.arange(len(ids))
+            spans = [(len(text[:s].encode("utf-8")), len(text[:e].encode("utf-8"))) for s, e in spans]
+            special = np.zeros(len(ids), dtype=bool)
+        else:
+            hf = self._backend()
+            encoding = hf.encode(text, add_special_tokens=False)
+            ids = np.asarray(encoding.ids, dtype=np.uint32)
+            starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64, count=len(ids))
+            if self._specials is None:
+                self._specials = np.asarray([i for i, t in hf.get_added_tokens_decoder().items() if t.special],
+                                            dtype=np.uint32)
+            special = np.isin(ids, self._specials)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        for start, end in spans:
+            inside = np.flatnonzero((starts >= start) & (starts < end))
+            ends_turn = np.flatnonzero(special[inside])
+            mask[inside[:ends_turn[0] + 1] if len(ends_turn) else inside] = 1
+        if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
+            ids, mask = np.concatenate([[self.bos_id], ids]).astype(np.uint32), np.concatenate([[0], mask]).astype(np.uint8)
+        if len(mask):
+            mask[0] = 0
+        return ids, mask
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
