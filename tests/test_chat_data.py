@@ -44,10 +44,10 @@ def conversations(n: int = 60) -> list[list[dict]]:
     out = []
     for i in range(n):
         turns = [{"role": "user", "content": f"Explain item {i}."},
-                 {"role": "assistant", "content": texts[3 * i][:200]}]
+                 {"role": "assistant", "content": texts[3 * i][:60]}]
         if i % 3 == 0:
             turns = [{"role": "system", "content": "Be brief."}, *turns,
-                     {"role": "user", "content": "And more?"}, {"role": "assistant", "content": texts[3 * i + 1][:90]}]
+                     {"role": "user", "content": "And more?"}, {"role": "assistant", "content": texts[3 * i + 1][:30]}]
         out.append(turns)
     return out
 
@@ -197,7 +197,8 @@ def test_chat_options_are_checked_before_any_work(tmp_path, tokenizer_dir):
 def test_the_bytes_tokenizer_takes_a_template_file(tmp_path):
     template = tmp_path / "chatml.jinja"
     template.write_text(CHATML)
-    out, manifest = prepared(tmp_path, "bytes", [{"messages": c} for c in conversations(6)], chat_template=str(template))
+    out, manifest = prepared(tmp_path, "bytes", [{"messages": c} for c in conversations(6)], chat_template=str(template),
+                             seq_len=511)
     for ids, mask in documents(out, manifest):
         if mask.any():
             trained = bytes(int(t) for t, m in zip(ids, mask) if m).decode()
@@ -223,7 +224,7 @@ def job(dataset, *overrides):
 
 
 def test_batches_leave_the_prompts_out_of_the_loss(chat_dataset, tmp_path):
-    data = open_data(job(chat_dataset).data, seed=0, cache_root=tmp_path, vocab_size=704)
+    data = open_data(job(chat_dataset, "data.document_mask=true").data, seed=0, cache_root=tmp_path, vocab_size=704)
     assert data.train.masked
     loader = PackedLoader(data.train, 4, 1, document_mask=True)
     batch = loader.batch(0, 0)

@@ -58,7 +58,7 @@ class ConversationEncoder:
                     notes.append((i, "dropped", f"{len(rendered)} characters: longer than a window"))
                     continue
                 rendered = rendered[:MAX_CHARS_PER_TOKEN * self.window]
-            tokens, mask = tokenizer.encode_masked(rendered, spans)
+            tokens, mask = tokenizer.encode_masked(rendered, spans, turns=self.train_on != "all")
             if len(tokens) > self.window:
                 if self.overlong == "drop":
                     notes.append((i, "dropped", f"{len(tokens)} tokens: longer than a window of {self.window}"))

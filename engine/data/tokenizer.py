@@ -92,12 +92,12 @@ class Tokenizer:
                                           for piece in pieces(text, piece_chars)])
         return seqs
 
-    def encode_masked(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_masked(self, text: str, spans: list[tuple[int, int]], turns: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """A rendered conversation's ids, led by exactly one BOS where the tokenizer has one (a
         template that renders it keeps its own), and its loss mask (uint8): 1 for each token that
-        starts inside a character span [start, end), a span ending after its first special token
-        (the end of the turn: what follows it, such as a newline, is the template's). The first
-        token is never a target: nothing precedes it."""
+        starts inside a character span [start, end); with `turns` (each span one turn), a span
+        ends after its first special token (the end of the turn: what follows it, such as a
+        newline, is the template's). The first token is never a target: nothing precedes it."""
         if self.kind == "bytes":
             data = text.encode("utf-8")
             ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint32)
@@ -116,7 +116,7 @@ class Tokenizer:
         mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in spans:
             inside = np.flatnonzero((starts >= start) & (starts < end))
-            ends_turn = np.flatnonzero(special[inside])
+            ends_turn = np.flatnonzero(special[inside]) if turns else ()
             mask[inside[:ends_turn[0] + 1] if len(ends_turn) else inside] = 1
         if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
             ids, mask = np.concatenate([[self.bos_id], ids]).astype(np.uint32), np.concatenate([[0], mask]).astype(np.uint8)
