@@ -290,3 +290,45 @@ def test_packer_first_fit_fills_earlier_windows():
     rest = packer.finish()
     assert len(rest) == 1 and rest[0][2].tolist() == [7, 3] and rest[0][1][7:].sum() == 0
     assert packer.padding == 3
+
+
+# --- the README's worked example, small: fine-tune a published model on chat data, export it ---
+
+
+@pytest.mark.in_process
+def test_fine_tuning_a_hub_model_on_chat_data_exports_a_model_transformers_chats_with(tmp_path):
+    import transformers
+
+    from engine.hf.export import export
+
+    model_dir = tmp_path / "model"
+    bpe = chat_tokenizer(tmp_path / "tok")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(bpe / "tokenizer.json"), bos_token="<s>",
+                                                     eos_token="<|im_end|>", pad_token="</s>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=160,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    convs = conversations(80)
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
+    prepare(Options(inputs=(src,), tokenizer=str(model_dir), out=str(tmp_path / "data"), format="chat", seq_len=127,
+                    workers=1, progress=False))
+    spec = load_spec(TINY_JOB, [f"model={json.dumps({'init_from': str(model_dir)})}", f"data.dataset={tmp_path / 'data'}",
+                                "data.seq_len=127", "data.micro_batch_size=4", "data.document_mask=true",
+                                "train.max_steps=3", "train.mixed_precision=fp32", "scheduler.warmup_steps=1",
+                                "checkpoint.interval_steps=3"])
+    trainer = Trainer(spec, tmp_path / "state", Recorder())
+    assert trainer.run() == 0
+    step = tmp_path / "state" / "checkpoints" / spec.name / "step_000000003"
+    export(spec, step, tmp_path / "out", dtype="fp32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    prompt = loaded.apply_chat_template(convs[1][:1], add_generation_prompt=True, tokenize=False)
+    assert prompt == f"<|im_start|>user\n{convs[1][0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    ids = torch.tensor([loaded(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        ours = trainer.model.logits(trainer.model(ids))
+        assert (ours - theirs(ids).logits).abs().max().item() < 1e-4

@@ -114,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
                       **({"targets": s.targets} if s.targets is not None else {})}
                for name, s in manifest.splits.items()}
     print(json.dumps({"out": args.out, "identity": manifest.identity, "vocab_size": manifest.tokenizer.vocab_size,
-                      "splits": summary, "skipped": manifest.skipped.count}))
+                      "splits": summary, "skipped": manifest.skipped.count,
+                      **({"chat": manifest.chat.model_dump(include={"conversations", "dropped", "truncated",
+                                                                    "padding_tokens"})} if manifest.chat else {})}))
     return 0
 
 

@@ -47,7 +47,8 @@ _CONFIG_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 GROUP_BYTES = 256 << 20      # checkpoint tensors loaded per DCP read
 # The files a Hugging Face tokenizer may consist of; copied when present.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja")
 
 
 class ExportError(Exception):

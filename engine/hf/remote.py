@@ -28,9 +28,10 @@ from engine.layout import fsync_path
 
 log = structlog.get_logger()
 
+_TOKENIZER_FILES = r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model|chat_template\.jinja"
 WANTED = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors\.index\.json|[^/]+\.safetensors|"
-                    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model)$")
-TOKENIZER = re.compile(r"^(tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model)$")
+                    rf"{_TOKENIZER_FILES})$")
+TOKENIZER = re.compile(rf"^({_TOKENIZER_FILES})$")
 
 
 def read_config(url: str, limit: int) -> bytes:
