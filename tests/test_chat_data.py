@@ -115,6 +115,17 @@ def test_targets_are_the_assistant_turns_with_their_end_of_turn_token_and_one_bo
     assert [f.tokens for f in entry.masks] == [f.tokens for f in entry.shards]
 
 
+def test_a_template_that_renders_bos_keeps_exactly_one(tmp_path):
+    directory = chat_tokenizer(tmp_path / "llama3", LLAMA3)
+    out, manifest = prepared(tmp_path, directory, [{"messages": c} for c in conversations(20)])
+    tok = tk.load(str(directory))
+    eot = tok._backend().token_to_id("<|eot_id|>")
+    for ids, mask in documents(out, manifest):
+        if mask.any():
+            assert ids[0] == tok.bos_id and (ids == tok.bos_id).sum() == 1
+            assert ids[np.flatnonzero(mask)[-1]] == eot  # the turn ends trained on its end-of-turn token
+
+
 def test_every_conversation_lies_in_one_window_and_padding_is_never_trained(tmp_path, tokenizer_dir):
     out, manifest = prepared(tmp_path, tokenizer_dir, [{"messages": c} for c in conversations()], shard_tokens=500)
     window = manifest.chat.window
