@@ -192,6 +192,20 @@ def test_a_bad_conversation_is_named_or_skipped_and_counted(tmp_path, tokenizer_
     assert any("bad.jsonl:5" in e for e in manifest.skipped.examples)
 
 
+def test_a_conversation_the_template_refuses_is_named_or_skipped(tmp_path):
+    strict = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m['role'] == 'tool' %}"
+                            "{{ raise_exception('no tool turns here') }}{% endif %}")
+    directory = chat_tokenizer(tmp_path / "strict", strict)
+    records = [{"messages": c} for c in conversations(4)]
+    records.insert(1, {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"},
+                                    {"role": "assistant", "content": "ok"}]})
+    with pytest.raises(PrepareError, match=r"refused\.jsonl:2: .*no tool turns here"):
+        prepared(tmp_path, directory, records, name="refused", workers=2)
+    _, manifest = prepared(tmp_path, directory, records, name="refused", on_error="skip")
+    assert manifest.skipped.by_reason == {"bad conversation": 1} and manifest.chat.conversations == 4
+    assert [(s.documents, s.skipped) for s in manifest.sources] == [(4, 1)]
+
+
 def test_chat_options_are_checked_before_any_work(tmp_path, tokenizer_dir):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversations(1)[0]}])
     with pytest.raises(PrepareError, match="--seq-len"):
@@ -247,6 +261,17 @@ def test_batches_leave_the_prompts_out_of_the_loss(chat_dataset, tmp_path):
 def test_a_job_whose_seq_len_is_not_the_packing_is_refused(chat_dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.seq_len.*set data\.seq_len to 63"):
         open_data(job(chat_dataset, "data.seq_len=64").data, seed=0, cache_root=tmp_path, vocab_size=704)
+
+
+def test_tpud_validate_names_a_seq_len_that_is_not_the_packing(chat_dataset, tmp_path, capsys):
+    from tpud.cli import main
+
+    job_file = tmp_path / "sft.yaml"
+    job_file.write_text(f"name: sft\ninclude: {TINY_JOB}\nmodel: {{vocab_size: 704}}\n"
+                        f"data: {{dataset: {chat_dataset}, seq_len: 64}}\n")
+    assert main(["validate", str(job_file)]) == 1
+    assert "set data.seq_len to 63" in capsys.readouterr().err
+    assert main(["validate", str(job_file), "--set", "data.seq_len=63"]) == 0
 
 
 def test_gradient_accumulation_over_masked_targets_is_one_large_batch(chat_dataset, tmp_path):

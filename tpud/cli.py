@@ -53,7 +53,7 @@ def _validate(args: argparse.Namespace) -> int:
             data = loaded.spec.data
             problems = [loaded.problem(key, message) for key, message in
                         local_problems(data.datasets, bool(data.mixture), loaded.spec.model.vocab_size,
-                                       loaded.spec.model.init_from)]
+                                       loaded.spec.model.init_from, data.seq_len)]
             if problems:
                 raise SpecError(problems)
         except SpecError as e:

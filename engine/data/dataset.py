@@ -197,16 +197,12 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
     mixture = bool(data.mixture)
     keys = [f"data.mixture.{i}.dataset" if mixture else "data.dataset" for i in range(len(data.datasets))]
     prepared = [_open(path, key, cache_root) for (path, _), key in zip(data.datasets, keys)]
-    problems = mf.check_vocab([(key, p.manifest) for key, p in zip(keys, prepared)], vocab_size, model_dir)
+    manifests = [(key, p.manifest) for key, p in zip(keys, prepared)]
+    problems = mf.check_vocab(manifests, vocab_size, model_dir) + mf.check_window(manifests, data.seq_len)
     if problems:
         raise ConfigError(*problems[0])
     trains, vals = [], []
     for i, (dataset, key) in enumerate(zip(prepared, keys)):
-        chat = dataset.manifest.chat
-        if chat is not None and chat.window != window:
-            raise ConfigError("data.seq_len", f"{data.seq_len}, but {key} {dataset.path} packs its conversations "
-                              f"into windows of {chat.window} tokens: set data.seq_len to {chat.window - 1} "
-                              f"(or prepare it again with --seq-len {data.seq_len})")
         try:
             train, val = (dataset.windows(split, window, data.document_mask) for split in ("train", "val"))
         except (ValueError, OSError) as e:  # a shard missing, truncated or damaged

@@ -179,9 +179,17 @@ def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int,
     return found
 
 
+def check_window(manifests: list[tuple[str, Manifest]], seq_len: int) -> list[tuple[str, str]]:
+    """Chat data is packed into windows of its --seq-len + 1 tokens: a job must cut the same windows."""
+    return [("data.seq_len", f"{seq_len}, but {key} packs its conversations into windows of {m.chat.window} "
+             f"tokens: set data.seq_len to {m.chat.window - 1} (or prepare it again with --seq-len {seq_len})")
+            for key, m in manifests if m.chat is not None and m.chat.window != seq_len + 1]
+
+
 def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size: int,
-                   model_dir: str | None = None) -> list[tuple[str, str]]:
-    """What `tpud validate` can tell without the network: local datasets exist and fit the model."""
+                   model_dir: str | None = None, seq_len: int | None = None) -> list[tuple[str, str]]:
+    """What `tpud validate` can tell without the network: local datasets exist and fit the model
+    (and, given the job's seq_len, its windows)."""
     found, manifests = [], []
     for i, (path, _) in enumerate(datasets):
         key = f"data.mixture.{i}.dataset" if mixture else "data.dataset"
@@ -192,4 +200,5 @@ def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size:
         except DatasetError as e:
             found.append((key, str(e)))
     local_model = model_dir if model_dir and not model_dir.startswith("gs://") else None
-    return found + check_vocab(manifests, vocab_size, local_model)
+    windows = check_window(manifests, seq_len) if seq_len is not None else []
+    return found + check_vocab(manifests, vocab_size, local_model) + windows

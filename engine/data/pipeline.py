@@ -204,6 +204,14 @@ class Reader:
                 yield item
             self.bytes_done += source.size
 
+    def rejected(self, item: sources.Problem) -> None:
+        """A record read and counted, then found bad (a conversation its template refuses)."""
+        self.problem(item)
+        counts = self.per_source.get(item.where.rsplit(":", 1)[0])  # FILE:LINE or FILE:row N
+        if counts is not None:
+            counts[0] -= 1
+            counts[1] += 1
+
     def problem(self, item: sources.Problem) -> None:
         """A bad record: raises (fail) or counts it (skip)."""
         if self.opts.on_error == "fail":
@@ -467,7 +475,7 @@ class Packing:
     def add(self, encoded: Encoded, val: np.ndarray, wheres: list[str]) -> None:
         for i, kind, reason in encoded.notes:
             if kind == "error":
-                self.reader.problem(sources.Problem(wheres[i], reason, "bad conversation"))
+                self.reader.rejected(sources.Problem(wheres[i], reason, "bad conversation"))
             self.outcomes[kind] += 1
         ends = np.cumsum(encoded.lengths)
         for i in np.flatnonzero(encoded.lengths):
