@@ -258,6 +258,19 @@ def test_batches_leave_the_prompts_out_of_the_loss(chat_dataset, tmp_path):
     assert loader.step_targets(0) == int(masks[:, 1:].sum()) == int((batch.targets != IGNORE).sum())
 
 
+def test_a_restarted_loader_reads_the_same_tokens_segments_and_masks(chat_dataset, tmp_path):
+    spec = job(chat_dataset, "data.document_mask=true")
+    picks = np.array([10**9, 5, 0, 77])
+    first, again = (open_data(spec.data, seed=3, cache_root=tmp_path, vocab_size=704) for _ in range(2))
+    for what in ("rows", "segments", "masks"):
+        assert np.array_equal(first.train.read(what, picks), again.train.read(what, picks[::-1])[::-1])
+    loaders = [PackedLoader(data.train, 2, 3, seed=3, document_mask=True) for data in (first, again)]
+    for step in (0, 7, 10**6):
+        for micro in range(3):
+            assert loaders[0].batch(step, micro) == loaders[1].batch(step, micro)
+            assert loaders[0].loss_weight(step, micro) == loaders[1].loss_weight(step, micro)
+
+
 def test_a_job_whose_seq_len_is_not_the_packing_is_refused(chat_dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.seq_len.*set data\.seq_len to 63"):
         open_data(job(chat_dataset, "data.seq_len=64").data, seed=0, cache_root=tmp_path, vocab_size=704)
