@@ -181,6 +181,20 @@ def test_overlong_conversations_are_dropped_or_truncated_and_counted(tmp_path, t
     assert max(len(ids) for ids, _ in documents(out, truncated)) == 128
 
 
+def test_a_conversation_of_thousands_of_turns_renders_only_the_turns_a_window_can_keep(tmp_path, tokenizer_dir,
+                                                                                       monkeypatch):
+    from engine.data import chat
+
+    renders = []
+    real = chat.Template.render
+    monkeypatch.setattr(chat.Template, "render", lambda self, *a, **k: renders.append(1) or real(self, *a, **k))
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(4000)]
+    records = [{"messages": c} for c in conversations(3)] + [{"messages": turns}]
+    _, manifest = prepared(tmp_path, tokenizer_dir, records, overlong="truncate")
+    assert manifest.chat.truncated == 1 and manifest.chat.conversations == 4
+    assert len(renders) < 600  # the turns within 64 characters a token of a 128-token window, not all 2000
+
+
 def test_a_bad_conversation_is_named_or_skipped_and_counted(tmp_path, tokenizer_dir):
     records = [{"messages": c} for c in conversations(5)]
     records.insert(2, {"messages": [{"role": "user", "content": "no answer"}]})

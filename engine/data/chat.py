@@ -315,8 +315,12 @@ def conversation(record: object, fmt: str) -> list[dict[str, str]]:
     return messages
 
 
-def trained_spans(template: Template, messages: list[dict[str, Any]], train_on: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans [start, end) of it whose tokens are trained.
+def trained_spans(template: Template, messages: list[dict[str, Any]], train_on: str,
+                  limit: int | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans [start, end) of it whose tokens are trained;
+    with `limit`, only those of the turns that begin before that many characters (the rest cannot
+    be kept in a window: each turn renders the conversation before it again, so a conversation
+    of thousands of turns would otherwise cost time quadratic in its length).
 
     An assistant message's span runs from the end of the conversation before it rendered with the
     generation prompt to the end of the conversation up to it: its content and whatever the template
@@ -334,6 +338,8 @@ def trained_spans(template: Template, messages: list[dict[str, Any]], train_on: 
     spans = []
     for i in indices:
         before = template.render(messages[:i], add_generation_prompt=True)
+        if limit is not None and len(before) >= limit:
+            break
         through = template.render(messages[:i + 1])
         if not through.startswith(before):
             broken = "the conversation before it, rendered with the generation prompt, is not a prefix of it"

@@ -49,7 +49,8 @@ class ConversationEncoder:
         ids, masks, lengths, notes = [], [], np.zeros(len(texts), dtype=np.int64), []
         for i, text in enumerate(texts):
             try:
-                rendered, spans = chat.trained_spans(self.template, json.loads(text), self.train_on)
+                rendered, spans = chat.trained_spans(self.template, json.loads(text), self.train_on,
+                                                     MAX_CHARS_PER_TOKEN * self.window)
             except chat.ChatError as e:
                 notes.append((i, "error", str(e)))
                 continue
