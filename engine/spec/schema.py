@@ -66,7 +66,7 @@ class ModelConfig(Section):
     """A Llama-family decoder. Presets live in configs/models/*.yaml."""
 
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama directory (config.json + *.safetensors) to start from when the job "
+        None, description="A Hugging Face Llama or Mixtral directory (config.json + *.safetensors) to start from when the job "
         "has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match.")
 
     vocab_size: PositiveInt = 256
