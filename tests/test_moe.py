@@ -16,7 +16,7 @@ from engine.hf.weights import load_weights
 from engine.models.llama import Transformer
 from engine.models.moe import load_balancing_loss, router_loss
 from engine.requests import Action, Request
-from engine.spec.loader import load_mapping, load_spec
+from engine.spec.loader import SpecError, load_mapping, load_spec
 from engine.spec.schema import ModelConfig, MoEConfig
 from engine.train import Trainer
 from tests.conftest import TINY_JOB
@@ -128,3 +128,12 @@ def test_a_tiny_moe_trains_with_a_falling_loss(tmp_path):
     assert trainer.run() == 0
     losses = recorder.losses
     assert len(losses) == 12 and losses[12] < losses[1] - 0.5
+
+
+@pytest.mark.parametrize(("key", "value"), [("sliding_window", 4096), ("router_jitter_noise", 0.01)])
+def test_a_mixtral_the_engine_does_not_implement_is_refused_naming_the_key(tmp_path, key, value):
+    mixtral(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(SpecError, match=f"{key} is {value}; the engine's Mixtral has none"):
+        job(tmp_path)
