@@ -96,6 +96,9 @@ class Trainer:
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
                                      inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
+        if spec.model.moe is not None and self.backend.name == "xla":  # device.backend auto on a TPU host
+            raise ConfigError("model.moe", "trains on the cpu and cuda backends only for now: XLA needs a "
+                              "static-shape (capacity) expert path, not built yet")
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
         # Built on the meta device, then given its weights one tensor at a time in their final

@@ -117,6 +117,15 @@ def test_the_schema_refuses_more_experts_per_token_than_there_are():
     assert ModelConfig().moe is None
 
 
+def test_an_moe_job_on_the_xla_backend_is_refused_until_its_expert_path_exists():
+    from engine.spec.loader import SpecError, load_spec
+    from tests.conftest import TINY_JOB
+
+    with pytest.raises(SpecError, match=r"model\.moe: trains on the cpu and cuda backends only"):
+        load_spec(TINY_JOB, ["model.moe={num_experts: 4, top_k: 2}", "device.backend=xla"])
+    assert load_spec(TINY_JOB, ["model.moe={num_experts: 4, top_k: 2}"]).model.moe.top_k == 2
+
+
 def test_a_tiny_moe_trains_with_a_falling_loss(tmp_path):
     preset = load_mapping(Path(TINY_JOB).parent.parent / "models" / "tiny-moe.yaml")["model"]
     spec = load_spec(TINY_JOB, [f"model={json.dumps(preset)}", "train.max_steps=12", "data.seq_len=64",

@@ -636,6 +636,9 @@ class JobSpec(Section):
                 ("data", "seq_len"), self.data.seq_len,
                 "must not exceed model.max_seq_len ({max_seq_len})", max_seq_len=self.model.max_seq_len,
             )
+        if self.model.moe is not None and self.device.backend == "xla":
+            problem(("model", "moe"), "moe", "trains on the cpu and cuda backends only for now: XLA needs a "
+                    "static-shape (capacity) expert path, not built yet")
         if self.eval is not None and not self.data.datasets:
             problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
                     "validation split")
