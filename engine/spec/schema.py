@@ -84,7 +84,8 @@ class ModelConfig(Section):
     activation_checkpointing: bool = False
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts feed-forward in every layer; none (dense) "
-                                  "by default.")
+                                  "by default. The cpu and cuda backends only, for now (XLA needs a static-shape "
+                                  "expert path).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
