@@ -51,6 +51,7 @@ from engine.checkpoint.manifest import parts
 from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
+from engine.models.moe import router_loss
 from engine.nonfinite import NonFiniteGuard
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
@@ -70,14 +71,21 @@ class LanguageModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean loss over the targets not ignored (engine.data.batch)."""
-        hidden = self.model(inputs, segments, positions)
+        """The mean loss over the targets not ignored (engine.data.batch); with experts, plus the router
+        losses while gradients are taken (an evaluation's loss is the language model's alone)."""
+        moe = self.model.cfg.moe
+        if moe is None:
+            hidden, router = self.model(inputs, segments, positions), None
+        else:
+            hidden, logits = self.model.hidden_and_router_logits(inputs, segments, positions)
+            router = router_loss(logits, moe) if torch.is_grad_enabled() else None
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
             hidden = hidden.to(torch.get_autocast_dtype(device))
         with record_function("tpud.loss"):
-            return self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
+            loss = self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
+        return loss if router is None else loss + router
 
 
 class Trainer:
@@ -88,6 +96,9 @@ class Trainer:
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
                                      inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
+        if spec.model.moe is not None and self.backend.name == "xla":  # device.backend auto on a TPU host
+            raise ConfigError("model.moe", "trains on the cpu and cuda backends only for now: XLA needs a "
+                              "static-shape (capacity) expert path, not built yet")
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
         # Built on the meta device, then given its weights one tensor at a time in their final

@@ -1,4 +1,4 @@
-"""A Hugging Face Llama config.json as the engine's model section, and back. Torch-free.
+"""A Hugging Face Llama (or Mixtral) config.json as the engine's model section, and back. Torch-free.
 
 `model.init_from` names a Hugging Face model directory; its config.json decides the model's
 geometry. The job may leave the dimensions out (they are filled in from config.json) or write
@@ -31,8 +31,9 @@ FIELDS = {
     "rope_theta": "rope_theta",
     "tie_embeddings": "tie_word_embeddings",
     "rope_scaling": "rope_scaling",
+    "moe": "num_local_experts/num_experts_per_tok/router_aux_loss_coef",
 }
-LLAMA_TYPES = {"llama"}
+LLAMA_TYPES = {"llama", "mixtral"}
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -67,6 +68,10 @@ def model_fields(directory: str | Path) -> dict:
             raise HfConfigError(f"{path}: {flag} is true; the engine's Llama has no biases")
     if config.get("hidden_act", "silu") != "silu":
         raise HfConfigError(f"{path}: hidden_act {config['hidden_act']!r}; the engine's SwiGLU uses silu")
+    if kind == "mixtral":
+        for key in ("sliding_window", "router_jitter_noise"):
+            if config.get(key):
+                raise HfConfigError(f"{path}: {key} is {config[key]!r}; the engine's Mixtral has none")
     rope = dict(config.get("rope_parameters") or {})
     theta = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -77,6 +82,10 @@ def model_fields(directory: str | Path) -> dict:
             raise HfConfigError(f"{path}: rope scaling {kind!r} is not supported (only llama3)")
         scaling["rope_type"] = kind
     fields = {ours: config[theirs] for ours, theirs in FIELDS.items() if theirs in config}
+    if kind == "mixtral":
+        # Mixtral always renormalises the top k; intermediate_size is the experts' (ffn_dim, their default).
+        fields["moe"] = {"num_experts": config.get("num_local_experts", 8), "top_k": config.get("num_experts_per_tok", 2),
+                         "norm_topk_prob": True, "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
     fields.update(rope_theta=theta, rope_scaling=scaling)
     fields.setdefault("n_kv_heads", fields.get("n_heads"))
     fields.setdefault("tie_embeddings", False)  # transformers' LlamaConfig default
@@ -88,11 +97,13 @@ def model_fields(directory: str | Path) -> dict:
 
 
 def config_json(model: ModelConfig, dtype: str, bos: int | None, eos: int | None) -> dict:
-    """config.json for LlamaForCausalLM with the engine model's geometry; dtype "bfloat16" or "float32"."""
+    """config.json for LlamaForCausalLM (MixtralForCausalLM with experts) with the engine model's geometry;
+    dtype "bfloat16" or "float32"."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **{theirs: getattr(model, ours) for ours, theirs in FIELDS.items() if ours not in ("n_kv_heads", "ffn_dim")},
+        **{theirs: getattr(model, ours) for ours, theirs in FIELDS.items()
+           if ours not in ("n_kv_heads", "ffn_dim", "moe")},
         "num_key_value_heads": model.kv_heads,
         "intermediate_size": model.hidden_dim,
         "head_dim": model.head_dim,
@@ -107,7 +118,21 @@ def config_json(model: ModelConfig, dtype: str, bos: int | None, eos: int | None
         "use_cache": True,
         "torch_dtype": dtype,
     }
+    if model.moe is not None:
+        config.update(_mixtral(model))
     return {**config, **{k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}}
+
+
+def _mixtral(model: ModelConfig) -> dict:
+    """What makes config.json a Mixtral's; HfConfigError for experts Mixtral cannot express."""
+    moe = model.moe
+    assert moe is not None
+    if not moe.norm_topk_prob:
+        raise HfConfigError("model.moe.norm_topk_prob is false; Mixtral always renormalises the top k")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": model.expert_dim,
+            "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "router_aux_loss_coef": moe.router_aux_loss_coef, "output_router_logits": False,
+            "router_jitter_noise": 0.0, "sliding_window": None}
 
 
 def same(ours: object, theirs: object) -> bool:

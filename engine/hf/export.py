@@ -1,6 +1,7 @@
 """A committed checkpoint as a Hugging Face Llama directory, written a few tensors at a time.
 
-The output is what `transformers` writes for LlamaForCausalLM: config.json,
+The output is what `transformers` writes for LlamaForCausalLM (MixtralForCausalLM with experts,
+each expert's weights a tensor of their own, as save_pretrained writes them): config.json,
 generation_config.json, the weights as safetensors (one model.safetensors, or shards of at
 most `max_shard_bytes` with model.safetensors.index.json) and the tokenizer files the run had.
 
@@ -34,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from engine.checkpoint import manifest as mf
 from engine.files import Refused, read_regular_file
 from engine.hf.config import MAX_CONFIG_BYTES, config_json
-from engine.hf.weights import INDEX, hf_name
+from engine.hf.weights import INDEX, hf_expert_name, hf_name
 from engine.layout import fsync_path
 from engine.models.llama import Transformer
 from engine.spec.schema import JobSpec
@@ -61,6 +62,8 @@ class Tensor:
     hf_name: str
     shape: tuple[int, ...]
     saved_dtype: torch.dtype
+    expert: int | None = None  # one expert's slice of the engine's [experts, ...] tensor
+    saved_shape: tuple[int, ...] = ()  # the engine tensor's, when a slice
 
     def nbytes(self, dtype: torch.dtype) -> int:
         return dtype.itemsize * int(torch.Size(self.shape).numel())
@@ -88,7 +91,11 @@ def plan(spec: JobSpec, step_dir: Path) -> list[Tensor]:
         if tuple(saved.size) != tuple(param.shape):
             raise ExportError(f"{step_dir}: model.{name} has shape {list(saved.size)}, the job's model section "
                               f"gives {list(param.shape)}; was the job file changed since?")
-        tensors.append(Tensor(name, hf_name(name), tuple(saved.size), saved.properties.dtype))
+        if name.split(".")[-1] in ("w1", "w2", "w3"):  # an expert tensor (a dense one ends in .weight)
+            tensors += [Tensor(name, hf_expert_name(name, e), tuple(saved.size)[1:], saved.properties.dtype, e,
+                               tuple(saved.size)) for e in range(saved.size[0])]
+        else:
+            tensors.append(Tensor(name, hf_name(name), tuple(saved.size), saved.properties.dtype))
     return tensors
 
 
@@ -123,12 +130,14 @@ def _write_shard(path: Path, tensors: list[Tensor], step_dir: Path, dtype: torch
     with open(path, "wb") as f:
         f.write(_header(tensors, dtype))
         for group in pack(tensors, lambda t: t.nbytes(t.saved_dtype), GROUP_BYTES):
-            state = {"model": {t.name: torch.empty(t.shape, dtype=t.saved_dtype) for t in group}}
+            # An expert tensor is read whole, once for the group its slices fall in.
+            state = {"model": {t.name: torch.empty(t.saved_shape or t.shape, dtype=t.saved_dtype) for t in group}}
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process, by design
                 dcp.load(state, storage_reader=reader, no_dist=True)
             for t in group:
-                data = state["model"].pop(t.name).to(dtype).contiguous()
+                saved = state["model"][t.name]
+                data = (saved if t.expert is None else saved[t.expert]).to(dtype).contiguous()
                 f.write(data.view(torch.uint8).numpy().data if data.numel() else b"")
                 advance(t.nbytes(dtype))
         f.flush()

@@ -1,9 +1,11 @@
-"""Hugging Face Llama weights (safetensors, single or sharded) into the engine's Transformer.
+"""Hugging Face Llama and Mixtral weights (safetensors, single or sharded) into the engine's Transformer.
 
 The engine's layout is Hugging Face's apart from names: both rotate the half-split pairs of
 each head (`rotate_half`), so q and k need no permutation. Files are memory-mapped and read
 one tensor at a time (`hf_values`), which the backend places where the parameter lives
-(sharded under SPMD): beyond the model itself, host memory holds about one tensor.
+(sharded under SPMD): beyond the model itself, host memory holds about one tensor. Mixtral's
+experts are one tensor per expert there (what save_pretrained writes) and one [experts, ...]
+tensor per layer here: their slices are gathered until the layer's tensor is whole.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ _BLOCK = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "block_sparse_moe.gate": "moe.router",
 }
 _HF_BLOCK = {ours: theirs for theirs, ours in _BLOCK.items()}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 # Buffers some exporters include; derived from the config, never loaded.
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
@@ -42,6 +46,18 @@ def hf_name(name: str) -> str:
     _, index, rest = name.split(".", 2)
     module = rest.removesuffix(".weight")
     return f"model.layers.{index}.{_HF_BLOCK[module]}.weight"
+
+
+def hf_expert_name(name: str, expert: int) -> str:
+    """The Hugging Face name of one expert's slice of an engine expert tensor (layers.N.moe.wK)."""
+    _, index, _, weight = name.split(".")
+    return f"model.layers.{index}.block_sparse_moe.experts.{expert}.{weight}.weight"
+
+
+def expert_slice(hf_name: str) -> tuple[str, int] | None:
+    """The engine expert tensor and the expert a Hugging Face per-expert name stands for; None for others."""
+    match = _EXPERT.match(hf_name)
+    return (f"layers.{match[1]}.moe.{match[3]}", int(match[2])) if match else None
 
 
 def engine_name(hf_name: str) -> str | None:
@@ -85,6 +101,8 @@ def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, 
     directory = Path(directory)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    # Expert tensors being gathered: the tensor and the experts it has so far.
+    partial: dict[str, tuple[torch.Tensor, set[int]]] = {}
     for file, promised in _files(directory).items():
         path = directory / file
         if not path.is_file():
@@ -92,6 +110,22 @@ def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, 
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name_there in promised or f.keys():
+                    if (found := expert_slice(name_there)) is not None and found[0] in params:
+                        name, expert = found
+                        shape = params[name].shape
+                        tensor = f.get_tensor(name_there)
+                        if expert >= shape[0] or tensor.shape != shape[1:]:
+                            raise ConfigError("model.init_from", f"{path}: {name_there} has shape "
+                                              f"{list(tensor.shape)}, the model expects {shape[0]} experts of "
+                                              f"{list(shape[1:])}")
+                        whole, have = partial.setdefault(name, (torch.empty(shape, dtype=params[name].dtype), set()))
+                        whole[expert] = tensor
+                        have.add(expert)
+                        if len(have) == shape[0]:
+                            del partial[name]
+                            loaded.add(name)
+                            yield name, whole
+                        continue
                     name = engine_name(name_there)
                     if name is None or name not in params:
                         if name == "output.weight" and model.output is None or _IGNORED.search(name_there):

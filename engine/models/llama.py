@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.moe import MoE
 from engine.spec.schema import ModelConfig, RopeScaling
 
 # (q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], mask) -> [B, H, T, D]: causal, and with a
@@ -112,16 +113,28 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention then a feed-forward, each on the normed residual stream: the dense SwiGLU
+    (`feed_forward`), or with `cfg.moe` a mixture of experts (`moe`), and then the block also
+    returns its router logits, which the training loss needs."""
+
     def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, attention_fn)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        self.sparse = cfg.moe is not None
+        if self.sparse:
+            self.moe = MoE(cfg.dim, cfg.expert_dim, cfg.moe)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if not self.sparse:
+            return x + self.feed_forward(self.ffn_norm(x))
+        out, router_logits = self.moe(self.ffn_norm(x))
+        return x + out, router_logits
 
 
 class Transformer(nn.Module):
@@ -165,6 +178,11 @@ class Transformer(nn.Module):
 
         With segment ids and positions [B, T] (document masking), each token attends only to
         earlier tokens of its own document, at RoPE positions that restart with each document."""
+        return self.hidden_and_router_logits(tokens, segments, positions)[0]
+
+    def hidden_and_router_logits(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
+                                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`'s hidden states, and each layer's router logits [B * T, experts] (none when dense)."""
         if positions is None:
             t = tokens.shape[1]
             cos, sin = self.rope_cos[:t][None, None], self.rope_sin[:t][None, None]
@@ -172,9 +190,15 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         mask = None if segments is None else self.mask_fn(segments)
         h = self.tok_embeddings(tokens)
+        router_logits = []
         for layer in self.layers:
-            h = self.checkpoint_fn(layer, h, cos, sin, mask) if self.checkpoint_fn else layer(h, cos, sin, mask)
-        return self.norm(h)
+            out = self.checkpoint_fn(layer, h, cos, sin, mask) if self.checkpoint_fn else layer(h, cos, sin, mask)
+            if self.cfg.moe is None:
+                h = out
+            else:
+                h, logits = out
+                router_logits.append(logits)
+        return self.norm(h), router_logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.output_weight.T
@@ -193,22 +217,33 @@ def initial_values(model: nn.Module, generator: torch.Generator) -> Iterator[tup
         if name.endswith("norm.weight"):
             value.fill_(1.0)
         else:
-            s = residual_std if name.endswith(("wo.weight", "w2.weight")) else std
+            s = residual_std if name.endswith(("wo.weight", "w2.weight", "moe.w2")) else std
             nn.init.trunc_normal_(value, std=s, a=-3 * s, b=3 * s, generator=generator)
         yield name, value
 
 
 def _block_weights(cfg: ModelConfig) -> int:
-    """The weights of the transformer blocks' matmuls (projections and feed-forward)."""
+    """The weights of the transformer blocks' matmuls (projections and feed-forward) that a token
+    goes through: with experts, the router and its top_k experts only."""
     kv_dim = cfg.kv_heads * cfg.head_dim
-    per_layer = cfg.dim * (cfg.dim + 2 * kv_dim) + cfg.dim * cfg.dim + 3 * cfg.dim * cfg.hidden_dim
+    per_layer = cfg.dim * (cfg.dim + 2 * kv_dim) + cfg.dim * cfg.dim + 3 * _down_weights(cfg)
+    if cfg.moe is not None:
+        per_layer += cfg.dim * cfg.moe.num_experts
     return cfg.n_layers * per_layer
+
+
+def _down_weights(cfg: ModelConfig) -> int:
+    """The weights of one layer's feed-forward down projections (w2) a token goes through."""
+    if cfg.moe is None:
+        return cfg.hidden_dim * cfg.dim
+    return cfg.moe.top_k * cfg.expert_dim * cfg.dim
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 N + 12 L H Dh T (PaLM, appendix B).
 
-    N counts every weight that takes part in a matmul, the output projection included
+    N counts every weight that takes part in a token's matmuls (with experts: the router and
+    the top_k experts it picks, not the others), the output projection included
     (also when tied to the embedding); the embedding lookup itself is free. The second
     term is the attention score and value matmuls, forward and backward, with causal
     masking ignored as is conventional.
@@ -223,5 +258,5 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     matmul, the feed-forward's down projection (w2), whose output no gradient needs."""
     if not cfg.activation_checkpointing:
         return 0.0
-    weights = _block_weights(cfg) - cfg.n_layers * cfg.hidden_dim * cfg.dim
+    weights = _block_weights(cfg) - cfg.n_layers * _down_weights(cfg)
     return 2.0 * weights + 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

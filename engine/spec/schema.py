@@ -39,11 +39,34 @@ class RopeScaling(Section):
         return self
 
 
+class MoEConfig(Section):
+    """Sparse mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): each token goes to its top_k of
+    num_experts SwiGLU experts, weighted by the router's softmax."""
+
+    num_experts: PositiveInt = Field(description="Experts per layer.")
+    top_k: PositiveInt = Field(description="Experts each token is routed to.")
+    norm_topk_prob: bool = Field(True, description="Renormalise the top_k router probabilities to sum to 1 "
+                                 "(Mixtral always does; Qwen3-MoE per its config).")
+    expert_ffn_dim: PositiveInt | None = Field(None, description="Each expert's SwiGLU hidden size; default = "
+                                               "the model's ffn_dim.")
+    router_aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing loss (Switch "
+                                        "Transformer's, as transformers computes it) added to the training loss.")
+    router_z_loss_coef: float = Field(0.0, ge=0, description="Weight of the router z-loss (mean squared "
+                                      "logsumexp of the router logits, ST-MoE) added to the training loss.")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be at most num_experts ({self.num_experts}): a token "
+                             "cannot go to more experts than there are")
+        return self
+
+
 class ModelConfig(Section):
     """A Llama-family decoder. Presets live in configs/models/*.yaml."""
 
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama directory (config.json + *.safetensors) to start from when the job "
+        None, description="A Hugging Face Llama or Mixtral directory (config.json + *.safetensors) to start from when the job "
         "has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match.")
 
     vocab_size: PositiveInt = 256
@@ -60,6 +83,9 @@ class ModelConfig(Section):
     tie_embeddings: bool = True
     activation_checkpointing: bool = False
     init_std: float = Field(0.02, gt=0)
+    moe: MoEConfig | None = Field(None, description="Mixture-of-experts feed-forward in every layer; none (dense) "
+                                  "by default. The cpu and cuda backends only, for now (XLA needs a static-shape "
+                                  "expert path).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -85,6 +111,12 @@ class ModelConfig(Section):
             return self.ffn_dim
         hidden = int(8 * self.dim / 3)
         return self.multiple_of * -(-hidden // self.multiple_of)
+
+    @property
+    def expert_dim(self) -> int:
+        """The experts' SwiGLU hidden size (moe set)."""
+        assert self.moe is not None
+        return self.moe.expert_ffn_dim or self.hidden_dim
 
 
 AttentionKernel = Literal["auto", "sdpa", "eager", "flex", "flash", "splash"]
@@ -605,6 +637,9 @@ class JobSpec(Section):
                 ("data", "seq_len"), self.data.seq_len,
                 "must not exceed model.max_seq_len ({max_seq_len})", max_seq_len=self.model.max_seq_len,
             )
+        if self.model.moe is not None and self.device.backend == "xla":
+            problem(("model", "moe"), "moe", "trains on the cpu and cuda backends only for now: XLA needs a "
+                    "static-shape (capacity) expert path, not built yet")
         if self.eval is not None and not self.data.datasets:
             problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
                     "validation split")
