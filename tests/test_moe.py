@@ -146,3 +146,12 @@ def test_a_mixtral_the_engine_does_not_implement_is_refused_naming_the_key(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(SpecError, match=f"{key} is {value}; the engine's Mixtral has none"):
         job(tmp_path)
+
+
+def test_a_job_from_a_mixtral_may_set_its_router_loss_but_not_another_shape(tmp_path):
+    mixtral(tmp_path)
+    spec = job(tmp_path, "model.moe={router_aux_loss_coef: 0.05, router_z_loss_coef: 0.001}")
+    moe = spec.model.moe
+    assert (moe.num_experts, moe.top_k, moe.router_aux_loss_coef, moe.router_z_loss_coef) == (4, 2, 0.05, 0.001)
+    with pytest.raises(SpecError, match=r"model\.moe\.top_k: 1 differs from 2"):
+        job(tmp_path, "model.moe={top_k: 1}")

@@ -33,6 +33,8 @@ FIELDS = {
     "rope_scaling": "rope_scaling",
     "moe": "num_local_experts/num_experts_per_tok/router_aux_loss_coef",
 }
+# Keys of a config.json section that are training choices, not the model's shape: a job may set its own.
+CHOSEN_BY_THE_JOB = {"router_aux_loss_coef", "router_z_loss_coef"}
 LLAMA_TYPES = {"llama", "mixtral"}
 MAX_CONFIG_BYTES = 1 << 20
 

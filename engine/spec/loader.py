@@ -37,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from engine.files import Refused, read_regular_file
-from engine.hf.config import FIELDS, HfConfigError, model_fields, same
+from engine.hf.config import CHOSEN_BY_THE_JOB, FIELDS, HfConfigError, model_fields, same
 from engine.spec.schema import JobSpec
 
 INCLUDE_KEY = "include"
@@ -174,6 +174,13 @@ def _with_hf_model(data: dict, origins: dict[str, Origin]) -> list[Problem]:
             model[key] = value
             origins[f"model.{key}"] = origins.get("model.init_from", Origin("", None))._replace(
                 note=f"from {FIELDS[key]} in {path}/config.json")
+        elif isinstance(model[key], dict) and isinstance(value, dict):  # a section: key by key
+            for sub, theirs in value.items():
+                if sub not in model[key]:
+                    model[key][sub] = theirs
+                elif sub not in CHOSEN_BY_THE_JOB and not same(model[key][sub], theirs):
+                    problems.append(_located(f"model.{key}.{sub}", f"{model[key][sub]!r} differs from {theirs!r} "
+                                             f"({FIELDS[key]}) in {path}/config.json", origins))
         elif not same(model[key], value):
             problems.append(_located(f"model.{key}", f"{model[key]!r} differs from {FIELDS[key]} = {value!r} in "
                                      f"{path}/config.json", origins))

@@ -66,8 +66,9 @@ class ModelConfig(Section):
     """A Llama-family decoder. Presets live in configs/models/*.yaml."""
 
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama or Mixtral directory (config.json + *.safetensors) to start from when the job "
-        "has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match.")
+        None, description="A Hugging Face Llama or Mixtral directory (config.json + *.safetensors) to start from when "
+        "the job has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match "
+        "(model.moe key by key; its router loss coefficients are the job's to choose).")
 
     vocab_size: PositiveInt = 256
     dim: PositiveInt = 128
