@@ -50,7 +50,9 @@ class Evaluator:
                 batch = self.batches.rows(index).map(self.backend.to_device)
                 with self.backend.autocast(self.bf16):
                     loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions).detach().float()
-                loss = loss * self.batches.weight(counts, index)
+                # As device data, as the training step sends it: a Python float would be a constant
+                # in the XLA graph, one compile per value.
+                loss = loss * self.backend.to_device(torch.tensor(self.batches.weight(counts, index)))
                 total = loss if total is None else total + loss
                 self.backend.micro_step_end()
             values: list[float] = []

@@ -220,6 +220,22 @@ def test_a_conversation_the_template_refuses_is_named_or_skipped(tmp_path):
     assert [(s.documents, s.skipped) for s in manifest.sources] == [(4, 1)]
 
 
+def test_a_template_that_never_ends_fails_its_record_instead_of_stalling_prepare(tmp_path, monkeypatch):
+    from engine.data import chat
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    endless = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m['role'] == 'tool' %}"
+                             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                             "{% endif %}")
+    directory = chat_tokenizer(tmp_path / "tok-endless", endless)
+    records = [{"messages": c} for c in conversations(3)]
+    records.insert(1, {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"},
+                                    {"role": "assistant", "content": "ok"}]})
+    _, manifest = prepared(tmp_path, directory, records, name="endless", on_error="skip")
+    assert manifest.chat.conversations == 3 and manifest.skipped.count == 1
+    assert "took more than 0.5 s" in manifest.skipped.examples[0] and "endless.jsonl:2" in manifest.skipped.examples[0]
+
+
 def test_chat_options_are_checked_before_any_work(tmp_path, tokenizer_dir):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversations(1)[0]}])
     with pytest.raises(PrepareError, match="--seq-len"):

@@ -6,11 +6,15 @@ this runs inside `tpud prepare`'s tokenizer worker processes, which receive a pi
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
+import signal
+import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -26,6 +30,10 @@ from engine.files import Refused, read_regular_file
 # Templates are a few KB; tokenizer_config.json can carry a large added_tokens_decoder.
 TEMPLATE_LIMIT = 1 << 20
 CONFIG_LIMIT = 64 << 20
+
+# A template is a program from a model repository: one that loops for ever (nested ranges) must
+# fail its record, not stall `tpud prepare`. Real templates render a conversation in milliseconds.
+RENDER_SECONDS = 10.0
 
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -56,6 +64,30 @@ class _Generation(jinja2.ext.Extension):
 
     def _body(self, caller: Any) -> str:
         return str(caller())
+
+
+class _Overran(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise _Overran in the block after `seconds` (a timer signal: only the main thread gets one,
+    which is where tokenizer processes and a one-process prepare render)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _Overran
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _raise_exception(message: str) -> None:
@@ -216,8 +248,12 @@ class Template:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
         try:
-            return _compile(self.source).render(messages=chat, tools=None, documents=None,
-                                                add_generation_prompt=add_generation_prompt, **self.special)
+            with _time_limit(RENDER_SECONDS):
+                return _compile(self.source).render(messages=chat, tools=None, documents=None,
+                                                    add_generation_prompt=add_generation_prompt, **self.special)
+        except _Overran:
+            raise ChatError(f"the chat template ({self.origin}) took more than {RENDER_SECONDS:g} s to render "
+                            f"this conversation") from None
         except jinja2.TemplateSyntaxError as e:
             raise ChatError(f"{self.origin}: the chat template does not compile: line {e.lineno}: {e.message}") \
                 from None

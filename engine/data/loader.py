@@ -15,10 +15,10 @@ After a non-finite loss the supervisor rolls back and the batches of the bad ste
 skipped (`skips`): the stream of micro-batches jumps over them, so every later step reads
 the micro-batches that follow, still a pure function of (seed, skips, step, micro-step, rank).
 
-When targets are left out of the loss (document masking, the loss masks of chat data), micro-batches hold different numbers
-of targets; each micro-batch's loss is weighted (`loss_weight`) by its share of the step's
-targets, counted over the whole global batch, which every process can do alone: the counts too
-are a pure function of the step.
+When targets are left out of the loss (document masking, the loss masks of chat data),
+micro-batches hold different numbers of targets; each micro-batch's loss is weighted
+(`loss_weight`) by its share of the step's targets, counted over the whole global batch, which
+every process can do alone: the counts too are a pure function of the step.
 """
 
 from __future__ import annotations

@@ -297,11 +297,12 @@ def prepare(opts: Options) -> mf.Manifest:
         raise PrepareError(str(e)) from None
     digest = fingerprint(inputs, opts, tokenizer_id, template and template.sha256)
     if opts.out.startswith("gs://"):
-        return _prepare_remote(inputs, opts, digest)
-    return _prepare_local(inputs, opts, digest, Path(opts.out))
+        return _prepare_remote(inputs, opts, digest, template)
+    return _prepare_local(inputs, opts, digest, Path(opts.out), template)
 
 
-def _prepare_remote(inputs: list[sources.Source], opts: Options, digest: str) -> mf.Manifest:
+def _prepare_remote(inputs: list[sources.Source], opts: Options, digest: str,
+                    template: chat.Template | None) -> mf.Manifest:
     from engine.data import remote
 
     existing = remote.read_manifest(opts.out)
@@ -313,14 +314,15 @@ def _prepare_remote(inputs: list[sources.Source], opts: Options, digest: str) ->
                            f"(--overwrite replaces it)")
     root = Path(opts.work_dir or tempfile.gettempdir())
     local = root / f"tpud-prepare-{hashlib.sha256(opts.out.encode()).hexdigest()[:16]}"
-    manifest = _prepare_local(inputs, opts, digest, local)
+    manifest = _prepare_local(inputs, opts, digest, local, template)
     log.info("uploading dataset", out=opts.out, files=len(manifest.files))
     remote.upload(local, opts.out, manifest)
     log.info("dataset uploaded", out=opts.out, identity=manifest.identity)
     return manifest
 
 
-def _prepare_local(inputs: list[sources.Source], opts: Options, digest: str, out: Path) -> mf.Manifest:
+def _prepare_local(inputs: list[sources.Source], opts: Options, digest: str, out: Path,
+                   template: chat.Template | None) -> mf.Manifest:
     if out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -346,7 +348,7 @@ def _prepare_local(inputs: list[sources.Source], opts: Options, digest: str, out
         staging = out / STAGING
         staging.mkdir()
         try:
-            manifest = _write(inputs, opts, digest, staging)
+            manifest = _write(inputs, opts, digest, staging, template)
         except BaseException:  # bad input, a full disk, Ctrl-C: free the space, leave no half dataset
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -380,14 +382,15 @@ def _clear(out: Path) -> None:
             path.unlink()
 
 
-def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Path) -> mf.Manifest:
+def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Path,
+           template: chat.Template | None) -> mf.Manifest:
+    """The dataset written into `staging`; `template` (chat data) is the one the fingerprint hashed."""
     reader = Reader(inputs, opts)
     tokenizer = _resolve_tokenizer(opts.tokenizer, reader)
     is_val = _val_selector(opts, reader)
     workers = opts.workers or os.cpu_count() or 1
     writers = {name: SplitWriter(staging, name, tokenizer.dtype, opts.shard_tokens, opts.chat) for name in mf.SPLITS}
     progress = Progress(sum(s.size for s in inputs), opts.progress)
-    template = _template(opts)
     conversations = None if template is None else ConversationEncoder(template, opts.train_on, opts.seq_len + 1,
                                                                        opts.overlong)
     packing = Packing(writers, reader, opts.seq_len + 1, tokenizer.eos_id) if opts.chat else None
