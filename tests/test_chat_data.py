@@ -158,6 +158,20 @@ def test_the_three_formats_give_the_same_tokens_and_masks(tmp_path, tokenizer_di
             assert np.array_equal(a, b) and np.array_equal(ma, mb)
 
 
+def test_parquet_conversations_give_what_jsonl_gives(tmp_path, tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    convs = conversations(12)
+    pq.write_table(pa.table({"id": list(range(len(convs))), "messages": convs}), tmp_path / "chat.parquet")
+    out, manifest = prepared(tmp_path, tokenizer_dir, [{"messages": c} for c in convs], name="lines")
+    from_parquet = prepare(Options(inputs=(str(tmp_path / "chat.parquet"),), tokenizer=str(tokenizer_dir),
+                                   out=str(tmp_path / "pq"), format="chat", seq_len=127, workers=1, progress=False))
+    assert from_parquet.chat.conversations == manifest.chat.conversations == 12
+    for (a, ma), (b, mb) in zip(documents(tmp_path / "pq", from_parquet), documents(out, manifest), strict=True):
+        assert np.array_equal(a, b) and np.array_equal(ma, mb)
+
+
 def test_train_on_last_and_all(tmp_path, tokenizer_dir):
     convs = [c for c in conversations() if len(c) > 3]
     records = [{"messages": c} for c in convs]
