@@ -353,13 +353,17 @@ def test_eval_is_the_mean_over_the_masked_targets(chat_dataset, tmp_path):
                       tmp_path, Recorder())
     result = trainer.evaluator.run(0)
     total = count = 0.0
+    means = []
     with torch.no_grad():
         for index in range(3):
             batch = trainer.evaluator.batches.rows(index)
             loss = trainer.module(batch.inputs, batch.targets, batch.segments, batch.positions).item()
             n = int((batch.targets != IGNORE).sum())
             total, count = total + loss * n, count + n
+            means.append(loss)
     assert result.loss == pytest.approx(total / count, rel=1e-5)
+    # The batches hold different numbers of targets, so a mean of their means would differ.
+    assert abs(sum(means) / 3 - total / count) > 1e-4
     trainer.batches.close()
     trainer.checkpointer.close()
 
