@@ -72,7 +72,7 @@ def run(job: Path, home: Path, kill_after: int | None) -> list[dict]:
         except ValueError:
             continue
         records.append(record)
-        if record.get("event") == "worker started" and not record.get("standby"):
+        if record.get("event") == "worker started":
             worker = record["pid"]
         if (kill_after is not None and not killed and record.get("event") == "step"
                 and record["step"] >= kill_after):

@@ -153,7 +153,7 @@ class TpudArm:
         return ControlClient(self.home / "run" / "control.sock").call("status")["jobs"][0]
 
     def training_pid(self) -> int | None:
-        """The worker in charge (not its warm spare, also a child running tpud.worker)."""
+        """The worker in charge (status names it: forked workers are the fork server's children)."""
         try:
             return self._job()["pid"]
         except Exception:  # the daemon is starting, or between incarnations

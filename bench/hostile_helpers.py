@@ -5,14 +5,14 @@ Each arm is a fresh real `tpud daemon --home TMP` supervising the tiny demo job:
 - baseline: nothing killed;
 - worker: SIGKILL the job's worker, a death supervision always saw at once (its output pipe's
   EOF): the reference for "seen";
-- reader: SIGKILL the job-file reader, with every child that is none of a worker, a spare or a
-  coordinator (under a multiprocessing pool: the pool's worker and the resource tracker);
-- standby: SIGKILL the job's warm spare;
+- reader: SIGKILL the job-file reader, with every child that is none of a worker, the fork server
+  or a coordinator (under a multiprocessing pool: the pool's worker and the resource tracker);
+- forkserver: SIGKILL the fork server (its workers die with it: the job restarts from its checkpoint);
 - all: SIGKILL every child at once, the worker too (what issue 27 saw);
 - coordinator: host 0 of a gang of 2 whose peer never comes (its job waits): SIGKILL the gang
   coordinator.
 Per killed kind, from the SIGKILL: dead_s, until the kernel is done with the process (a zombie:
-a spare at the lowest CPU priority beside a training worker can take a second or two to exit);
+a process at the lowest CPU priority beside a training worker can take a second or two to exit);
 seen_s, until the daemon's log record of the death; back_s, until a new process of that kind
 runs; and where the reader died, read_s, until a job file dropped right after the kill shows in
 status. As soon as every helper is back, SIGTERM: stop_s, until "tpud stopped" (the jobs
@@ -43,9 +43,9 @@ from supervised import REPO
 from tests.gcs_server import free_port
 from tests.helpers import Daemon, children_by_kind, exited, job_text
 
-ARMS = ("baseline", "worker", "reader", "standby", "all", "coordinator")
+ARMS = ("baseline", "worker", "reader", "forkserver", "all", "coordinator")
 SEEN = {"worker": "worker exited", "reader": "the job-file reader exited; starting it again",
-        "standby": "standby worker exited; starting another",
+        "forkserver": "the fork server is gone; workers start cold until it is back",
         "coordinator": "the gang coordinator exited; starting it again"}
 TARGETS = {"seen_after_death_s": 1.0, "back_s": 5.0, "read_s": 5.0, "exit_over_baseline_s": 2.0}
 CAP_S = 150.0
@@ -64,12 +64,12 @@ def start(root: Path, arm: str) -> Daemon:
     home = root / arm
     (home / "jobs.d").mkdir(parents=True)
     gang = arm == "coordinator"
-    (home / "jobs.d" / "bench.yaml").write_text(job_text("bench") + ("restart: {standby: false}\n" if gang else ""))
+    (home / "jobs.d" / "bench.yaml").write_text(job_text("bench"))
     if gang:
         (home / "tpud.yaml").write_text(
             f"gang: {{host_index: 0, host_count: 2, coordinator: '127.0.0.1:{free_port()}'}}\n")
     daemon = Daemon(home)
-    want = {"coordinator"} if gang else {"standby", "worker"}
+    want = {"coordinator"} if gang else {"forkserver", "worker"}
 
     def ready() -> bool:
         kinds = set(children_by_kind(daemon.proc.pid))
@@ -105,7 +105,7 @@ def kill(daemon: Daemon, arm: str) -> dict[str, dict]:
             if pid not in dead and exited(pid):
                 dead[pid] = now - killed
         running = children_by_kind(daemon.proc.pid)
-        for kind in watched:  # (the worker: a released spare keeps its command line, so status names it)
+        for kind in watched:  # (the worker: status names it)
             if kind not in back and kind != "worker" and set(running.get(kind, [])) - set(before[kind]):
                 back[kind] = now - killed
         if now >= next_status:

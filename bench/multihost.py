@@ -27,7 +27,7 @@ recovery s = until every host has logged a step from a worker started after it; 
 newest step logged before it - the step the gang resumed from. Goodput over the disrupted window =
 steps advanced x clean step time / window seconds, the clean step time being the median interval
 between consecutive steps of both arms. Both arms run the job's restart defaults (a
-warm standby worker, 1 s first backoff for the host whose worker failed).
+workers forked from the fork server, 1 s first backoff for the host whose worker failed).
 Targets: gang recovery after a SIGKILL < 15 s; at least 3x faster than the no-gang-restart
 arm's where its peers are left to their hang bound (vanish: over gloo a plain SIGKILL reaches
 them as a socket error within a second or two, with or without gang restart); peers out within
@@ -185,7 +185,7 @@ def run_arm(name: str, root: Path, args, schedule: list[tuple[float, int]]) -> d
         end = time.time()
         last_step = hosts[0].step()
         # The clean step time: the median interval between consecutive steps, warm-up and window
-        # (a restart's gap is one interval of hundreds; the spares' imports slow only the first few).
+        # (a restart's gap is one interval of hundreds).
         steps = [r for r in hosts[0].records("step") if warm_from <= r["_t"] <= end]
         clean = statistics.median(b["_t"] - a["_t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1)
         wait(lambda: all(h.training_since(disruptions[-1]["killed_unix"]) for h in hosts), 1800, "the last recovery")

@@ -152,23 +152,25 @@ def exited(pid: int) -> bool:
 
 
 def children_by_kind(pid: int) -> dict[str, list[int]]:
-    """A daemon's live children by what they are: worker, standby, reader (the job-file reader),
-    coordinator (the gang's), or other (none, since the reader stopped being a multiprocessing pool).
-    By command line: a spare released to train keeps its `--standby` (status has the worker's pid)."""
+    """A daemon's live helpers and workers by what they are: forkserver, worker (forked by the fork
+    server, or started cold by the daemon), reader (the job-file reader), coordinator (the gang's), or
+    other (none, since the reader stopped being a multiprocessing pool). By command line."""
     found: dict[str, list[int]] = {}
     for child in children_of(pid):
         try:
-            command = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+            command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         if exited(child):
             continue
-        if "tpud.worker" in command:
-            kind = "standby" if "--standby" in command else "worker"
-        else:
-            kind = {"tpud.jobfiles.offloop": "reader", "tpud.gang.coordinator": "coordinator"}.get(
-                next((c for c in command if c.startswith("tpud.")), ""), "other")
+        kind = next((k for module, k in (("tpud.worker.forkserver", "forkserver"), ("tpud.worker", "worker"),
+                                         ("tpud.jobfiles.offloop", "reader"), ("tpud.gang.coordinator", "coordinator"))
+                     if f"-m {module} " in command), "other")
         found.setdefault(kind, []).append(child)
+        if kind == "forkserver":
+            forked = [p for p in children_of(child) if not exited(p)]
+            if forked:
+                found.setdefault("worker", []).extend(forked)
     return found
 
 

@@ -21,7 +21,7 @@ from tpud.paths import Paths
 
 pytestmark = pytest.mark.slow
 def worker_pid(daemon: Daemon, job: str) -> int:
-    """The worker in charge of a job (its warm spare is another child running tpud.worker)."""
+    """The worker in charge of a job (the fork server's child: status names it)."""
     pid = daemon.status()[job]["pid"]
     assert pid is not None, f"no worker for {job}"
     return pid

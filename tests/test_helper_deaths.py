@@ -76,40 +76,45 @@ def test_each_helper_killed_under_a_running_job_is_started_again_and_sigterm_sti
     try:
         daemon.wait_for(lambda j: j.get("alpha", {}).get("state") == "RUNNING" and (j["alpha"]["step"] or 0) >= 2,
                         "alpha training")
-        first = wait_until(lambda: (h := helpers(daemon)).get("standby") and h, "the spare")
+        first = wait_until(lambda: (h := helpers(daemon)).get("forkserver") and h.get("worker") and h, "the workers")
 
         # The job-file reader (and whatever else runs beside the workers): started again at once,
-        # so a file dropped now is read at once.
-        kill([p for kind, pids in first.items() if kind not in ("worker", "standby") for p in pids])
+        # so a file dropped now is read at once; the worker never notices.
+        kill([p for kind, pids in first.items() if kind not in ("worker", "forkserver") for p in pids])
         dropped_file_is_read(daemon, "broken")
         died = logged(daemon, "the job-file reader exited; starting it again", 1)[-1]
         assert died["pid"] in first["reader"] and died["status"] == 128 + signal.SIGKILL
         replaced(daemon, "reader", first["reader"])
-        assert sorted(first) == ["reader", "standby", "worker"], first  # (a pool brought a resource tracker)
-
-        # The warm spare: replaced at once, not found missing at the next restart.
-        kill(first["standby"])
-        died = logged(daemon, "standby worker exited; starting another", 1)[-1]
-        assert died["pid"] in first["standby"] and died["status"] == 128 + signal.SIGKILL
-        replaced(daemon, "standby", first["standby"])
-
+        assert sorted(first) == ["forkserver", "reader", "worker"], first  # (a pool brought a resource tracker)
         step = daemon.status()["alpha"]["step"]
         daemon.wait_for(lambda j: j["alpha"]["state"] == "RUNNING" and j["alpha"]["step"] > step, "alpha training on")
-        assert daemon.status()["alpha"]["restarts"] == 0  # the worker never noticed
+        assert daemon.status()["alpha"]["restarts"] == 0
 
-        # Every child at once, the worker too (what the issue saw): all back, the job resumed.
+        # The fork server: its workers die with it (as they would with the daemon); the job resumes
+        # from its checkpoint in a worker that a new server forks.
+        out = daemon.cli("checkpoint-now", "alpha")
+        assert out.returncode == 0, out.stderr
+        kill(first["forkserver"])
+        died = logged(daemon, "the fork server is gone; workers start cold until it is back", 1)[-1]
+        assert died["status"] == 128 + signal.SIGKILL
+        daemon.wait_for(lambda j: j["alpha"]["restarts"] == 1 and j["alpha"]["state"] == "RUNNING", "alpha resumed")
+        assert [r["status"] for r in daemon.events("worker exited")] == [128 + signal.SIGKILL]
+        assert daemon.events("worker started")[-1]["forked"]
+        replaced(daemon, "forkserver", first["forkserver"])
+
+        # Every child at once (what issue 27 saw): all back, the job resumed.
         out = daemon.cli("checkpoint-now", "alpha")
         assert out.returncode == 0, out.stderr
         saved = max(s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "alpha"))
         before = helpers(daemon)
         for pids in before.values():
             kill(pids)
-        daemon.wait_for(lambda j: j["alpha"]["restarts"] == 1 and j["alpha"]["state"] == "RUNNING", "alpha resumed")
+        daemon.wait_for(lambda j: j["alpha"]["restarts"] == 2 and j["alpha"]["state"] == "RUNNING", "alpha resumed")
         restored = [r for r in daemon.events("checkpoint restored") if r.get("job") == "alpha"]
         assert restored and restored[-1]["step"] >= saved
         dropped_file_is_read(daemon, "late")
         logged(daemon, "the job-file reader exited; starting it again", 2)
-        replaced(daemon, "standby", before["standby"])
+        replaced(daemon, "forkserver", before["forkserver"])
 
         stops_within_seconds(daemon, [p for pids in helpers(daemon).values() for p in pids])
     finally:
@@ -121,7 +126,7 @@ def test_each_helper_killed_under_a_running_job_is_started_again_and_sigterm_sti
 def test_a_killed_gang_coordinator_is_started_again_and_sigterm_still_ends_the_daemon(tmp_path):
     """Host 0 of a gang of 2 whose peer never comes: its daemon runs the coordinator too."""
     (tmp_path / "jobs.d").mkdir()
-    (tmp_path / "jobs.d" / "g.yaml").write_text(job_text("g") + "restart: {standby: false}\n")
+    (tmp_path / "jobs.d" / "g.yaml").write_text(job_text("g"))
     (tmp_path / "tpud.yaml").write_text(
         f"gang: {{host_index: 0, host_count: 2, coordinator: '127.0.0.1:{free_port()}'}}\n")
     daemon = Daemon(tmp_path)

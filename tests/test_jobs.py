@@ -10,7 +10,6 @@ from engine import events
 from engine.spec.schema import JobSpec
 from tpud.job import states
 from tpud.job.job import Job, State
-from tpud.job.standby import StandbyPool
 from tpud.paths import Paths
 from tpud.worker import channel
 
@@ -34,27 +33,19 @@ class Metrics:
 
 
 class FakeWorker:
-    """Stands in for a WorkerProcess, standby or not: records signals, releases and discards."""
+    """Stands in for a WorkerProcess: records signals."""
 
-    def __init__(self, made, spec, extra_env, standby):
-        self.spec, self.extra_env, self.standby = spec, extra_env, standby
+    def __init__(self, made, spec, extra_env, forkserver):
+        self.spec, self.extra_env, self.forkserver = spec, extra_env, forkserver
         self.signals, self.stdout, self.is_stopped = [], None, False
-        self.released = self.discarded = False
         self.pid = 5000 + len(made)
-        self.sentinel = self.pid  # what the loop would watch for its exit (a pidfd)
+        self.forked = forkserver is not None
 
     def signal(self, signum):
         self.signals.append(signum)
 
     def stopped(self):
         return self.is_stopped
-
-    def release(self, spec):
-        self.released = True
-        return True
-
-    def discard(self):
-        self.discarded = True
 
 
 class Workers:
@@ -63,14 +54,10 @@ class Workers:
     def __init__(self):
         self.made: list[FakeWorker] = []
 
-    def __call__(self, spec, paths, log_format, extra_env=None, *, standby=False):
-        worker = FakeWorker(self.made, spec, extra_env, standby)
+    def __call__(self, spec, paths, log_format, extra_env=None, *, forkserver=None):
+        worker = FakeWorker(self.made, spec, extra_env, forkserver)
         self.made.append(worker)
         return worker
-
-    @property
-    def cold(self) -> list[FakeWorker]:
-        return [w for w in self.made if not w.standby]
 
 
 def step(n, step_time=0.5, **badput):
@@ -82,14 +69,14 @@ def step(n, step_time=0.5, **badput):
 def make_job(tmp_path):
     now = [1000.0]
 
-    def make(restart=None, health=None, workers=None, metrics=None, checkpoint=None):
+    def make(restart=None, health=None, workers=None, metrics=None, checkpoint=None, forkserver=None):
         spec = JobSpec.model_validate({
             "name": "j", "health": health or {}, "checkpoint": checkpoint or {},
             "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
                         "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
         workers = workers or Workers()
         job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), metrics or Metrics(), stop_timeout=10,
-                  clock=lambda: now[0], spawn=workers)
+                  clock=lambda: now[0], spawn=workers, forkserver=forkserver)
         job.workers = workers  # for the test to look at
         return job
 
@@ -116,7 +103,7 @@ def test_crashes_back_off_exponentially_up_to_the_cap_then_fail(make_job):
         assert job.state is State.STARTING and job.worker is not None
     assert delays == [2, 4, 5]  # doubling, capped at backoff_max_seconds
     job.worker_exited(137)
-    assert job.state is State.FAILED and len(job.workers.cold) == 4
+    assert job.state is State.FAILED and len(job.workers.made) == 4
     assert job.metrics.restarts == ["crash", "crash", "crash"] and job.restarts.total == 3
 
 
@@ -137,7 +124,7 @@ def test_backoff_does_not_start_early(make_job):
     assert job.next_timer() == job.backoff_until
     now[0] = job.backoff_until - 0.01
     job.tick()
-    assert job.state is State.BACKOFF and len(job.workers.cold) == 1
+    assert job.state is State.BACKOFF and len(job.workers.made) == 1
 
 
 def test_bad_input_fails_without_restart_and_says_why(make_job):
@@ -146,7 +133,7 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     job.start()
     job.current.output.tail.extend(['{"event": "job cannot run here", "key": "attention.kernel", "level": "error"}', "bye"])
     job.worker_exited(78)
-    assert job.state is State.FAILED and len(job.workers.cold) == 1 and "attention.kernel" in job.error
+    assert job.state is State.FAILED and len(job.workers.made) == 1 and "attention.kernel" in job.error
 
 
 def nonfinite(step_n, loss, policy):
@@ -162,7 +149,7 @@ def test_non_finite_loss_rolls_back_at_most_max_rollbacks_times(make_job):
         job.worker_exited(76)
         assert job.state is State.BACKOFF and job.restarts.rollbacks == attempt
         job.tick()  # a rollback restarts at once
-        assert job.state is State.STARTING and len(job.workers.cold) == attempt + 1
+        assert job.state is State.STARTING and len(job.workers.made) == attempt + 1
     job.handle(nonfinite(9, float("inf"), "rollback"))
     job.worker_exited(76)
     assert job.state is State.FAILED and "step 9" in job.error and "2 rollbacks spent" in job.error
@@ -175,7 +162,7 @@ def test_non_finite_loss_with_policy_stop_fails(make_job):
     job.start()
     job.handle(nonfinite(3, float("nan"), "stop"))
     job.worker_exited(76)
-    assert job.state is State.FAILED and len(job.workers.cold) == 1
+    assert job.state is State.FAILED and len(job.workers.made) == 1
     assert "non-finite loss (nan) at step 3" in job.error
 
 
@@ -283,9 +270,9 @@ def test_a_preemption_checkpoints_within_the_deadline_and_ends_preempted(make_jo
     assert worker_end.receive() == [events.CheckpointRequest(events.Action.CHECKPOINT_AND_EXIT, 30.0 - 6.0 - 1.0)]
     assert job.current.kill_at == now[0] + 30.0 + job.spec.health.kill_grace_seconds
     job.worker_exited(75)
-    assert job.state is State.PREEMPTED and len(job.workers.cold) == 1
+    assert job.state is State.PREEMPTED and len(job.workers.made) == 1
     job.notice_cleared()  # the maintenance is over: run again
-    assert job.state is State.STARTING and len(job.workers.cold) == 2
+    assert job.state is State.STARTING and len(job.workers.made) == 2
 
 
 def test_without_a_channel_requests_fall_back_to_signals(make_job):
@@ -305,7 +292,7 @@ def test_a_preemption_keeps_a_waiting_job_from_starting(make_job):
     job.preempt(30.0)
     now[0] = job.backoff_until + 1
     job.tick()
-    assert job.state is State.PREEMPTED and len(job.workers.cold) == 1
+    assert job.state is State.PREEMPTED and len(job.workers.made) == 1
 
 
 def test_goodput_is_in_status_and_survives_a_daemon_restart(make_job):
@@ -335,7 +322,7 @@ def test_exit_codes_with_and_without_a_stop_request(make_job):
     assert job.state is State.STOPPED
     job.start()
     job.worker_exited(75)  # stopped by someone else's SIGTERM: resume at once, not a crash
-    assert job.state is State.STARTING and job.restarts.total == 0 and len(job.workers.cold) == 4
+    assert job.state is State.STARTING and job.restarts.total == 0 and len(job.workers.made) == 4
 
 
 def test_restart_counts_and_hold_survive_a_daemon_restart(make_job):
@@ -389,75 +376,55 @@ def test_the_backoff_starts_over_once_a_worker_commits_a_checkpoint(make_job):
     assert job.state is State.FAILED  # the restart budget still counts every crash in the window
 
 
-def test_spares_start_beside_a_cold_worker_and_before_a_restart_and_go_with_the_spec(make_job, tmp_path):
-    make, now = make_job
-    workers = Workers()
-    job = make(restart={"backoff_initial_seconds": 0, "standby": True}, workers=workers)
-    job.start()
-    cold, spare = workers.made
-    assert job.worker is cold and not cold.standby and job.standbys.spares == [spare] and spare.standby
-    job.worker_exited(137)  # a crash: the restart will take `spare`, whose successor starts now
-    assert job.state is State.BACKOFF and len(job.standbys.spares) == 2
-    successor = job.standbys.spares[1]
-    job.tick()
-    assert job.worker is spare and spare.released and job.standbys.spares == [successor]
-    spec = job.spec
-    job.replace_spec(spec.model_copy(update={"restart": spec.restart.model_copy(update={"max_restarts": 9})}),
-                     tmp_path / "j.yaml")
-    job.worker_exited(75)  # checkpointed for the reload: the spare warmed up for the old spec goes
-    assert successor.discarded and not job.worker.standby and job.standbys.spares == [workers.made[-1]]
-    job.stop("stop")
-    job.worker_exited(75)
-    assert job.state is State.STOPPED and workers.made[-1].discarded and job.standbys.spares == []
-
-
-class WatchingLoop(Loop):
-    """A loop whose watches a test can fire: {fileobj: callback}."""
+class FakeForkServer:
+    """Stands in for the daemon's ForkServer: importing until the test says it is warm."""
 
     def __init__(self):
-        self.watched = {}
+        self.warm, self.waiting = False, []
 
-    def watch(self, fileobj, callback):
-        assert fileobj not in self.watched
-        self.watched[fileobj] = callback
+    def ready(self):
+        return self.warm
 
-    def unwatch(self, fileobj):
-        self.watched.pop(fileobj, None)
+    def when_ready(self, fn):
+        self.waiting.append(fn)
+
+    def imported(self):
+        self.warm = True
+        for fn in self.waiting:
+            fn()
 
 
-def test_a_spare_that_dies_is_replaced_at_once_then_after_a_backoff_if_they_keep_dying(tmp_path):
-    now, loop, workers = [1000.0], WatchingLoop(), Workers()
-    spec = JobSpec.model_validate({"name": "j"})
-    pool = StandbyPool(lambda s, env, standby: workers(s, None, "json", env, standby=standby), "j", loop,
-                       clock=lambda: now[0])
-    pool.keep(spec, {"ENV": "1"}, 1)
-    first, = workers.made
-    assert list(loop.watched) == [first.sentinel]
+def test_a_start_waits_for_the_fork_servers_imports_then_forks(make_job):
+    make, now = make_job
+    server = FakeForkServer()
+    job = make(restart={"standby": True}, forkserver=server)
+    job.start()
+    assert job.state is State.STARTING and job.worker is None and job.workers.made == []
+    job.start()  # asked again meanwhile (a reload, a cleared notice): still one worker to come
+    server.imported()
+    assert [w.forkserver for w in job.workers.made] == [server] and job.worker is job.workers.made[0]
+    job.worker_exited(137)
+    now[0] += 10
+    job.tick()  # the restart: forked at once
+    assert len(job.workers.made) == 2 and job.workers.made[1].forked
 
-    now[0] += 300
-    loop.watched[first.sentinel]()  # its pidfd: it died, after a long life
-    assert first.discarded and first.sentinel not in loop.watched
-    second = workers.made[-1]
-    assert pool.spares == [second] and second.extra_env == {"ENV": "1"} and list(loop.watched) == [second.sentinel]
 
-    now[0] += 0.25
-    loop.watched[second.sentinel]()  # dead again, young: the next one waits out a backoff
-    assert pool.spares == [] and pool.due == 1302.0  # 2 s after the start of the one that died
-    now[0] = 1301.9
-    pool.tick()
-    assert pool.spares == []
-    now[0] = 1302.0
-    pool.tick()
-    third = workers.made[-1]
-    assert pool.spares == [third] and pool.due is None
+def test_a_stop_while_the_fork_server_imports_starts_nothing(make_job):
+    make, _ = make_job
+    server = FakeForkServer()
+    job = make(restart={"standby": True}, forkserver=server)
+    job.start()
+    job.stop("stop")
+    server.imported()
+    assert job.state is State.STOPPED and job.workers.made == []
 
-    assert pool.take(spec, {"ENV": "1"}) is third and third.released and loop.watched == {}  # a worker now
-    pool.keep(spec, None, 1)
-    pool.discard()
-    loop.watched.clear()
-    now[0] += 300
-    pool.tick()
-    assert len(workers.made) == 4 and pool.spares == []  # discarded: none until keep() is asked again
+
+def test_standby_false_starts_cold_without_the_fork_server(make_job):
+    make, _ = make_job
+    server = FakeForkServer()
+    job = make(restart={"standby": False}, forkserver=server)
+    job.start()
+    assert job.state is State.STARTING and job.workers.made[0].forkserver is None and server.waiting == []
 
 
 def test_every_event_a_worker_sends_goes_to_its_owners_and_every_owners_handler_is_routed(make_job):

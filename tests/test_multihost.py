@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 16
 JOB = ["data.corpus_bytes=200000", "data.seq_len=32", "data.micro_batch_size=2", "train.global_batch_size=12",
        "scheduler.warmup_steps=1", "train.log_interval=1", f"train.max_steps={MAX_STEPS}",
-       "checkpoint.interval_steps=3", "restart.standby=false", "model.dim=64", "model.n_layers=2",
+       "checkpoint.interval_steps=3", "model.dim=64", "model.n_layers=2",
        "model.ffn_dim=128"]
 REMOTE = "checkpoint.remote=gs://tpud-test/multihost"
 

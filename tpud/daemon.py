@@ -5,9 +5,9 @@ channels, timers, and the calls other threads post (the control socket, the job-
 watcher and the metrics server run in threads of their own and never touch a job
 directly). Job files and tpud.yaml are read and validated in a helper process (tpud/jobfiles/offloop.py),
 so a hostile file never delays `tpud status` or the watchdog. Signal handlers only
-record; the loop acts (supervisord's discipline). A helper process that dies (the reader, a warm
-spare, host 0's gang coordinator) is seen as it happens and started again (tpud/respawn.py), and
-none can hold up the daemon's exit.
+record; the loop acts (supervisord's discipline). A helper process that dies (the reader, the
+fork server that starts workers warm, host 0's gang coordinator) is seen as it happens and started
+again (tpud/respawn.py), and none can hold up the daemon's exit.
 
 Preemption: the GCE metadata server's preempted and TERMINATE maintenance notices make
 every job commit a checkpoint within the deadline and become PREEMPTED; a MIGRATE or an
@@ -49,6 +49,7 @@ from tpud.paths import Paths
 from tpud.gang.coordinator import Coordinator
 from tpud.gang.discovery import discover
 from tpud.settings import load_settings
+from tpud.worker.forkserver import ForkServer
 
 if TYPE_CHECKING:
     from tpud.view.live import LiveView
@@ -79,6 +80,7 @@ class Daemon:
         self.notifier = Notifier()
         self.metrics = Metrics()
         self.memory_budget = MemoryBudget(share=self.settings.memory_tier_max_share)
+        self.forkserver = ForkServer(self)  # started with the first worker a job wants
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._signals: list[int] = []
         self.offloop: OffLoop | None = None  # reads jobs.d and tpud.yaml (the service only)
@@ -161,7 +163,7 @@ class Daemon:
         job = self.jobs[spec.name] = Job(spec, file, self.paths, self, self.metrics,
                                          stop_timeout=self.settings.job_stop_timeout_seconds,
                                          log_format=self.worker_log_format, gang=self.gang,
-                                         memory_budget=self.memory_budget)
+                                         memory_budget=self.memory_budget, forkserver=self.forkserver)
         job.start()
 
     def reconcile(self, files: dict[Path, JobFile]) -> None:
@@ -186,7 +188,7 @@ class Daemon:
             if job is None:
                 job = self.jobs[name] = Job(spec, path, self.paths, self, self.metrics,
                                             stop_timeout=self.settings.job_stop_timeout_seconds, gang=self.gang,
-                                            memory_budget=self.memory_budget)
+                                            memory_budget=self.memory_budget, forkserver=self.forkserver)
                 job.digest = job_file.digest
                 if self.notice is not None:  # this host is going away: do not start anything
                     job.preempt(self.settings.preemption_deadline_seconds)
@@ -415,6 +417,7 @@ class Daemon:
                                 job.worker.signal(signal.SIGKILL)
                 if self.coordinator is not None:
                     self._guard(self.coordinator.ensure)
+                self._guard(self.forkserver.tick)
                 for job in list(self.jobs.values()):
                     self._guard(job.tick, job)
                     if self.view is not None:
@@ -447,6 +450,7 @@ class Daemon:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             metadata.stop()
+            self.forkserver.close()
             if self.coordinator is not None:
                 self.coordinator.close()
             if watcher is not None:

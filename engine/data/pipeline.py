@@ -138,7 +138,12 @@ class Encoder:
         ended = self._ended()
         for process in ended:
             process.join()
-        codes = {p.exitcode for p in ended} - {0}
+            # The pool's own thread may have reaped it first and not yet recorded the status on the
+            # same object: this join then returns with none. It is a matter of instructions.
+            settled = time.monotonic() + 1.0
+            while process.exitcode is None and time.monotonic() < settled:
+                time.sleep(0.001)
+        codes = {p.exitcode for p in ended if p.exitcode is not None} - {0}
         if len(codes) > 1:
             codes.discard(-signal.SIGTERM)  # how the pool stops the others once one has died
         how = sorted(map(_how, codes))

@@ -531,8 +531,8 @@ class RestartConfig(Section):
         1.0, ge=0, description="First delay; doubles with each further crash until a worker commits a checkpoint.")
     backoff_max_seconds: float = Field(300.0, ge=0)
     standby: bool = Field(
-        True, description="Start a warm spare with each worker (torch imported at the lowest CPU priority, then "
-        "waiting), so a restart skips the imports; costs an idle process's memory.")
+        True, description="Fork workers from the daemon's fork server, which imports torch and the engine once: "
+        "a start or restart then skips the seconds of imports. false: each worker imports for itself.")
 
 
 class HealthConfig(Section):

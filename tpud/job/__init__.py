@@ -5,7 +5,6 @@ routing.py       which parts of the job each worker event goes to
 report.py        what the workers last reported: step, validation loss, a non-finite loss
 health/          why a worker died, when it counts as hung, the restart budget and backoff
 current.py       the current worker: its process, channel and output, the kill and hang signals
-standby.py       the warm spare workers
 inputs.py        what a start fetches from GCS: the newest checkpoint, datasets, the model
 output.py        the worker's output: relayed, its tail kept for crash reports
 gang.py          a job on several hosts: the gang as this host's worker sees it

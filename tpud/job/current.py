@@ -1,4 +1,4 @@
-"""A job's current worker process, while it has one: started warm (a spare) or cold, its channel
+"""A job's current worker process, while it has one: forked warm or started cold, its channel
 and output, the requests sent to it, and the signals that end one asked to stop too slowly or
 judged hung. What its exit means is the job's to decide (job.py)."""
 
@@ -16,7 +16,6 @@ from engine.spec.schema import JobSpec
 from tpud.job.health import crashes
 from tpud.job.health.hang import HangWatch
 from tpud.job.output import WorkerOutput
-from tpud.job.standby import StandbyPool
 from tpud.worker import channel
 from tpud.worker.process import WorkerProcess
 
@@ -24,10 +23,10 @@ log = structlog.get_logger()
 
 
 class CurrentWorker:
-    def __init__(self, job: str, channel_path: Path, loop, standbys: StandbyPool, watch: HangWatch, *,
-                 on_event: Callable[[events.Event], None], on_exit: Callable[[int], None]):
-        """standbys: the job's spares, and how it starts a worker; on_exit(status) once one exited."""
-        self.job, self.channel_path, self.loop, self.standbys, self.watch = job, channel_path, loop, standbys, watch
+    def __init__(self, job: str, channel_path: Path, loop, spawn: Callable[[JobSpec, dict[str, str]], WorkerProcess],
+                 watch: HangWatch, *, on_event: Callable[[events.Event], None], on_exit: Callable[[int], None]):
+        """spawn(spec, env) starts a worker; on_exit(status) once one exited."""
+        self.job, self.channel_path, self.loop, self.spawn, self.watch = job, channel_path, loop, spawn, watch
         self.on_event, self.on_exit = on_event, on_exit
         self.process: WorkerProcess | None = None
         self.link: channel.Link | None = None
@@ -37,19 +36,16 @@ class CurrentWorker:
         self._oom_kills: int | None = None
 
     def start(self, spec: JobSpec, extra_env: dict[str, str]) -> int:
-        """A spare that warmed up with the same environment, or a new process; its pid."""
+        """Start a worker; its pid."""
         env = {"TPUD_CHANNEL": str(self.channel_path), **extra_env}
         self.watch.new_worker(spec.health)
         self.link = channel.Link(self.channel_path, self.loop, self.on_event)
         self._oom_kills = crashes.oom_kill_count()
         self.output.new_worker()
         self.hang = None
-        self.process, warm = self.standbys.take(spec, env), True
-        if self.process is None:
-            self.process, warm = self.standbys.spawn(spec, env, standby=False), False
+        self.process = self.spawn(spec, env)
         self.loop.watch(self.process.stdout, self._on_output)
-        log.info("worker started", job=self.job, pid=self.process.pid, standby=warm)
-        self.standbys.keep(spec, env, 1)
+        log.info("worker started", job=self.job, pid=self.process.pid, forked=self.process.forked)
         return self.process.pid
 
     def request(self, request: Request, fallback: int) -> None:

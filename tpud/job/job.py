@@ -4,8 +4,7 @@ The states and the transitions allowed between them are in states.py. Everything
 the daemon's main loop thread: the loop hands a job its worker's output, channel events, exit
 status and timer ticks, and the job decides. The worker's exit code says what happened
 (engine/exit_codes.py, docs/architecture.md). What the job owns but does not decide lives beside it:
-the restart budget and backoff, the hang bound and crash reasons (health/), the warm spares
-(standby.py), the record that survives a daemon restart (record.py), goodput (goodput.py),
+the restart budget and backoff, the hang bound and crash reasons (health/), the record that survives a daemon restart (record.py), goodput (goodput.py),
 what a worker needs from GCS before it starts (inputs.py), the current worker's process
 (current.py), what it reported (report.py), the gang (gang.py), its checkpoints (checkpoints.py), wandb
 (tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py). Each worker event goes to
@@ -39,10 +38,10 @@ from tpud.job.record import JobRecord
 from tpud.job.report import WorkerReport
 from tpud.job.health.restarts import Restarts
 from tpud.job.memory import JobMemory, MemoryBudget
-from tpud.job.standby import StandbyPool
 from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
 from tpud.tracking import JobTracker
+from tpud.worker.forkserver import ForkServer
 from tpud.worker.process import WorkerProcess
 
 log = structlog.get_logger()
@@ -77,14 +76,15 @@ class MetricsSink(Protocol):
     def badput(self, job: str, kind: str, seconds: float) -> None: ...
 
 
-Spawn = Callable[..., WorkerProcess]  # (spec, paths, log_format, extra_env, *, standby) -> a started worker
+Spawn = Callable[..., WorkerProcess]  # (spec, paths, log_format, extra_env, *, forkserver) -> a started worker
 
 
 class Job:
     def __init__(self, spec: JobSpec, file: Path, paths: Paths, loop: Loop, metrics: MetricsSink,
                  *, stop_timeout: float, log_format: str = "json", clock=time.monotonic,
                  spawn: Spawn = WorkerProcess, gang: GangPlace | None = None,
-                 memory_budget: MemoryBudget | None = None):
+                 memory_budget: MemoryBudget | None = None, forkserver: ForkServer | None = None):
+        """forkserver: the daemon's, which starts workers warm (restart.standby); None: always cold."""
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
         self.clock, self.stop_timeout, self.name = clock, stop_timeout, spec.name
         self.state = State.PENDING
@@ -97,16 +97,16 @@ class Job:
         self.backoff_until = 0.0
         self.last_status: int | None = None  # the last worker's exit status (`tpud run` exits with it)
         self.watch = HangWatch(spec.health, clock)
-        self._preparing = False  # a thread is fetching the newest checkpoint from GCS
+        self._preparing = False  # a start waits: for a thread fetching from GCS, or the fork server
         self.gang = GangView(gang, self.name, metrics)  # several hosts: this host's place, and its worker's gang
         self.tiers = CheckpointTiers(spec, paths, self.checkpoints.upload_result, uploads=self.gang.uploads)
         self._record_path = paths.layout.record_file(self.name)
         self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25),
                                 blank=not self._record_path.exists())
-        self.standbys = StandbyPool(lambda s, env, standby: spawn(s, paths, log_format, env, standby=standby),
-                                    self.name, loop, clock)
-        self.current = CurrentWorker(self.name, paths.channel(self.name), loop, self.standbys, self.watch,
-                                     on_event=self.handle, on_exit=self.worker_exited)
+        self.forkserver = forkserver
+        self.current = CurrentWorker(
+            self.name, paths.channel(self.name), loop, on_event=self.handle, on_exit=self.worker_exited,
+            spawn=lambda s, env: spawn(s, paths, log_format, env, forkserver=self._forking(s)), watch=self.watch)
         self.record = JobRecord.load(self._record_path)
         self.held = self.record.held  # an operator's `tpud stop` holds the job until `tpud start`
         self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks,
@@ -139,13 +139,10 @@ class Job:
         self.state = state
         self.metrics.job_state(self.name, state.value)
         if state in ENDED:
-            self.standbys.discard()
             self.tracker.finish_in_background()
             if state is State.SUCCEEDED or self.stop_reason == "removed":  # its final checkpoint is on disk
                 self.memory.discard()
                 self.checkpoints.memory_discarded()
-        elif state is State.BACKOFF:  # a restart will take a spare: start its successor now
-            self.standbys.keep(self.spec, None, 2)
         if self.worker is None and not self._preparing:
             waiting = state is State.STOPPED and self.stop_reason == "shutdown"  # resumes when tpud is back
             self.ledger.enter(goodput.DOWN if waiting else _LEDGER_PHASE.get(state, goodput.IDLE))
@@ -178,7 +175,11 @@ class Job:
         inputs.fetch_in_background(self.tiers, urls, self.spec, self.paths.layout,
                                    lambda error: self.loop.post(lambda: self._prepared(error)))
 
+    def _forking(self, spec: JobSpec) -> ForkServer | None:
+        return self.forkserver if spec.restart.standby else None
+
     def _prepared(self, error: tuple[str, str] | None) -> None:
+        """What a start waited for (GCS, the fork server's imports) is there, or failed."""
         self._preparing = False
         if self.stop_reason is not None:  # stopped while preparing
             self.ledger.worker_exited(lost_work=False)
@@ -190,6 +191,12 @@ class Job:
             self._spawn()
 
     def _spawn(self) -> None:
+        forkserver = self._forking(self.spec)
+        if forkserver is not None and not forkserver.ready():  # it imports torch: the worker is forked after
+            self._preparing = True
+            self._set(State.STARTING, "the fork server is importing torch and the engine")
+            forkserver.when_ready(lambda: self._prepared(None))
+            return
         self.report.new_worker()
         self.gang.new_worker()
         pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env()})
@@ -238,7 +245,6 @@ class Job:
 
     def _adopt(self, spec: JobSpec) -> None:
         self.spec, self.next_spec = spec, None
-        self.standbys.discard()  # they warmed up for the old spec (another backend, perhaps)
         self.tracker.cfg = spec.logging.wandb
         self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=())  # a tier it gained
         self.tiers = self.tiers.adopt(spec)
@@ -345,9 +351,8 @@ class Job:
     # --- timers ---
 
     def tick(self) -> None:
-        """Timers: backoff expiry, hang detection, killing a worker that ignored a stop, replacing a lost spare."""
+        """Timers: backoff expiry, hang detection, killing a worker that ignored a stop."""
         now = self.clock()
-        self.standbys.tick()
         if self.state is State.BACKOFF and now >= self.backoff_until:
             self.start()
         self.current.tick(now, self.spec.health.kill_grace_seconds, gang=self.gang.place is not None)
@@ -355,14 +360,13 @@ class Job:
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
         backoff = self.backoff_until if self.state is State.BACKOFF else None
-        timers = [*self.current.timers(), self.standbys.due, backoff]
+        timers = [*self.current.timers(), backoff]
         return min((t for t in timers if t is not None), default=None)
 
     # --- reading ---
 
     def close(self, timeout: float = 30.0) -> None:
         """The daemon is exiting: flush what is buffered for this job."""
-        self.standbys.discard()
         self.tracker.close(timeout)
         self.save()
 

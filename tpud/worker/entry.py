@@ -5,19 +5,21 @@ so the worker trains exactly what was validated even if the file changes meanwhi
 This is the one tpud module that imports torch (through engine); the supervisor runs it
 as a separate process so a crash or hang here never touches the supervisor.
 
-With --standby it is a warm spare: it imports first, at the lowest CPU priority, and
-trains only when the supervisor releases it for a restart (a line on stdin).
+The daemon usually forks it from its fork server (tpud/worker/forkserver.py), which has done
+the imports already; `python -m tpud.worker` is the cold start, the same code.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import select
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
@@ -112,32 +114,31 @@ class ChannelHooks(SignalHooks):
         return request
 
 
-def _warm_up(spec: JobSpec) -> None:
-    """What a worker's first seconds go to: torch, the engine, torch._dynamo (which
-    torch.optim's first constructor imports) and the backend's modules (torch_xla)."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # the worker in charge comes first
-    import torch._dynamo  # noqa: F401
-
-    import engine.train  # noqa: F401
-    from engine.backends import preload
-
-    preload(spec.device)
-
-
-def standby(spec: JobSpec) -> bool:
-    """Warm up while waiting for the daemon's go (a line on stdin); False if it closes stdin instead."""
-    warm = threading.Thread(target=_warm_up, args=(spec,), name="warm-up", daemon=True)
-    warm.start()
-    released = sys.stdin.buffer.readline() != b""
-    # Threads the imports started inherited their priority; training runs at ours. Lowering a
-    # niceness back needs CAP_SYS_NICE (tpud runs as root): without it, they stay low.
-    for task in Path("/proc/self/task").iterdir():
+def run_and_exit(run: Callable[[], int | None]) -> NoReturn:
+    """Run the worker and end the process as the interpreter would (non-daemon threads joined, atexit
+    handlers run, output flushed), without finalising the interpreter: C++ objects that a library
+    left to static destructors (a process group's threads) abort the process there, turning a
+    clean exit 75 into 134. A forked worker must end this way too, never return into its server."""
+    try:
+        code = run()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001  (reported as the interpreter reports it)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
         try:
-            os.setpriority(os.PRIO_PROCESS, int(task.name), os.getpriority(os.PRIO_PROCESS, 0))
-        except OSError:
+            stream.flush()
+        except (OSError, ValueError):
             pass
-    warm.join()
-    return released
+    os._exit(code or 0)
 
 
 def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> int:
@@ -145,14 +146,9 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     parser = argparse.ArgumentParser(prog="python -m tpud.worker", description="tpud training worker (internal).")
     parser.add_argument("spec", type=Path, help="resolved job spec, JSON")
     parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--standby", action="store_true",
-                        help="a warm spare: import torch and the engine, then wait for a line on stdin before "
-                             "reading the spec again and training; exit 0 if stdin closes first")
     args = parser.parse_args(argv)
     parent = os.environ.get("TPUD_SUPERVISOR_PID")
     die_with_parent(int(parent) if parent else None)
-    if args.standby and not standby(JobSpec.model_validate_json(args.spec.read_text())):
-        return 0
     spec = JobSpec.model_validate_json(args.spec.read_text())
     logs.configure(spec.logging.level)
     structlog.contextvars.bind_contextvars(job=spec.name)
