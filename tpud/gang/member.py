@@ -96,12 +96,19 @@ class GangMember:
         import torch.distributed as dist
 
         self._stop_asked = stop_asked
-        if not self._connect():
-            return False
-        while not (seated := self._seated(spec)):
-            if seated is None:
-                self.leave()
+        while True:
+            if not self._connect():
                 return False
+            try:
+                while not (seated := self._seated(spec)):
+                    if seated is None:
+                        self.leave()
+                        return False
+                break
+            except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+                # Host 0's daemon stopped or restarted under this wait: wait for its next coordinator.
+                log.warning("lost the gang's coordinator while waiting for the hosts; waiting for it again",
+                            coordinator=self.coordinator, error=str(e).splitlines()[0][:200])
         try:
             self._same_spec()
         except ConfigError:

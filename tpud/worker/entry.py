@@ -129,9 +129,9 @@ def run_and_exit(run: Callable[[], int | None]) -> NoReturn:
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What Py_FinalizeEx does first, in its order: executors' exit hooks, then the non-daemon
+    # threads joined (an idle ThreadPoolExecutor's workers wait for that hook), then atexit.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -140,7 +140,8 @@ class ForkServer:
         self._started_at, self.warm = self.clock(), False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tpud.worker.forkserver", str(theirs.fileno()), "--parent", str(os.getpid())],
-            stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], env=worker_env("json"))
+            stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], env=worker_env("json"),
+            start_new_session=True)  # a terminal's Ctrl-C reaches only the daemon, which stops the workers
         theirs.close()
         self.sock = ours
         self.sock.setblocking(False)
