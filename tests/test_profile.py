@@ -17,7 +17,9 @@ def profiled(tmp_path_factory):
     spec = load_spec(TINY_JOB, ["data.corpus_bytes=400000", "model.n_layers=2", "data.micro_batch_size=4",
                                 "data.seq_len=64", "loss.name=cce", "checkpoint.interval_steps=1"])
     out = tmp_path_factory.mktemp("profile")
-    return profiling.run(spec, steps=3, warmup=2, out=out), out
+    # Ten steps of ~30 ms: over three, one scheduler hiccup on a busy 2-core machine moved the
+    # step time by more than the 10 % the phases are held to.
+    return profiling.run(spec, steps=10, warmup=2, out=out), out
 
 
 @pytest.mark.slow
@@ -30,7 +32,7 @@ def test_the_trace_opens_and_the_phases_account_for_the_step(profiled):
     assert 0.9 * report.step_s <= measured <= 1.1 * report.step_s, (measured, report.step_s)
     assert all(seconds > 0 for seconds in report.phases.values()), report.phases
     assert report.top and report.top[0]["seconds"] >= report.top[-1]["seconds"]
-    assert json.loads((out / "report.json").read_text())["steps"] == 3
+    assert json.loads((out / "report.json").read_text())["steps"] == 10
     # The job's saves are not profiled (checkpoint.interval_steps=1 above): nothing is written beside it.
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "trace.json"]
 
