@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The whole suite (`make test`), in two stages that keep a 2-core machine busy:
-#   1. the xla tests (XLA compiles on about one core) beside the unit tests and the slow tests
-#      that train in pytest's own process (in_process), which fill the time the xla tests take;
-#   2. the end-to-end tests, alone: their supervisors and workers want the whole machine.
+# The whole suite (`make test`) in two lanes that keep a 2-core machine busy:
+#   1. the xla tests (XLA compiles on about one core), then half of the end-to-end tests;
+#   2. the unit tests and the slow tests that train in pytest's own process (in_process), then
+#      the other half of the end-to-end tests (tests/conftest.py's LANE_A says which module runs
+#      where; their supervisors and workers mostly wait on each other, so two lanes fill the cores).
 # Arguments go to every pytest run (-x, -k EXPR, --durations=N, test paths); -m is this script's
 # own. Exit 0 only if every stage passes.
 set -uo pipefail
@@ -16,19 +17,27 @@ ran() {  # a stage's status, with pytest's 5 (nothing collected: a -k that match
     [ "$1" -eq 5 ] && echo 0 || echo "$1"
 }
 
-xla_log=$(mktemp)
-trap 'rm -f "$xla_log"; [ -n "${xla_pid:-}" ] && kill "$xla_pid" 2>/dev/null' EXIT
-"$python" -m pytest -m "xla" "$@" >"$xla_log" 2>&1 &
-xla_pid=$!
+E2E="slow and not xla and not in_process"
+lane_log=$(mktemp)
+status_dir=$(mktemp -d)
+trap 'rm -rf "$lane_log" "$status_dir"; [ -n "${lane_pid:-}" ] && kill "$lane_pid" 2>/dev/null' EXIT
+(
+    "$python" -m pytest -m "xla" "$@"
+    echo $? >"$status_dir/xla"
+    TPUD_TEST_LANE=a "$python" -m pytest -m "$E2E" "$@"
+    echo $? >"$status_dir/e2e_a"
+) >"$lane_log" 2>&1 &
+lane_pid=$!
 "$python" -m pytest -m "not xla and (not slow or in_process)" "$@"
 unit=$(ran $?)
-wait "$xla_pid"
-xla=$(ran $?)
-xla_pid=  # reaped: its number may be another process's by the time the trap runs
-echo; echo "=== the xla tests, run beside the unit tests ==="
-cat "$xla_log"
-echo; echo "=== the end-to-end tests ==="
-"$python" -m pytest -m "slow and not xla and not in_process" "$@"
-slow=$(ran $?)
-echo "stages: unit $unit, xla $xla, end-to-end $slow"
-[ "$unit" -eq 0 ] && [ "$xla" -eq 0 ] && [ "$slow" -eq 0 ]
+echo; echo "=== end-to-end tests, lane b (lane a runs beside it) ==="
+TPUD_TEST_LANE=b "$python" -m pytest -m "$E2E" "$@"
+e2e_b=$(ran $?)
+wait "$lane_pid"
+lane_pid=  # reaped: its number may be another process's by the time the trap runs
+echo; echo "=== the xla tests, then end-to-end lane a, run beside the above ==="
+cat "$lane_log"
+xla=$(ran "$(cat "$status_dir/xla" 2>/dev/null || echo 1)")
+e2e_a=$(ran "$(cat "$status_dir/e2e_a" 2>/dev/null || echo 1)")
+echo "stages: unit $unit, xla $xla, end-to-end lane a $e2e_a, lane b $e2e_b"
+[ "$unit" -eq 0 ] && [ "$xla" -eq 0 ] && [ "$e2e_a" -eq 0 ] && [ "$e2e_b" -eq 0 ]
