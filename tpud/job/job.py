@@ -84,7 +84,6 @@ class Job:
                  *, stop_timeout: float, log_format: str = "json", clock=time.monotonic,
                  spawn: Spawn = WorkerProcess, gang: GangPlace | None = None,
                  memory_budget: MemoryBudget | None = None, forkserver: ForkServer | None = None):
-        """forkserver: the daemon's, which starts workers warm (restart.standby); None: always cold."""
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
         self.clock, self.stop_timeout, self.name = clock, stop_timeout, spec.name
         self.state = State.PENDING
@@ -103,10 +102,10 @@ class Job:
         self._record_path = paths.layout.record_file(self.name)
         self.memory = JobMemory(self.name, paths.memory, memory_budget or MemoryBudget(share=0.25),
                                 blank=not self._record_path.exists())
-        self.forkserver = forkserver
-        self.current = CurrentWorker(
-            self.name, paths.channel(self.name), loop, on_event=self.handle, on_exit=self.worker_exited,
-            spawn=lambda s, env: spawn(s, paths, log_format, env, forkserver=self._forking(s)), watch=self.watch)
+        self.forkserver = forkserver  # the daemon's: starts workers warm (restart.standby); None: always cold
+        self.current = CurrentWorker(self.name, paths.channel(self.name), loop, lambda s, env: spawn(
+            s, paths, log_format, env, forkserver=forkserver if s.restart.standby else None), self.watch,
+                                     on_event=self.handle, on_exit=self.worker_exited)
         self.record = JobRecord.load(self._record_path)
         self.held = self.record.held  # an operator's `tpud stop` holds the job until `tpud start`
         self.restarts = Restarts(total=self.record.restarts_total, rollbacks=self.record.rollbacks,
@@ -175,11 +174,7 @@ class Job:
         inputs.fetch_in_background(self.tiers, urls, self.spec, self.paths.layout,
                                    lambda error: self.loop.post(lambda: self._prepared(error)))
 
-    def _forking(self, spec: JobSpec) -> ForkServer | None:
-        return self.forkserver if spec.restart.standby else None
-
     def _prepared(self, error: tuple[str, str] | None) -> None:
-        """What a start waited for (GCS, the fork server's imports) is there, or failed."""
         self._preparing = False
         if self.stop_reason is not None:  # stopped while preparing
             self.ledger.worker_exited(lost_work=False)
@@ -191,11 +186,10 @@ class Job:
             self._spawn()
 
     def _spawn(self) -> None:
-        forkserver = self._forking(self.spec)
-        if forkserver is not None and not forkserver.ready():  # it imports torch: the worker is forked after
+        if self.spec.restart.standby and self.forkserver and not self.forkserver.ready():  # importing torch
             self._preparing = True
             self._set(State.STARTING, "the fork server is importing torch and the engine")
-            forkserver.when_ready(lambda: self._prepared(None))
+            self.forkserver.when_ready(lambda: self._prepared(None))
             return
         self.report.new_worker()
         self.gang.new_worker()
