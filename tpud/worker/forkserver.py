@@ -130,7 +130,7 @@ class ForkServer:
                 proc.kill()
                 proc.wait()
 
-    # --- the server process ---
+    # --- the server process, from the daemon's side ---
 
     def _start(self) -> None:
         from tpud.worker.process import worker_env
