@@ -1,13 +1,13 @@
 """When a helper process of the daemon that died is started again (torch-free).
 
-The daemon's helpers (the job-file reader, each job's warm spare, host 0's gang coordinator) die
-only when something kills them: the OOM killer, an operator's `kill`. Each is started again as
-soon as its death is seen: at once when it had lived a while, after a growing backoff when it
+The daemon's helpers (the job-file reader, the fork server, host 0's gang coordinator) die only
+when something kills them: the OOM killer, an operator's `kill`. Each is started again once its
+death is seen (the fork server: with the next worker wanted): at once when it had lived a while, after a growing backoff when it
 keeps dying soon after its start (a broken installation, an address taken), so that a helper
 which cannot live neither spins the CPU nor floods the journal.
 
 Deaths are seen as events, never by polling: the loop's selector (or the reader's thread) waits
-on a process's pidfd, which becomes readable the moment the process exits.
+on a process's pidfd, or the fork server's socket, which becomes readable the moment it exits.
 """
 
 from __future__ import annotations

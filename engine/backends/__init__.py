@@ -27,13 +27,6 @@ def resolve_backend_name(cfg: DeviceConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def preload(cfg: DeviceConfig) -> None:
-    """Import what build_backend(cfg) will, touching no device (a warm spare's work)."""
-    if resolve_backend_name(cfg) == "xla":
-        import torch_xla.distributed.spmd  # noqa: F401
-        import torch_xla.runtime  # noqa: F401
-
-
 def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cache: str | None = None,
                   gang: bool = False) -> Backend:
     """gang: the processes are the hosts of a gang (engine.checkpoint.hosts), each one whole replica."""

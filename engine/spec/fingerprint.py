@@ -36,7 +36,7 @@ HOST_ONLY: dict[str, str] = {
     "device.compile_cache": "this host's compilation cache: the same program either way",
     "device.peak_flops": "this host's MFU figure",
     "logging": "what this host logs; wandb is logged by host 0's supervisor alone",
-    "restart": "this host's supervisor's crash budget and warm spare; a peer's restart spends none of it",
+    "restart": "this host's supervisor's crash budget and warm starts; a peer's restart spends none of it",
     **dict.fromkeys([f"health.{key}" for key in (
         "heartbeat_timeout_seconds", "hang_step_multiple", "startup_timeout_seconds", "startup_steps",
         "checkpoint_timeout_seconds", "kill_grace_seconds")], _HANG_BOUNDS),
