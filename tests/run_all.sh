@@ -12,6 +12,10 @@ python=${PYTHON:-.venv/bin/python}
 # OpenMP's idle threads sleep instead of spinning: with two processes training on two cores, the
 # spinning made each one's steps 8x slower (tests/conftest.py's python_env sets it for children).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# Our own modules' bytecode, written once here rather than compiled again by each of the few
+# hundred processes the tests start where PYTHONDONTWRITEBYTECODE is set (the venv's is compiled
+# at install).
+"$python" -m compileall -q engine tpud tests bench >/dev/null
 
 ran() {  # a stage's status, with pytest's 5 (nothing collected: a -k that matched none here) as a pass
     [ "$1" -eq 5 ] && echo 0 || echo "$1"
