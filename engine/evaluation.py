@@ -49,7 +49,7 @@ class Evaluator:
             for index in range(self.cfg.batches):
                 batch = self.batches.rows(index).map(self.backend.to_device)
                 with self.backend.autocast(self.bf16):
-                    loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions).detach().float()
+                    loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)[0].detach().float()
                 # As device data, as the training step sends it: a Python float would be a constant
                 # in the XLA graph, one compile per value.
                 loss = loss * self.backend.to_device(torch.tensor(self.batches.weight(counts, index)))

@@ -89,6 +89,12 @@ class Step(Event):
     rss_bytes: int | None = None
     device_memory_bytes: int | None = None
     badput: Badput = Badput()
+    # A mixture of experts' routers (engine.models.moe.STATS); None for a dense model.
+    aux_loss: float | None = None          # the load-balancing loss, before its coefficient
+    z_loss: float | None = None            # the router z-loss, before its coefficient
+    expert_load_max: float | None = None   # the busiest expert's share of its layer's choices (even: 1/experts)
+    expert_load_cv: float | None = None    # the shares' coefficient of variation, mean over layers (even: 0)
+    dropped_fraction: float | None = None  # of the choices, those beyond their expert's capacity
 
 
 # The host-side scalars of a step: what goes to wandb.

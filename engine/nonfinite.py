@@ -76,8 +76,9 @@ class NonFiniteGuard:
         if p.micro_step and self._checked_at != (p.step, p.micro_step):
             # Inside accumulation: a poisoned micro-batch is in the partial gradient already.
             def check(rows: list) -> None:
-                if not math.isfinite(rows[0]):
-                    self._found(NonFinite(p.step + 1, rows[0], None))
+                loss = rows[0][0] if isinstance(rows[0], list) else rows[0]  # [loss, *router stats] with experts
+                if not math.isfinite(loss):
+                    self._found(NonFinite(p.step + 1, loss, None))
 
             self.backend.read_values([p.loss_sum], check)
         self.flush()

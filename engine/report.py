@@ -23,6 +23,7 @@ from engine import events
 from engine.backends.base import Backend
 from engine.badput import Badput
 from engine.data.loader import PackedLoader
+from engine.models.moe import STATS
 from engine.nonfinite import NonFiniteGuard
 from engine.spec.schema import TrainConfig
 
@@ -31,7 +32,7 @@ log = structlog.get_logger()
 
 @dataclass
 class StepResult:
-    NAMES = ("loss", "grad_norm")
+    NAMES = ("loss", "grad_norm")  # then, with experts, engine.models.moe.STATS
 
     step: int              # steps completed, this one included
     values: torch.Tensor   # NAMES, on the device, not yet read
@@ -49,8 +50,10 @@ def host_rss_bytes() -> int:
 
 class Reporter:
     def __init__(self, train: TrainConfig, backend: Backend, loader: PackedLoader, flops_per_token: float,
-                 nonfinite: NonFiniteGuard, badput: Badput, emit: Callable[[events.Event], None]):
+                 nonfinite: NonFiniteGuard, badput: Badput, emit: Callable[[events.Event], None],
+                 router_stats: bool = False):
         self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
+        self.names = StepResult.NAMES + (STATS if router_stats else ())
         self.nonfinite, self.badput, self.emit = nonfinite, badput, emit
         self.pending: list[StepResult] = []  # finished steps whose values are not read yet
         self._checked = 0  # of pending, how many the non-finite guard has seen (check_pending)
@@ -76,7 +79,7 @@ class Reporter:
 
         def check(rows: list[list[float]]) -> None:
             for result, row in zip(unchecked, rows):
-                if not self.nonfinite.publishable(result.step, *row):
+                if not self.nonfinite.publishable(result.step, *row[:2]):
                     break
 
         self.backend.read_values([result.values for result in unchecked], check)
@@ -114,9 +117,9 @@ class Reporter:
         def publish(rows: list[list[float]]) -> None:
             scalars = None
             for result, row in zip(pending, rows):
-                if not self.nonfinite.publishable(result.step, *row):
+                if not self.nonfinite.publishable(result.step, *row[:2]):
                     break  # this step is the first non-finite one, or trained on its weights
-                scalars = dict(zip(StepResult.NAMES, row), lr=result.lr)
+                scalars = dict(zip(self.names, row), lr=result.lr)
                 self.emit(events.Step(step=result.step, **scalars, **perf, badput=badput))
                 logged = result.step
             if scalars is not None:

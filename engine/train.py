@@ -51,7 +51,7 @@ from engine.checkpoint.manifest import parts
 from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
-from engine.models.moe import router_loss
+from engine.models.moe import STATS, router_terms
 from engine.nonfinite import NonFiniteGuard
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
@@ -70,22 +70,23 @@ class LanguageModel(nn.Module):
         self.model, self.loss_fn = model, loss_fn
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean loss over the targets not ignored (engine.data.batch); with experts, plus the router
-        losses while gradients are taken (an evaluation's loss is the language model's alone)."""
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the mean loss over the targets not ignored (engine.data.batch), the routers' part): with
+        experts and while gradients are taken, [their weighted loss, *STATS] (engine.models.moe), to be
+        added and reported; else None (an evaluation's loss is the language model's alone)."""
         moe = self.model.cfg.moe
-        if moe is None:
-            hidden, router = self.model(inputs, segments, positions), None
-        else:
-            hidden, logits = self.model.hidden_and_router_logits(inputs, segments, positions)
-            router = router_loss(logits, moe) if torch.is_grad_enabled() else None
+        hidden, routing = self.model.hidden_and_routing(inputs, segments, positions)
+        router = None
+        if moe is not None and torch.is_grad_enabled():
+            loss, stats = router_terms(routing, moe)
+            router = torch.cat([loss.reshape(1), stats])
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
             hidden = hidden.to(torch.get_autocast_dtype(device))
         with record_function("tpud.loss"):
             loss = self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
-        return loss if router is None else loss + router
+        return loss, router
 
 
 class Trainer:
@@ -96,9 +97,10 @@ class Trainer:
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
                                      inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
-        if spec.model.moe is not None and self.backend.name == "xla":  # device.backend auto on a TPU host
-            raise ConfigError("model.moe", "trains on the cpu and cuda backends only for now: XLA needs a "
-                              "static-shape (capacity) expert path, not built yet")
+        moe = spec.model.moe
+        if moe is not None and moe.capacity_factor is None and self.backend.name == "xla":  # backend auto on a TPU
+            raise ConfigError("model.moe.capacity_factor", "must be set on the xla backend: XLA compiles static "
+                              "shapes, so each expert gets a fixed number of seats (1.25 is usual)")
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
         # Built on the meta device, then given its weights one tensor at a time in their final
@@ -161,7 +163,7 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(spec.health.nonfinite, self.backend, self.loader, skips_path,
                                         self.hooks.emit, self.progress)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
-                                 self.nonfinite, self.badput, self.hooks.emit)
+                                 self.nonfinite, self.badput, self.hooks.emit, router_stats=moe is not None)
         self._deferred: Request | None = None
         self.hooks.on_request(self._between_boundaries)
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
@@ -237,12 +239,15 @@ class Trainer:
             with self.backend.autocast(self.bf16), record_function("tpud.forward"):
                 # Weighted by its share of the step's targets (1.0 without masks): divided by the
                 # micro-batch count below, the step's loss is that of one batch of all its targets.
-                loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions) * weight
+                loss, router = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)
+                loss = loss * weight
             if self.faults.poisons(self.loader.index(p.step, p.micro_step)):
                 loss = loss * float("nan")  # NaN gradients too, and so NaN weights: a real blow-up
             with record_function("tpud.backward"):
-                (loss / accum).backward()
-        p.loss_sum = loss.detach() if p.loss_sum is None else p.loss_sum + loss.detach()
+                ((loss if router is None else loss + router[0]) / accum).backward()
+        # With experts, the router's statistics ride along: [loss, *STATS], summed like the loss.
+        values = loss.detach() if router is None else torch.cat([loss.detach().reshape(1), router[1:].detach()])
+        p.loss_sum = values if p.loss_sum is None else p.loss_sum + values
         if not last:  # the step's last micro-batch runs on into the optimizer step: one graph under XLA
             self.backend.micro_step_end()
         p.micro_step += 1
@@ -258,7 +263,8 @@ class Trainer:
         # max_norm=inf still returns the norm, which is worth logging when clipping is off.
         grad_norm = self.backend.clip_grad_norm(self.model.parameters(), train.grad_clip or float("inf"))
         # Stacked inside the step's graph, so reading them later is one plain copy.
-        values = torch.stack([p.loss_sum / p.micro_step, grad_norm.to(p.loss_sum.dtype)])
+        mean = (p.loss_sum / p.micro_step).reshape(-1)  # the loss, then any router statistics
+        values = torch.cat([mean[:1], grad_norm.to(mean.dtype).reshape(1), mean[1:]])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.step_end()

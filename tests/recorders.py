@@ -35,6 +35,11 @@ class Recorder(Hooks):
         return {e.step: e.loss for e in self.of(events.Step)}
 
     @property
+    def dropped(self) -> list[float | None]:
+        """Each step's dropped fraction, in step order (a mixture of experts with a capacity; else None)."""
+        return [e.dropped_fraction for e in self.of(events.Step)]
+
+    @property
     def nonfinite(self) -> events.NonFinite | None:
         found = self.of(events.NonFinite)
         return found[-1] if found else None

@@ -43,7 +43,7 @@ def xla_run(tmp_path_factory):
 
 
 def test_weights_are_sharded_fsdp_style_over_the_mesh(xla_run):
-    assert xla_run["describe"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert xla_run["describe"]["mesh"] == {"data": 1, "expert": 1, "fsdp": 4, "tensor": 1}
     # Column-parallel weights split their input dim over fsdp, row-parallel their output dim.
     assert xla_run["sharding"]["wq"] == "{devices=[1,4]0,1,2,3}"
     assert xla_run["sharding"]["wo"] == "{devices=[4,1]0,1,2,3}"
@@ -118,6 +118,24 @@ def test_a_document_masked_step_compiles_once_and_matches_the_cpu_backend(tiny_s
     assert xla["losses"] == pytest.approx(cpu.losses, rel=2e-3)  # drift through the updates, as unmasked
     compiles = xla["compiles_at_step"]
     assert compiles[2] > 0 and compiles[2:] == [compiles[2]] * (len(compiles) - 2)
+
+
+def test_a_mixture_of_experts_trains_with_its_experts_split_over_the_mesh_like_the_cpu_backend(tiny_spec, tmp_path):
+    """Experts split two ways by expert and two ways fsdp, the capacity path's static shapes: the losses
+    and router statistics follow the cpu backend's (the same capacity path, unsplit)."""
+    moe = ["model.moe={num_experts: 4, top_k: 2, capacity_factor: 1.0}", "model.ffn_dim=96"]
+    xla = run_xla(tmp_path / "xla", *moe, "device.mesh={expert: 2, fsdp: 2}")
+    cpu = StepLosses()
+    Trainer(tiny_spec(*COMMON, *moe, "device.backend=cpu"), tmp_path / "cpu", cpu).run()
+    assert xla["exit"] == 0 and xla["describe"]["mesh"] == {"data": 1, "expert": 2, "fsdp": 2, "tensor": 1}
+    # [experts, out, in]: by expert over `expert`, then like a dense weight over fsdp.
+    assert xla["sharding"]["experts_w1"] == "{devices=[2,1,2]0,1,2,3}"
+    assert xla["sharding"]["experts_w2"] == "{devices=[2,2,1]0,1,2,3}"
+    assert xla["losses"][:3] == pytest.approx(cpu.losses[:3], abs=1e-4)
+    assert xla["losses"] == pytest.approx(cpu.losses, rel=2e-3)  # drift through the updates, as dense
+    assert xla["dropped"] == pytest.approx(cpu.dropped, abs=1e-6) and max(cpu.dropped) > 0  # capacity 1.0 drops
+    compiles = xla["compiles_at_step"]
+    assert compiles[2:] == [compiles[2]] * (len(compiles) - 2)  # static shapes: no step compiles anew
 
 
 @pytest.mark.slow  # 25-40 s on 2 busy cores, most of it compiling the step and evaluation graphs

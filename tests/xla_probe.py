@@ -45,6 +45,7 @@ def train(job: str, state_dir: str, overrides) -> tuple[Trainer, XlaCounters, di
     code = trainer.run()
     steps = sorted(counters.at_step)
     return trainer, counters, {"exit": code, "losses": [counters.losses[s] for s in sorted(counters.losses)],
+                               "dropped": counters.dropped,
                                "compiles_at_step": [counters.at_step[s]["compiles"] for s in steps],
                                "counts_at_step": counters.at_step, "counts_at_end": counters.counts()}
 
@@ -56,7 +57,8 @@ def main(job: str, state_dir: str, *overrides: str) -> None:
     layer = trainer.model.layers[0]
     sharding = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in
                 [("wq", layer.attention.wq.weight), ("wo", layer.attention.wo.weight),
-                 ("embedding", trainer.model.tok_embeddings.weight), ("norm", layer.attention_norm.weight)]}
+                 ("embedding", trainer.model.tok_embeddings.weight), ("norm", layer.attention_norm.weight),
+                 *([("experts_w1", layer.moe.w1), ("experts_w2", layer.moe.w2)] if layer.sparse else [])]}
     import torch
 
     # The trained weights gathered to the host: what an export of the final checkpoint must hold.

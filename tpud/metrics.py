@@ -8,6 +8,8 @@ Names and units are the interface (prefix tpud_, base units, counters end in _to
 tpud_build_info{version}, tpud_job_state{job,state}, tpud_job_step{job}, tpud_job_loss{job},
 tpud_job_eval_loss{job},
 tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_restarts_total{job,reason},
+a mixture of experts' tpud_job_router_aux_loss{job}, tpud_job_router_z_loss{job},
+tpud_job_expert_load_max_ratio{job}, tpud_job_expert_load_cv{job}, tpud_job_dropped_tokens_ratio{job},
 tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier,reason}
 (histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
 tpud_checkpoint_last_committed_step{job,tier},
@@ -160,6 +162,16 @@ class Metrics:
                           ["job"], registry=r)
         self._mfu = Gauge("tpud_job_mfu_ratio", "Model FLOPs utilisation (0..1).", ["job"],
                           registry=r)
+        self._router_aux = Gauge("tpud_job_router_aux_loss", "Load-balancing loss of the last step, before its "
+                                 "coefficient (1 when balanced; mixture of experts).", ["job"], registry=r)
+        self._router_z = Gauge("tpud_job_router_z_loss", "Router z-loss of the last step, before its coefficient "
+                               "(mixture of experts).", ["job"], registry=r)
+        self._load_max = Gauge("tpud_job_expert_load_max_ratio", "The busiest expert's share of its layer's "
+                               "routed tokens in the last step (1/experts when even).", ["job"], registry=r)
+        self._load_cv = Gauge("tpud_job_expert_load_cv", "Coefficient of variation of the experts' shares of "
+                              "routed tokens, mean over layers (0 when even).", ["job"], registry=r)
+        self._dropped = Gauge("tpud_job_dropped_tokens_ratio", "Routed tokens beyond their expert's capacity in "
+                              "the last step (capacity_factor).", ["job"], registry=r)
         self._restarts = Counter("tpud_job_restarts_total", "Worker restarts by reason.",
                                  ["job", "reason"], registry=r)
         self._preemptions = Counter("tpud_preemption_notices_total",
@@ -233,6 +245,15 @@ class Metrics:
                                   (self._tps, tokens_per_second), (self._mfu, mfu)):
                 if value is not None:
                     self._child(metric, job).set(float(value))
+
+    def experts(self, job: str, **values: float | None) -> None:
+        """A mixture of experts' router figures (tpud.job.report.experts' keys)."""
+        with self._change():
+            gauges = {"aux_loss": self._router_aux, "z_loss": self._router_z, "load_max": self._load_max,
+                      "load_cv": self._load_cv, "dropped_fraction": self._dropped}
+            for key, value in values.items():
+                if value is not None:
+                    self._child(gauges[key], job).set(float(value))
 
     def eval_loss(self, job: str, loss: float) -> None:
         with self._change():

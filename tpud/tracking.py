@@ -51,10 +51,15 @@ METRIC_NAMES = {
     "rss_bytes": "memory/host_rss_bytes",
     "device_memory_bytes": "memory/device_bytes",
     "eval_loss": "eval/loss",
+    "aux_loss": "moe/aux_loss",
+    "z_loss": "moe/z_loss",
+    "expert_load_max": "moe/expert_load_max",
+    "expert_load_cv": "moe/expert_load_cv",
+    "dropped_fraction": "moe/dropped_fraction",
     "eval_perplexity": "eval/perplexity",
 }
 ENGINE_STEP = "train/step"
-_PREFIXES = ("train/*", "perf/*", "memory/*", "eval/*")
+_PREFIXES = ("train/*", "perf/*", "memory/*", "eval/*", "moe/*")
 # Event fields that are not metrics: the step comes as log()'s own argument.
 _NOT_METRICS = frozenset({"step", "type", "event"})
 

@@ -194,12 +194,13 @@ def resolve_mesh(mesh: MeshConfig, world: int, gang: bool = False) -> dict[str, 
         if mesh.fsdp > 1 or mesh.tensor > 1:
             raise ConfigError("device.mesh", "on cpu and cuda the hosts of a gang are data replicas (each host "
                               "checkpoints a whole state): leave fsdp and tensor at -1 or 1")
-        return {"data": world, "fsdp": 1, "tensor": 1}
+        return {"data": world, "expert": 1, "fsdp": 1, "tensor": 1}
     try:
         sizes = mesh.resolve(world)
     except ValueError as e:
         raise ConfigError("device.mesh", f"{e} (processes)") from e
-    if sizes["tensor"] != 1:
-        raise ConfigError("device.mesh.tensor", "tensor parallelism runs under xla only; on cpu and cuda "
-                          "the mesh has data and fsdp axes")
+    for axis, what in (("tensor", "tensor parallelism"), ("expert", "expert parallelism")):
+        if sizes[axis] != 1:
+            raise ConfigError(f"device.mesh.{axis}", f"{what} runs under xla only; on cpu and cuda the mesh "
+                              "has data and fsdp axes")
     return sizes

@@ -1,8 +1,9 @@
 """torch_xla SPMD: one process per host drives every local device through one sharded graph.
 
 Parameters are sharded FSDP-style over the `fsdp` mesh axis (and Megatron-style over
-`tensor`), batches are sharded over (data, fsdp) as they enter the device, and XLA's
-compiler inserts the collectives. torch_xla is imported here only, so the rest of the
+`tensor`; a mixture of experts' 3-D expert weights also by expert over `expert`), batches are
+sharded over (data, expert, fsdp) as they enter the device, and XLA's compiler inserts the
+collectives (for experts split over `expert`, the all-to-alls of the token dispatch). torch_xla is imported here only, so the rest of the
 engine runs where it is not installed.
 """
 
@@ -23,7 +24,7 @@ from engine.spec.schema import DeviceConfig
 # Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
 # ("row-parallel") ones get (fsdp, tensor), so a tensor-parallel block needs one reduction.
 _ROW_PARALLEL = ("wo", "w2")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "expert", "fsdp")
 
 
 def row_parallel(module: str) -> bool:
@@ -31,7 +32,10 @@ def row_parallel(module: str) -> bool:
 
 
 def weight_partition(name: str, param: torch.Tensor) -> tuple | None:
-    """The partition spec of one parameter; None leaves it replicated (norms)."""
+    """The partition spec of one parameter; None leaves it replicated (norms). An expert tensor
+    [experts, out, in] is split by expert over `expert` and each expert's matrix like a dense one's."""
+    if param.dim() == 3:
+        return ("expert",) + weight_partition(name, param[0])
     if param.dim() != 2:
         return None
     return ("fsdp", "tensor") if row_parallel(name.removesuffix(".weight")) else ("tensor", "fsdp")

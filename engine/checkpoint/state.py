@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from engine.backends.base import Backend
 from engine.checkpoint import manifest as mf
+from engine.models.moe import STATS
 
 log = structlog.get_logger()
 
@@ -30,7 +31,7 @@ class Progress:
     step: int = 0
     micro_step: int = 0
     tokens_seen: int = 0
-    loss_sum: torch.Tensor | None = None  # summed micro-batch losses of the current step
+    loss_sum: torch.Tensor | None = None  # summed micro-batch losses of the current step ([loss, *STATS] with experts)
 
 
 class TrainingState:
@@ -99,8 +100,12 @@ class TrainingState:
     def template(self, manifest: mf.Manifest) -> dict:
         """A state of the manifest's shape for a load to fill: the live tensors, and fresh ones for
         a partial step's accumulated values."""
+        # A mixture of experts sums its router statistics with the loss (engine.train); a model
+        # without a config (bench/checkpoint.py's) is dense.
+        moe = getattr(getattr(self.model, "cfg", None), "moe", None)
+        shape = (1 + len(STATS),) if moe is not None else ()
         progress = Progress(step=manifest.step, micro_step=manifest.micro_step,
-                            loss_sum=torch.zeros((), device=self.backend.device))
+                            loss_sum=torch.zeros(shape, device=self.backend.device))
         self.gather(progress)  # creates the optimizer's state, to be laid out before loading into it
         grads = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()} if manifest.micro_step else {}
         self.backend.shard_like_weights(self.model, self.optimizer, grads)

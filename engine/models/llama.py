@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.moe import MoE
+from engine.models.moe import MoE, Routing
 from engine.spec.schema import ModelConfig, RopeScaling
 
 # (q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], mask) -> [B, H, T, D]: causal, and with a
@@ -115,7 +115,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Attention then a feed-forward, each on the normed residual stream: the dense SwiGLU
     (`feed_forward`), or with `cfg.moe` a mixture of experts (`moe`), and then the block also
-    returns its router logits, which the training loss needs."""
+    returns its router logits and dropped choices, which the training loss and its report need."""
 
     def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn):
         super().__init__()
@@ -129,12 +129,12 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                mask=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         if not self.sparse:
             return x + self.feed_forward(self.ffn_norm(x))
-        out, router_logits = self.moe(self.ffn_norm(x))
-        return x + out, router_logits
+        out, router_logits, dropped = self.moe(self.ffn_norm(x))
+        return x + out, router_logits, dropped
 
 
 class Transformer(nn.Module):
@@ -178,11 +178,11 @@ class Transformer(nn.Module):
 
         With segment ids and positions [B, T] (document masking), each token attends only to
         earlier tokens of its own document, at RoPE positions that restart with each document."""
-        return self.hidden_and_router_logits(tokens, segments, positions)[0]
+        return self.hidden_and_routing(tokens, segments, positions)[0]
 
-    def hidden_and_router_logits(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
-                                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`forward`'s hidden states, and each layer's router logits [B * T, experts] (none when dense)."""
+    def hidden_and_routing(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
+                           positions: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
+        """`forward`'s hidden states, and each MoE layer's routing (empty when dense)."""
         if positions is None:
             t = tokens.shape[1]
             cos, sin = self.rope_cos[:t][None, None], self.rope_sin[:t][None, None]
@@ -190,15 +190,16 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         mask = None if segments is None else self.mask_fn(segments)
         h = self.tok_embeddings(tokens)
-        router_logits = []
+        routing = Routing()
         for layer in self.layers:
             out = self.checkpoint_fn(layer, h, cos, sin, mask) if self.checkpoint_fn else layer(h, cos, sin, mask)
             if self.cfg.moe is None:
                 h = out
             else:
-                h, logits = out
-                router_logits.append(logits)
-        return self.norm(h), router_logits
+                h, logits, dropped = out
+                routing.logits.append(logits)
+                routing.dropped.append(dropped)
+        return self.norm(h), routing
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.output_weight.T

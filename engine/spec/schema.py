@@ -53,6 +53,10 @@ class MoEConfig(Section):
                                         "Transformer's, as transformers computes it) added to the training loss.")
     router_z_loss_coef: float = Field(0.0, ge=0, description="Weight of the router z-loss (mean squared "
                                       "logsumexp of the router logits, ST-MoE) added to the training loss.")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="Seats per expert as a multiple of an even share of the tokens' choices; a "
+        "choice beyond its expert's seats is dropped (counted as dropped_fraction). Unset: dropless (cpu and "
+        "cuda). The xla backend needs it (static shapes): 1.25 is usual, num_experts / top_k drops nothing.")
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -85,8 +89,8 @@ class ModelConfig(Section):
     activation_checkpointing: bool = False
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts feed-forward in every layer; none (dense) "
-                                  "by default. The cpu and cuda backends only, for now (XLA needs a static-shape "
-                                  "expert path).")
+                                  "by default. On xla it needs capacity_factor; device.mesh.expert splits the "
+                                  "experts over devices.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -438,12 +442,14 @@ class MeshConfig(Section):
     always replicas (each host checkpoints a whole state); tensor is xla's alone."""
 
     data: int = 1
+    expert: int = Field(1, description="Expert parallelism (xla): the experts of each MoE layer are split over "
+                        "this axis, which also splits the batch; 1 shards experts over fsdp like other weights.")
     fsdp: int = -1
     tensor: int = 1
 
     @model_validator(mode="after")
     def _one_wildcard(self) -> MeshConfig:
-        sizes = (self.data, self.fsdp, self.tensor)
+        sizes = (self.data, self.expert, self.fsdp, self.tensor)
         if sum(s == -1 for s in sizes) > 1:
             raise ValueError("at most one mesh axis may be -1")
         if any(s == 0 or s < -1 for s in sizes):
@@ -451,7 +457,7 @@ class MeshConfig(Section):
         return self
 
     def resolve(self, num_devices: int) -> dict[str, int]:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "expert": self.expert, "fsdp": self.fsdp, "tensor": self.tensor}
         fixed = 1
         for s in sizes.values():
             fixed *= s if s > 0 else 1
@@ -460,7 +466,7 @@ class MeshConfig(Section):
         for axis, s in sizes.items():
             if s == -1:
                 sizes[axis] = num_devices // fixed
-        product = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+        product = sizes["data"] * sizes["expert"] * sizes["fsdp"] * sizes["tensor"]
         if product != num_devices:
             raise ValueError(f"mesh {sizes} uses {product} devices, but {num_devices} are present")
         return sizes
@@ -638,9 +644,18 @@ class JobSpec(Section):
                 ("data", "seq_len"), self.data.seq_len,
                 "must not exceed model.max_seq_len ({max_seq_len})", max_seq_len=self.model.max_seq_len,
             )
-        if self.model.moe is not None and self.device.backend == "xla":
-            problem(("model", "moe"), "moe", "trains on the cpu and cuda backends only for now: XLA needs a "
-                    "static-shape (capacity) expert path, not built yet")
+        moe, mesh = self.model.moe, self.device.mesh
+        if moe is not None and moe.capacity_factor is None and self.device.backend == "xla":
+            problem(("model", "moe", "capacity_factor"), None, "must be set on the xla backend: XLA compiles "
+                    "static shapes, so each expert gets a fixed number of seats (1.25 is usual; num_experts / "
+                    "top_k drops nothing)")
+        if mesh.expert != 1 and self.device.backend in ("cpu", "cuda"):
+            problem(("device", "mesh", "expert"), mesh.expert, "must be 1 on the {backend} backend: expert "
+                    "parallelism is an xla mesh axis (cpu and cuda shard experts with fsdp)",
+                    backend=self.device.backend)
+        elif mesh.expert > 1 and (moe is None or moe.num_experts % mesh.expert):
+            problem(("device", "mesh", "expert"), mesh.expert, "must divide model.moe.num_experts ({experts})",
+                    experts=None if moe is None else moe.num_experts)
         if self.eval is not None and not self.data.datasets:
             problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
                     "validation split")

@@ -29,6 +29,8 @@ class WorkerReport:
         self.metrics.heartbeat(self.job, self.clock())
         self.metrics.job_progress(self.job, step=event.step, loss=event.loss, tokens_per_second=event.tokens_per_s,
                                   mfu=event.mfu)
+        if (routers := experts(event)) is not None:
+            self.metrics.experts(self.job, **routers)
 
     def on_eval(self, event: events.Eval) -> None:
         self.evaluated = event
@@ -50,6 +52,7 @@ class WorkerReport:
             "step_time_s": None if progress is None else progress.step_time_s,
             "eval_loss": None if evaluated is None else evaluated.loss,
             "eval_step": None if evaluated is None else evaluated.step,
+            "experts": None if progress is None else experts(progress),
         }
 
     def nonfinite_exit(self) -> tuple[str, bool]:
@@ -58,3 +61,11 @@ class WorkerReport:
         if event is None:
             return "non-finite loss (the worker's report was lost)", False
         return f"non-finite loss ({event.loss}) at step {event.step}", event.policy == "rollback"
+
+
+def experts(step: events.Step) -> dict | None:
+    """A mixture of experts' router figures of a step (events.Step's aux_loss ... dropped_fraction); None if dense."""
+    if step.aux_loss is None:
+        return None
+    return {"aux_loss": step.aux_loss, "z_loss": step.z_loss, "load_max": step.expert_load_max,
+            "load_cv": step.expert_load_cv, "dropped_fraction": step.dropped_fraction}

@@ -44,6 +44,12 @@ def lines(jobs: list[dict]) -> list[str]:
             out += ["", f"{name}: error:", *(f"  {line}" for line in str(job["error"]).splitlines())]
         for line in job.get("warnings") or []:
             out += ["", f"{name}: warning: {line}"]
+        if experts := job.get("experts"):
+            dropped = experts.get("dropped_fraction")
+            out += ["", f"{name}: experts: busiest {percent(experts.get('load_max'))} of its layer's tokens, "
+                    f"spread (cv) {experts.get('load_cv') or 0:.3g}, aux loss {experts.get('aux_loss') or 0:.4g}, "
+                    f"z loss {experts.get('z_loss') or 0:.4g}"
+                    + ("" if not dropped else f", {percent(dropped)} dropped")]
         if gang := job.get("gang"):
             generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
             out += ["", f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"
