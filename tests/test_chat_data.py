@@ -357,7 +357,7 @@ def test_eval_is_the_mean_over_the_masked_targets(chat_dataset, tmp_path):
     with torch.no_grad():
         for index in range(3):
             batch = trainer.evaluator.batches.rows(index)
-            loss = trainer.module(batch.inputs, batch.targets, batch.segments, batch.positions).item()
+            loss = trainer.module(batch.inputs, batch.targets, batch.segments, batch.positions)[0].item()
             n = int((batch.targets != IGNORE).sum())
             total, count = total + loss * n, count + n
             means.append(loss)

@@ -79,14 +79,17 @@ def test_sharded_weights_step_like_plain_ones(one_rank_group, tiny_spec, optimiz
 
 
 def test_the_mesh_over_processes():
-    assert resolve_mesh(MeshConfig(), 4) == {"data": 1, "fsdp": 4, "tensor": 1}
-    assert resolve_mesh(MeshConfig(data=2), 4) == {"data": 2, "fsdp": 2, "tensor": 1}
-    assert resolve_mesh(MeshConfig(data=-1, fsdp=1), 4) == {"data": 4, "fsdp": 1, "tensor": 1}
+    one = {"expert": 1, "tensor": 1}
+    assert resolve_mesh(MeshConfig(), 4) == {"data": 1, "fsdp": 4, **one}
+    assert resolve_mesh(MeshConfig(data=2), 4) == {"data": 2, "fsdp": 2, **one}
+    assert resolve_mesh(MeshConfig(data=-1, fsdp=1), 4) == {"data": 4, "fsdp": 1, **one}
     with pytest.raises(ConfigError, match="tensor parallelism runs under xla only"):
         resolve_mesh(MeshConfig(tensor=2), 4)
+    with pytest.raises(ConfigError, match="expert parallelism runs under xla only"):
+        resolve_mesh(MeshConfig(expert=2), 4)
     with pytest.raises(ConfigError, match="does not divide 4 devices"):
         resolve_mesh(MeshConfig(fsdp=3), 4)
     # A gang's hosts are replicas, whatever the default mesh says; sharding across them is refused.
-    assert resolve_mesh(MeshConfig(), 3, gang=True) == {"data": 3, "fsdp": 1, "tensor": 1}
+    assert resolve_mesh(MeshConfig(), 3, gang=True) == {"data": 3, "fsdp": 1, **one}
     with pytest.raises(ConfigError, match="hosts of a gang are data replicas"):
         resolve_mesh(MeshConfig(fsdp=3), 3, gang=True)

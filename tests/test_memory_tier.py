@@ -134,8 +134,10 @@ def test_the_budget_refuses_what_does_not_fit_and_counts_every_job(tmp_path):
     assert second.worker_env(spec) == {"TPUD_MEMORY_DIR": str(tmp_path)}
 
 
-def test_the_state_estimate_covers_the_real_state(tiny_spec):
-    spec = tiny_spec()
+@pytest.mark.parametrize("overrides", [[], ["model.moe={num_experts: 4, top_k: 2, expert_ffn_dim: 96}"],
+                                       ["model.qk_norm=true", "model.head_size=64", "model.n_kv_heads=2"]])
+def test_the_state_estimate_covers_the_real_state(tiny_spec, overrides):
+    spec = tiny_spec(*overrides)
     from engine.models.llama import Transformer
 
     with torch.device("meta"):

@@ -48,11 +48,45 @@ def mixtral(directory, seed=0):
     return model
 
 
-def test_an_imported_mixtral_gives_transformers_logits_and_aux_loss(tmp_path):
-    reference = mixtral(tmp_path)
+def qwen3_moe(directory, seed=0, fused=False):
+    """A random Qwen3-MoE (2 layers, 4 experts, top 2 not renormalised, heads of 32 on a 64-wide model, qk
+    norms) saved by transformers; fused: its in-memory state (fused 3-D experts) written as it is."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.02,
+        tie_word_embeddings=False)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(std=0.5)
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)  # not ones: a norm read into the wrong place shows
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(directory, max_shard_size="200KB")
+    if fused:
+        from safetensors.torch import save_file
+
+        for old in Path(directory).glob("model*.safetensors*"):
+            old.unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(Path(directory) / "model.safetensors"))
+    return model
+
+
+FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen3_moe-fused": lambda d: qwen3_moe(d, fused=True)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_imported_moe_gives_transformers_logits_and_aux_loss(tmp_path, family):
+    reference = FAMILIES[family](tmp_path)
     cfg = job(tmp_path).model
-    assert cfg.moe == MoEConfig(num_experts=4, top_k=2, norm_topk_prob=True, router_aux_loss_coef=0.02)
-    assert cfg.expert_dim == 96
+    if family == "mixtral":
+        assert cfg.moe == MoEConfig(num_experts=4, top_k=2, norm_topk_prob=True, router_aux_loss_coef=0.02)
+        assert cfg.expert_dim == 96
+    else:
+        assert cfg.moe == MoEConfig(num_experts=4, top_k=2, norm_topk_prob=False, expert_ffn_dim=48,
+                                    router_aux_loss_coef=0.02)
+        assert (cfg.qk_norm, cfg.head_dim, cfg.dim, cfg.n_heads) == (True, 32, 64, 4)
     model = Transformer(cfg, sdpa_attention)
     load_weights(model, tmp_path)
     tokens = torch.randint(0, 384, (2, 100), generator=torch.Generator().manual_seed(1))
@@ -61,12 +95,13 @@ def test_an_imported_mixtral_gives_transformers_logits_and_aux_loss(tmp_path):
         theirs = reference(tokens, labels=tokens, output_router_logits=True)
     assert (model.logits(hidden) - theirs.logits).abs().max().item() < 1e-4
     ours = router_loss(routing.logits, cfg.moe)
-    assert abs(ours.item() - reference.router_aux_loss_coef * theirs.aux_loss.item()) < 1e-5
+    assert abs(ours.item() - reference.config.router_aux_loss_coef * theirs.aux_loss.item()) < 1e-5
     assert ours.item() > 0.02  # the routers are not balanced: the loss is above its minimum, coef x 1
 
 
-def test_import_then_export_is_bitwise_and_transformers_loads_it(tmp_path):
-    mixtral(tmp_path / "hf")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_import_then_export_is_bitwise_and_transformers_loads_it(tmp_path, family):
+    FAMILIES[family](tmp_path / "hf")
     spec = job(tmp_path / "hf", "data.micro_batch_size=2", "train.max_steps=2", "scheduler.warmup_steps=1")
     Trainer(spec, tmp_path / "state", Recorder({(0, 0): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)})).run()
     (step,) = (tmp_path / "state" / "checkpoints" / "tiny-cpu").glob("step_*")
@@ -76,10 +111,26 @@ def test_import_then_export_is_bitwise_and_transformers_loads_it(tmp_path):
     for name, tensor in original.items():
         assert torch.equal(tensor, exported[name]), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    assert (config["model_type"], experts, config["num_experts_per_tok"]) == (family, 4, 2)
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert type(theirs).__name__ == "MixtralForCausalLM"
+    assert type(theirs).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    if family == "qwen3_moe":
+        assert (theirs.config.norm_topk_prob, theirs.config.moe_intermediate_size, theirs.config.head_dim) == (False, 48, 32)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("mlp_only_layers", [1], "mlp_only_layers is \\[1\\]; the engine's Qwen3-MoE has experts in every layer"),
+    ("decoder_sparse_step", 2, "decoder_sparse_step is 2"),
+    ("use_sliding_window", True, "use_sliding_window is true"),
+])
+def test_a_qwen3_moe_the_engine_does_not_implement_is_refused_naming_the_key(tmp_path, key, value, message):
+    qwen3_moe(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(SpecError, match=message):
+        job(tmp_path)
 
 
 def test_one_expert_top_1_is_the_dense_model():
@@ -326,3 +377,29 @@ def test_the_routers_figures_reach_status_and_prometheus():
         assert 'job="dense"' not in "".join(l for l in metrics.exposition().decode().splitlines() if "router" in l)
     finally:
         metrics.close()
+
+
+def test_a_dense_qwen3_imports_with_transformers_logits_and_exports_as_qwen3(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    reference = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    reference.save_pretrained(tmp_path / "hf")
+    spec = job(tmp_path / "hf", "data.micro_batch_size=2", "train.max_steps=2", "scheduler.warmup_steps=1")
+    assert (spec.model.qk_norm, spec.model.head_dim, spec.model.moe) == (True, 32, None)
+    model = Transformer(spec.model, sdpa_attention)
+    load_weights(model, tmp_path / "hf")
+    tokens = torch.randint(0, 384, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model.logits(model(tokens)) - reference(tokens).logits).abs().max().item() < 1e-4
+    Trainer(spec, tmp_path / "state", Recorder({(0, 0): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)})).run()
+    (step,) = (tmp_path / "state" / "checkpoints" / "tiny-cpu").glob("step_*")
+    export(spec, step, tmp_path / "out", dtype="fp32")
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert type(theirs).__name__ == "Qwen3ForCausalLM" and not any(info.values())
+    with torch.no_grad():
+        assert torch.equal(theirs(tokens).logits, reference(tokens).logits)

@@ -191,9 +191,9 @@ def resolve_mesh(mesh: MeshConfig, world: int, gang: bool = False) -> dict[str, 
     resume on another number of hosts.
     """
     if gang:
-        if mesh.fsdp > 1 or mesh.tensor > 1:
+        if mesh.fsdp > 1 or mesh.tensor > 1 or mesh.expert > 1:
             raise ConfigError("device.mesh", "on cpu and cuda the hosts of a gang are data replicas (each host "
-                              "checkpoints a whole state): leave fsdp and tensor at -1 or 1")
+                              "checkpoints a whole state): leave fsdp, tensor and expert at -1 or 1")
         return {"data": world, "expert": 1, "fsdp": 1, "tensor": 1}
     try:
         sizes = mesh.resolve(world)

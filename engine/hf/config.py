@@ -1,11 +1,13 @@
-"""A Hugging Face Llama (or Mixtral) config.json as the engine's model section, and back. Torch-free.
+"""A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE config.json as the engine's model section, and
+back. Torch-free.
 
 `model.init_from` names a Hugging Face model directory; its config.json decides the model's
 geometry. The job may leave the dimensions out (they are filled in from config.json) or write
 them out (each must then equal config.json's). Both the published format (top-level
 `rope_theta` and `rope_scaling`, Llama 3.1) and transformers 5's (`rope_parameters`) are read;
 `config_json` writes the published format, which every transformers version and the tools
-built on it (vLLM, llama.cpp's converter) read.
+built on it (vLLM, llama.cpp's converter) read. Which family an engine model exports as follows
+from its shape (`family`): Qwen3 has qk_norm, the MoE ones have experts.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ FIELDS = {
     "tie_embeddings": "tie_word_embeddings",
     "rope_scaling": "rope_scaling",
     "moe": "num_local_experts/num_experts_per_tok/router_aux_loss_coef",
+    "head_size": "head_dim",
+    "qk_norm": "model_type qwen3",
 }
 # Keys of a config.json section that are training choices, not the model's shape: a job may set its own.
-CHOSEN_BY_THE_JOB = {"router_aux_loss_coef", "router_z_loss_coef"}
-LLAMA_TYPES = {"llama", "mixtral"}
+CHOSEN_BY_THE_JOB = {"router_aux_loss_coef", "router_z_loss_coef", "capacity_factor"}
+LLAMA_TYPES = {"llama", "mixtral", "qwen3", "qwen3_moe"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -74,6 +80,16 @@ def model_fields(directory: str | Path) -> dict:
         for key in ("sliding_window", "router_jitter_noise"):
             if config.get(key):
                 raise HfConfigError(f"{path}: {key} is {config[key]!r}; the engine's Mixtral has none")
+    if kind in ("qwen3", "qwen3_moe"):
+        if config.get("use_sliding_window"):
+            raise HfConfigError(f"{path}: use_sliding_window is true; the engine's Qwen3 attends over the whole window")
+    if kind == "qwen3_moe":
+        if config.get("mlp_only_layers"):
+            raise HfConfigError(f"{path}: mlp_only_layers is {config['mlp_only_layers']!r}; the engine's Qwen3-MoE "
+                                "has experts in every layer")
+        if config.get("decoder_sparse_step", 1) != 1:
+            raise HfConfigError(f"{path}: decoder_sparse_step is {config['decoder_sparse_step']!r}; the engine's "
+                                "Qwen3-MoE has experts in every layer (1)")
     rope = dict(config.get("rope_parameters") or {})
     theta = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -88,24 +104,40 @@ def model_fields(directory: str | Path) -> dict:
         # Mixtral always renormalises the top k; intermediate_size is the experts' (ffn_dim, their default).
         fields["moe"] = {"num_experts": config.get("num_local_experts", 8), "top_k": config.get("num_experts_per_tok", 2),
                          "norm_topk_prob": True, "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
+    elif kind == "qwen3_moe":
+        # The published configs say num_experts; transformers 5 writes num_local_experts.
+        fields["moe"] = {"num_experts": config.get("num_experts", config.get("num_local_experts", 128)),
+                         "top_k": config.get("num_experts_per_tok", 8),
+                         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                         "expert_ffn_dim": config.get("moe_intermediate_size", 768),
+                         "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
+    if kind in ("qwen3", "qwen3_moe"):
+        fields["qk_norm"] = True
     fields.update(rope_theta=theta, rope_scaling=scaling)
     fields.setdefault("n_kv_heads", fields.get("n_heads"))
     fields.setdefault("tie_embeddings", False)  # transformers' LlamaConfig default
     head_dim = config.get("head_dim")
-    if head_dim is not None and fields.get("dim") and fields.get("n_heads") and head_dim * fields["n_heads"] != fields["dim"]:
-        raise HfConfigError(f"{path}: head_dim {head_dim} x {fields['n_heads']} heads is not hidden_size "
-                            f"{fields['dim']}; the engine needs dim = n_heads x head_dim")
+    if head_dim is not None and not (fields.get("dim") and fields.get("n_heads") and head_dim * fields["n_heads"] == fields["dim"]):
+        fields["head_size"] = head_dim  # Qwen3's heads are not hidden_size / heads wide
     return fields
 
 
+def family(model: ModelConfig) -> str:
+    """The Hugging Face model_type an engine model exports as."""
+    if model.qk_norm:
+        return "qwen3_moe" if model.moe is not None else "qwen3"
+    return "mixtral" if model.moe is not None else "llama"
+
+
 def config_json(model: ModelConfig, dtype: str, bos: int | None, eos: int | None) -> dict:
-    """config.json for LlamaForCausalLM (MixtralForCausalLM with experts) with the engine model's geometry;
-    dtype "bfloat16" or "float32"."""
+    """config.json for the model's `family` (LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM) with the engine model's geometry; dtype "bfloat16" or "float32"."""
+    kind = family(model)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
         **{theirs: getattr(model, ours) for ours, theirs in FIELDS.items()
-           if ours not in ("n_kv_heads", "ffn_dim", "moe")},
+           if ours not in ("n_kv_heads", "ffn_dim", "moe", "head_size", "qk_norm")},
         "num_key_value_heads": model.kv_heads,
         "intermediate_size": model.hidden_dim,
         "head_dim": model.head_dim,
@@ -120,8 +152,15 @@ def config_json(model: ModelConfig, dtype: str, bos: int | None, eos: int | None
         "use_cache": True,
         "torch_dtype": dtype,
     }
-    if model.moe is not None:
+    if kind == "mixtral":
         config.update(_mixtral(model))
+    elif kind == "qwen3_moe":
+        moe = model.moe
+        config.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
+                      moe_intermediate_size=model.expert_dim, router_aux_loss_coef=moe.router_aux_loss_coef,
+                      decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+    if kind in ("qwen3", "qwen3_moe"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.n_layers)
     return {**config, **{k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}}
 
 
@@ -131,7 +170,7 @@ def _mixtral(model: ModelConfig) -> dict:
     assert moe is not None
     if not moe.norm_topk_prob:
         raise HfConfigError("model.moe.norm_topk_prob is false; Mixtral always renormalises the top k")
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": model.expert_dim,
+    return {"intermediate_size": model.expert_dim,
             "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "router_aux_loss_coef": moe.router_aux_loss_coef, "output_router_logits": False,
             "router_jitter_noise": 0.0, "sliding_window": None}

@@ -1,7 +1,8 @@
-"""A committed checkpoint as a Hugging Face Llama directory, written a few tensors at a time.
+"""A committed checkpoint as a Hugging Face model directory, written a few tensors at a time.
 
-The output is what `transformers` writes for LlamaForCausalLM (MixtralForCausalLM with experts,
-each expert's weights a tensor of their own, as save_pretrained writes them): config.json,
+The output is what `transformers` writes for the model's family (engine.hf.config.family:
+LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM, each expert's
+weights a tensor of their own, as save_pretrained writes them): config.json,
 generation_config.json, the weights as safetensors (one model.safetensors, or shards of at
 most `max_shard_bytes` with model.safetensors.index.json) and the tokenizer files the run had.
 
@@ -34,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import manifest as mf
 from engine.files import Refused, read_regular_file
-from engine.hf.config import MAX_CONFIG_BYTES, config_json
+from engine.hf.config import MAX_CONFIG_BYTES, config_json, family
 from engine.hf.weights import INDEX, hf_expert_name, hf_name
 from engine.layout import fsync_path
 from engine.models.llama import Transformer
@@ -81,6 +82,7 @@ class TokenizerFiles:
 def plan(spec: JobSpec, step_dir: Path) -> list[Tensor]:
     """The model's tensors, in Hugging Face order, as the checkpoint holds them."""
     metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    kind = family(spec.model)
     with torch.device("meta"):
         expected = dict(Transformer(spec.model, lambda *a: None).named_parameters())
     tensors = []
@@ -92,10 +94,10 @@ def plan(spec: JobSpec, step_dir: Path) -> list[Tensor]:
             raise ExportError(f"{step_dir}: model.{name} has shape {list(saved.size)}, the job's model section "
                               f"gives {list(param.shape)}; was the job file changed since?")
         if name.split(".")[-1] in ("w1", "w2", "w3"):  # an expert tensor (a dense one ends in .weight)
-            tensors += [Tensor(name, hf_expert_name(name, e), tuple(saved.size)[1:], saved.properties.dtype, e,
+            tensors += [Tensor(name, hf_expert_name(name, e, kind), tuple(saved.size)[1:], saved.properties.dtype, e,
                                tuple(saved.size)) for e in range(saved.size[0])]
         else:
-            tensors.append(Tensor(name, hf_name(name), tuple(saved.size), saved.properties.dtype))
+            tensors.append(Tensor(name, hf_name(name, kind), tuple(saved.size), saved.properties.dtype))
     return tensors
 
 

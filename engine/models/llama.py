@@ -88,12 +88,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attention_fn = attention_fn
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: each head's queries and keys normed over the head, before rotation
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attention_fn(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
@@ -226,8 +232,8 @@ def initial_values(model: nn.Module, generator: torch.Generator) -> Iterator[tup
 def _block_weights(cfg: ModelConfig) -> int:
     """The weights of the transformer blocks' matmuls (projections and feed-forward) that a token
     goes through: with experts, the router and its top_k experts only."""
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    per_layer = cfg.dim * (cfg.dim + 2 * kv_dim) + cfg.dim * cfg.dim + 3 * _down_weights(cfg)
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = cfg.dim * (q_dim + 2 * kv_dim) + q_dim * cfg.dim + 3 * _down_weights(cfg)
     if cfg.moe is not None:
         per_layer += cfg.dim * cfg.moe.num_experts
     return cfg.n_layers * per_layer

@@ -70,7 +70,7 @@ class ModelConfig(Section):
     """A Llama-family decoder. Presets live in configs/models/*.yaml."""
 
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama or Mixtral directory (config.json + *.safetensors) to start from when "
+        None, description="A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE directory (config.json + *.safetensors) to start from when "
         "the job has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match "
         "(model.moe key by key; its router loss coefficients are the job's to choose).")
 
@@ -79,6 +79,10 @@ class ModelConfig(Section):
     n_layers: PositiveInt = 4
     n_heads: PositiveInt = 4
     n_kv_heads: PositiveInt | None = Field(None, description="Grouped-query attention; default = n_heads.")
+    head_size: PositiveInt | None = Field(None, description="Each attention head's size; default = dim / n_heads "
+                                          "(Qwen3 sets its own: the projections then map dim to n_heads x head_size).")
+    qk_norm: bool = Field(False, description="RMSNorm of each head's queries and keys before the rotary embedding "
+                          "(Qwen3).")
     ffn_dim: PositiveInt | None = Field(None, description="SwiGLU hidden size; default = 8/3 dim rounded up to multiple_of.")
     multiple_of: PositiveInt = 64
     norm_eps: float = Field(1e-5, gt=0)
@@ -94,12 +98,12 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_size is None and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or head_size set")
         if self.kv_heads > self.n_heads or self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head dim dim/n_heads = {self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"the head size ({self.head_dim}) must be even for rotary embeddings")
         return self
 
     @property
@@ -108,7 +112,7 @@ class ModelConfig(Section):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:

@@ -27,8 +27,13 @@ _MOMENTS = {"adamw": 2, "lion": 1, "muon": 2}  # fp32 tensors per weight in the 
 def state_bytes(spec: JobSpec) -> int:
     """The largest state the job's memory tier copies: weights, moments and a partial step's gradients."""
     m = spec.model
-    per_layer = (m.dim * (m.dim + 2 * m.kv_heads * m.head_dim) + m.dim * m.dim + 3 * m.dim * m.hidden_dim
-                 + 2 * m.dim)  # attention, feed-forward, two norms
+    q_dim = m.n_heads * m.head_dim
+    attention = m.dim * (q_dim + 2 * m.kv_heads * m.head_dim) + q_dim * m.dim + (2 * m.head_dim if m.qk_norm else 0)
+    if m.moe is None:
+        feed_forward = 3 * m.dim * m.hidden_dim
+    else:  # every expert, and the router
+        feed_forward = m.moe.num_experts * (3 * m.dim * m.expert_dim + m.dim)
+    per_layer = attention + feed_forward + 2 * m.dim  # and two norms
     weights = m.n_layers * per_layer + m.dim * m.vocab_size * (1 if m.tie_embeddings else 2) + m.dim
     return 4 * weights * (2 + _MOMENTS[spec.optimizer.name])
 
