@@ -33,8 +33,9 @@ from tests.test_hf_export import weights
 from tests.test_hf_import import job
 
 
-def mixtral(directory, seed=0):
-    """A random Mixtral (2 layers, 4 experts, top 2, GQA) saved by transformers."""
+def mixtral(directory, seed=0, fused=False):
+    """A random Mixtral (2 layers, 4 experts, top 2, GQA) saved by transformers; fused: its in-memory
+    state (transformers 5's names: mlp.gate, fused 3-D experts) written as it is."""
     torch.manual_seed(seed)
     config = transformers.MixtralConfig(
         vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -44,8 +45,18 @@ def mixtral(directory, seed=0):
     with torch.no_grad():  # transformers' init leaves the router near uniform: make the routing decisive
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(std=0.5)
-    model.save_pretrained(directory, max_shard_size="200KB")
+    save(model, directory, fused)
     return model
+
+
+def save(model, directory, fused: bool) -> None:
+    model.save_pretrained(directory, max_shard_size="200KB")
+    if fused:
+        from safetensors.torch import save_file
+
+        for old in Path(directory).glob("model*.safetensors*"):
+            old.unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(Path(directory) / "model.safetensors"))
 
 
 def qwen3_moe(directory, seed=0, fused=False):
@@ -63,24 +74,19 @@ def qwen3_moe(directory, seed=0, fused=False):
             layer.mlp.gate.weight.normal_(std=0.5)
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)  # not ones: a norm read into the wrong place shows
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    model.save_pretrained(directory, max_shard_size="200KB")
-    if fused:
-        from safetensors.torch import save_file
-
-        for old in Path(directory).glob("model*.safetensors*"):
-            old.unlink()
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(Path(directory) / "model.safetensors"))
+    save(model, directory, fused)
     return model
 
 
-FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen3_moe-fused": lambda d: qwen3_moe(d, fused=True)}
+FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "mixtral-fused": lambda d: mixtral(d, fused=True),
+            "qwen3_moe-fused": lambda d: qwen3_moe(d, fused=True)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_imported_moe_gives_transformers_logits_and_aux_loss(tmp_path, family):
     reference = FAMILIES[family](tmp_path)
     cfg = job(tmp_path).model
-    if family == "mixtral":
+    if family.startswith("mixtral"):
         assert cfg.moe == MoEConfig(num_experts=4, top_k=2, norm_topk_prob=True, router_aux_loss_coef=0.02)
         assert cfg.expert_dim == 96
     else:
