@@ -252,7 +252,10 @@ def rss_bytes(pid: int) -> int:
 
 
 DAEMON_RSS_BOUND = 300 << 20  # README: what the daemon stays under while reading hostile files
-STATUS_BOUND_S = 0.1
+# A stall, not a speed target: a loop blocked on a FIFO or parsing a bomb answers in seconds or never.
+# bench/hostile_files.py holds the daemon to 100 ms on a quiet machine; here the other lane of
+# `make test` shares the 2 cores, and one answer took 150 ms that way.
+STATUS_BOUND_S = 0.5
 
 
 @pytest.mark.slow
@@ -274,7 +277,7 @@ def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_pa
             client.call("status")
             baseline.append(time.monotonic() - started)
             time.sleep(0.05)
-        bound = max(STATUS_BOUND_S, 3 * max(baseline))  # 100 ms unless the machine is loaded
+        bound = max(STATUS_BOUND_S, 3 * max(baseline))  # more when even the baseline is slow
         expect = write_corpus(jobs_dir)  # all at once, into the watched directory
         names = {Path(name).stem: phrase for name, phrase in expect.items()}
 
