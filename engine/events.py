@@ -95,10 +95,13 @@ class Step(Event):
     expert_load_max: float | None = None   # the busiest expert's share of its layer's choices (even: 1/experts)
     expert_load_cv: float | None = None    # the shares' coefficient of variation, mean over layers (even: 0)
     dropped_fraction: float | None = None  # of the choices, those beyond their expert's capacity
+    # Each auto checkpoint tier's policy (engine.checkpoint.policy.Interval.as_dict): tier -> steps, seconds,
+    # save_seconds, disruptions_per_hour, expected_loss_seconds. None when no tier is auto.
+    checkpoint_intervals: dict[str, dict[str, int | float | None]] | None = None
 
 
 # The host-side scalars of a step: what goes to wandb.
-STEP_SCALARS = tuple(f.name for f in dataclasses.fields(Step) if f.name not in ("step", "badput"))
+STEP_SCALARS = tuple(f.name for f in dataclasses.fields(Step) if f.name not in ("step", "badput", "checkpoint_intervals"))
 
 
 @dataclass(frozen=True, config=_CONFIG)

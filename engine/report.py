@@ -51,9 +51,10 @@ def host_rss_bytes() -> int:
 class Reporter:
     def __init__(self, train: TrainConfig, backend: Backend, loader: PackedLoader, flops_per_token: float,
                  nonfinite: NonFiniteGuard, badput: Badput, emit: Callable[[events.Event], None],
-                 router_stats: bool = False):
+                 router_stats: bool = False, intervals: Callable[[], dict] = dict):
         self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
         self.names = StepResult.NAMES + (STATS if router_stats else ())
+        self.intervals = intervals  # the auto checkpoint intervals in force (engine.checkpoint.policy)
         self.nonfinite, self.badput, self.emit = nonfinite, badput, emit
         self.pending: list[StepResult] = []  # finished steps whose values are not read yet
         self._checked = 0  # of pending, how many the non-finite guard has seen (check_pending)
@@ -111,8 +112,10 @@ class Reporter:
             "mfu": round(tokens_per_s * self.flops_per_token / (peak * self.backend.num_devices), 4) if peak else None,
             "rss_bytes": host_rss_bytes(),
             "device_memory_bytes": self.backend.memory_bytes(),
+            "checkpoint_intervals": self.intervals() or None,
         }
         badput = self.badput.snapshot()
+        intervals = perf["checkpoint_intervals"]
 
         def publish(rows: list[list[float]]) -> None:
             scalars = None
@@ -125,6 +128,7 @@ class Reporter:
             if scalars is not None:
                 log.info("step", step=logged, max_steps=self.train.max_steps,
                          **{k: round(v, 5) for k, v in scalars.items()},
-                         **{k: v for k, v in perf.items() if v is not None}, **counts)
+                         **{k: v for k, v in perf.items() if v is not None and k != "checkpoint_intervals"}, **counts,
+                         **({"auto_intervals": {t: i["steps"] for t, i in intervals.items()}} if intervals else {}))
 
         self.backend.read_values([result.values for result in pending], publish)

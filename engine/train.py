@@ -149,7 +149,8 @@ class Trainer:
                                        self.bf16, self.badput, self.hooks.emit, spec.data.document_mask)
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
-                                         self.hooks.emit, hosts, memory_dir=memory_dir())
+                                         self.hooks.emit, hosts, memory_dir=memory_dir(),
+                                         disruptions_per_hour=disruption_rate())
         with self.badput.timing("restore"):
             self.progress = self.checkpointer.restore() or Progress()
         if (restored := self.checkpointer.restored) is not None:
@@ -163,7 +164,8 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(spec.health.nonfinite, self.backend, self.loader, skips_path,
                                         self.hooks.emit, self.progress)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
-                                 self.nonfinite, self.badput, self.hooks.emit, router_stats=moe is not None)
+                                 self.nonfinite, self.badput, self.hooks.emit, router_stats=moe is not None,
+                                 intervals=self.checkpointer.intervals)
         self._deferred: Request | None = None
         self.hooks.on_request(self._between_boundaries)
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
@@ -337,6 +339,7 @@ class Trainer:
     def _save_if_due(self) -> int | None:
         """An interval checkpoint when the checkpointer says one is due (to disk, or to the memory
         tier only); at max_steps the final save follows."""
+        self.checkpointer.step_done()
         if self.step >= self.spec.train.max_steps:
             return None
         if self.checkpointer.due(self.step):
@@ -375,6 +378,16 @@ def memory_dir() -> Path | None:
     """The memory tier's root, which the supervisor owns (engine.checkpoint.memory); none alone."""
     value = os.environ.get("TPUD_MEMORY_DIR")
     return Path(value) if value else None
+
+
+def disruption_rate() -> float | None:
+    """The disruptions per hour the supervisor has seen for this job (tpud.job.Job), for the auto
+    checkpoint intervals; None alone (the job's prior)."""
+    try:
+        value = float(os.environ.get("TPUD_DISRUPTIONS_PER_HOUR", ""))
+    except ValueError:
+        return None
+    return value if value > 0 and value != float("inf") else None
 
 
 def default_state_dir() -> Path:

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.in_process]
 # compiled code run; every step saved to memory.
 QUICK = ("device.compile=true", "train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1",
          "data.micro_batch_size=2", "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4",
-         "checkpoint.memory.max_overhead=1", "model.n_layers=2", "loss.name=chunked", "loss.chunk_tokens=24")
+         "checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1", "model.n_layers=2",
+         "loss.name=chunked", "loss.chunk_tokens=24")
 
 
 def test_compiled_training_resumes_bitwise_from_disk_memory_and_a_partial_step(tiny_spec, tmp_path, memory):

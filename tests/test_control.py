@@ -140,10 +140,10 @@ def test_status_table(server, home, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == ["JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS",
-                                "GOODPUT", "AGE"]
+                                "GOODPUT", "USEFUL", "AGE"]
     assert lines[1].split() == ["llama", "RUNNING", "1200/5000", "2.346", "123.5k", "41.2%", "1000@local", "5m",
-                                "1", "92.3%", "3h"]
-    assert lines[2].split() == ["broken", "PENDING", "-", "-", "-", "-", "-", "0", "-", "42s"]
+                                "1", "92.3%", "38.1%", "3h"]
+    assert lines[2].split() == ["broken", "PENDING", "-", "-", "-", "-", "-", "0", "-", "-", "42s"]
     assert lines[0].index("STATE") == lines[1].index("RUNNING")  # aligned columns
     error_at = lines.index("broken: error:")
     assert lines[error_at + 1:] == ["  /etc/tpud/jobs.d/broken.yaml:3: optim.lr: Input should be a valid number",

@@ -28,9 +28,10 @@ from tests.test_checkpoint import assert_same_training_state, job_dir
 from tpud.job.memory import JobMemory, MemoryBudget, state_bytes
 from tpud.paths import Paths
 
-# Every step saved: no overhead budget (max_overhead 1), and on a CPU the tier commits in line.
+# Every step saved (not auto): no overhead budget (max_overhead 1), and on a CPU the tier commits in line.
 QUICK = ("train.max_steps=12", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
-         "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4", "checkpoint.memory.max_overhead=1")
+         "data.seq_len=32", "train.grad_accum_steps=3", "checkpoint.interval_steps=4",
+         "checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1")
 
 
 def memory_steps(root: Path) -> list[tuple[int, int]]:
@@ -75,8 +76,8 @@ def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skippe
 
 def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tiny_spec, tmp_path, memory):
     spec = tiny_spec("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=1", "data.seq_len=32",
-                     "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.max_overhead=1",
-                     "debug.inject.nan_at_step=6", "health.nonfinite=stop")
+                     "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.interval_steps=1",
+                     "checkpoint.memory.max_overhead=1", "debug.inject.nan_at_step=6", "health.nonfinite=stop")
     with structlog.testing.capture_logs() as logged:
         assert Trainer(spec, tmp_path, hooks := Recorder()).run() == 76
     # Every step saved to memory, one report of steps 1-4 (their events, and one log line).

@@ -231,7 +231,7 @@ def test_a_vanished_host_is_waited_for_and_restores_its_part_from_gcs(tmp_path, 
 def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
     """Host 2's VM is replaced (its disk and its memory are blank) and there is no GCS tier: the
     gang resumes from the newest state the others hold in memory, sent to host 2 by a peer."""
-    every_step = ("checkpoint.memory.max_overhead=1",)
+    every_step = ("checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1")
     hosts = [h.start(*every_step) for h in gang(tmp_path)]
     gone = hosts[2]
     wait_step(gone, 7)

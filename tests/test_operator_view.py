@@ -82,9 +82,11 @@ def test_the_dashboard_is_an_importable_model_with_datasource_and_job_variables(
     assert variables["job"]["type"] == "query" and "tpud_job_state" in variables["job"]["definition"]
     assert "id" not in model  # an import creates its own
     titles = [panel["title"] for panel in model["panels"]]
-    for wanted in ("Job state", "Steps per second", "Tokens per second", "Training loss", "Validation loss", "MFU",
-                   "Goodput", "Badput by kind", "Checkpoint duration (p50, p95)", "Checkpoint failures per tier",
-                   "Restarts by reason", "Preemption notices", "Heartbeat age"):
+    for wanted in ("Job state", "Steps per second", "Tokens per second", "Training loss", "Validation loss",
+                   "MFU, and useful MFU", "Goodput", "Badput by kind", "Checkpoint duration (p50, p95)",
+                   "Checkpoint failures per tier", "Restarts by reason", "Preemption notices", "Heartbeat age",
+                   "Auto checkpoint interval per tier", "Auto checkpoint cost and expected loss",
+                   "Assumed disruptions per hour"):
         assert wanted in titles
     for panel in model["panels"]:
         assert panel["datasource"]["uid"] == "${datasource}"

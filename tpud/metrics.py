@@ -14,6 +14,9 @@ tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier
 (histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
 tpud_checkpoint_last_committed_step{job,tier},
 tpud_checkpoint_last_committed_timestamp_seconds{job,tier}, tpud_job_checkpoint_interval_seconds{job},
+tpud_checkpoint_auto_interval_steps{job,tier}, tpud_checkpoint_save_cost_seconds{job,tier},
+tpud_checkpoint_expected_loss_seconds{job,tier}, tpud_job_assumed_disruptions_per_second{job},
+tpud_job_useful_mfu_ratio{job},
 tpud_heartbeat_age_seconds{job},
 tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
 tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
@@ -196,6 +199,19 @@ class Metrics:
         self._ckpt_interval = Gauge("tpud_job_checkpoint_interval_seconds",
                                     "The job's local checkpoint interval in seconds (checkpoint.interval_seconds, "
                                     "else interval_steps times the recent step time).", ["job"], registry=r)
+        self._auto_steps = Gauge("tpud_checkpoint_auto_interval_steps", "A tier's interval in steps when it is auto "
+                                 "(the least lost time for its save cost and the disruption rate).",
+                                 ["job", "tier"], registry=r)
+        self._save_cost = Gauge("tpud_checkpoint_save_cost_seconds", "What a save of an auto tier holds the loop "
+                                "for (the worker's running average).", ["job", "tier"], registry=r)
+        self._expected_loss = Gauge("tpud_checkpoint_expected_loss_seconds", "Training time an auto tier expects "
+                                    "to lose per disruption: half its interval, and a save.", ["job", "tier"],
+                                    registry=r)
+        self._disruption_rate = Gauge("tpud_job_assumed_disruptions_per_second", "The disruption rate the auto "
+                                      "checkpoint intervals assume (seen on this host, with the job's prior).",
+                                      ["job"], registry=r)
+        self._useful_mfu = Gauge("tpud_job_useful_mfu_ratio", "Goodput x MFU: the share of the devices' peak that "
+                                 "went into training kept (0..1), the figure to maximise.", ["job"], registry=r)
         self._goodput = Gauge("tpud_goodput_ratio",
                               "Productive training time over total job time (0..1).", ["job"],
                               registry=r)
@@ -254,6 +270,21 @@ class Metrics:
             for key, value in values.items():
                 if value is not None:
                     self._child(gauges[key], job).set(float(value))
+
+    def checkpoint_policy(self, job: str, intervals: dict[str, dict]) -> None:
+        """The auto tiers' policies as a step event reports them (engine.checkpoint.policy.Interval)."""
+        with self._change():
+            for tier, interval in intervals.items():
+                for metric, key in ((self._auto_steps, "steps"), (self._save_cost, "save_seconds"),
+                                    (self._expected_loss, "expected_loss_seconds")):
+                    if interval.get(key) is not None:
+                        self._child(metric, job, tier).set(float(interval[key]))
+                if interval.get("disruptions_per_hour") is not None:
+                    self._child(self._disruption_rate, job).set(interval["disruptions_per_hour"] / 3600.0)
+
+    def useful_mfu(self, job: str, ratio: float) -> None:
+        with self._change():
+            self._child(self._useful_mfu, job).set(float(ratio))
 
     def eval_loss(self, job: str, loss: float) -> None:
         with self._change():

@@ -3,6 +3,7 @@
 checkpointer.py  the Checkpointer the loop uses: save, restore, when a save is due
 state.py         the training state as a tree of state dicts: gathered, templated, applied
 schedule.py      when a disk or memory save is due
+policy.py        the auto interval: Young's, from a save's cost and the disruption rate (torch-free)
 writer.py        the DCP write, manifest and rename on the writer thread; the global commit
 retention.py     what the local tier keeps: retention, room for the next save, leftovers
 promotion.py     the memory tier in front of the disk: disk writes from its copy, promotion

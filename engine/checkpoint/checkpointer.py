@@ -86,7 +86,8 @@ def _version() -> str:
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, fingerprint: dict, backend: Backend,
                  model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit,
-                 hosts: gang.Hosts | None = None, memory_dir: Path | None = None):
+                 hosts: gang.Hosts | None = None, memory_dir: Path | None = None,
+                 disruptions_per_hour: float | None = None):
         self.cfg, self.job, self.fingerprint, self.hosts = cfg, job, fingerprint, hosts
         self.spec_hash = spec_fingerprint.digest(fingerprint)
         self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
@@ -102,7 +103,7 @@ class Checkpointer:
         self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
         self.restored_loader: dict | None = None  # and the loader state it was saved with
         self.last_saved_step: int | None = None
-        self.schedule = SaveSchedule(cfg, backend)
+        self.schedule = SaveSchedule(cfg, backend, disruptions_per_hour)
         self.writer = DiskWriter(self.job_dir, cfg.keep, backend, self.group, self.rank, self.world, hosts,
                                  self.hosts_group, self._describe, self.emit)
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +147,14 @@ class Checkpointer:
         """Whether an interval checkpoint is due now, `step` steps done; every rank gets the same answer."""
         return self.schedule.due(step)
 
+    def step_done(self) -> None:
+        """A step ended: its time feeds the auto intervals (engine.checkpoint.policy)."""
+        self.schedule.step_done()
+
+    def intervals(self) -> dict[str, dict]:
+        """Each auto tier's interval in force, save cost, assumed disruption rate and expected loss."""
+        return {tier: interval.as_dict() for tier, interval in self.schedule.intervals().items()}
+
     def memory_due(self, step: int) -> bool:
         """Whether the memory tier saves at this step (engine.checkpoint.schedule)."""
         return self.memory is not None and self.schedule.memory_due(step)
@@ -154,7 +163,7 @@ class Checkpointer:
         """A memory checkpoint of this boundary, unless the tier is still writing the previous one."""
         started = time.monotonic()
         self.promotion.save(self.state.gather(progress), (progress.step, progress.micro_step), started)
-        self.schedule.memory_saved(started)
+        self.schedule.memory_saved(progress.step, started)
 
     def promote(self) -> tuple[int, int] | None:
         """Write the newest memory state to disk now, from any thread (a request between
@@ -185,7 +194,7 @@ class Checkpointer:
             staged = self.backend.host_view(state) if blocking else self.backend.stage(state)
             release = None
         blocked = time.monotonic() - started
-        self.schedule.saved()
+        self.schedule.saved(progress.step, blocked)
         self.last_saved_step = progress.step
         self.emit(events.CheckpointStarted(progress.step, progress.micro_step, reason, blocking_s=round(blocked, 4)))
         with self.writer.lock:
@@ -217,6 +226,7 @@ class Checkpointer:
             return None
         progress = restored.progress
         self.last_saved_step, self.restored, self.restored_loader = progress.step, restored.manifest, restored.loader
+        self.schedule.restored(progress.step)
         self.emit(events.CheckpointRestored(progress.step, progress.micro_step, str(restored.path),
                                             seconds=round(time.monotonic() - restored.started, 3)))
         return progress

@@ -491,20 +491,37 @@ class DeviceConfig(Section):
     )
 
 
+Interval = Annotated[int, Field(ge=0)] | Literal["auto"]
+
+
 class MemoryTierConfig(Section):
     """Checkpoints in host shared memory (a tmpfs the supervisor owns): they survive the worker's
     death, not the host's, so a crash or hang costs at most interval_steps steps of work."""
 
-    interval_steps: int = Field(1, ge=0, description="A memory checkpoint every N steps (skipped while the "
-                                "previous one is still being written); 0 disables the tier.")
+    interval_steps: Interval = Field("auto", description="A memory checkpoint every N steps (skipped while the "
+                                     "previous one is still being written); 0 disables the tier. auto: the interval "
+                                     "that loses the least time, from what a save costs and how often the job is "
+                                     "disrupted (docs/architecture.md, \"Checkpoint intervals\").")
     max_overhead: float = Field(0.05, gt=0, le=1, description="The most of the training time the tier's saves "
                                 "may hold the loop: a save is skipped while they have taken more.")
+    min_interval_steps: PositiveInt = Field(1, description="auto never saves more often than this.")
+    max_interval_seconds: float = Field(600.0, gt=0, description="auto never leaves more training time than this "
+                                        "between saves.")
 
 
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="Local root; default <state>/checkpoints. Layout <dir>/<job>/step_N.")
-    interval_steps: int = Field(0, ge=0, description="Checkpoint every N steps; 0 disables.")
+    interval_steps: Interval = Field(0, description="Checkpoint every N steps; 0 disables. auto: the interval "
+                                     "that loses the least time, as checkpoint.memory's auto (its bounds below).")
     interval_seconds: float = Field(0, ge=0, description="Checkpoint when this long has passed since the last; 0 disables.")
+    min_interval_steps: PositiveInt = Field(1, description="interval_steps auto never saves more often than this.")
+    max_interval_seconds: float = Field(3600.0, gt=0, description="interval_steps auto never leaves more training "
+                                        "time than this between saves.")
+    max_overhead: float = Field(0.05, gt=0, le=1, description="interval_steps auto: the most of the training time "
+                                "the saves may hold the loop.")
+    disruptions_per_hour: float = Field(
+        1.0, gt=0, description="The disruption rate (crashes, hangs, preemptions, lost hosts) the auto intervals "
+        "assume before any is seen; the supervisor then weighs in those it sees for the job on this host.")
     async_: bool = Field(True, alias="async", description="Write in the background; the loop blocks only "
                          "while the state is copied to host memory. At most one save is in flight.")
     keep: int = Field(3, ge=2, description="Committed steps kept per tier; the newest is never deleted.")

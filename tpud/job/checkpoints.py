@@ -91,8 +91,12 @@ class JobCheckpoints:
 
     def on_step(self, event: events.Step) -> None:
         ckpt = self.config()  # a save comes at whichever interval ends first
-        if intervals := [s for s in (ckpt.interval_seconds, ckpt.interval_steps * event.step_time_s) if s]:
+        auto = (event.checkpoint_intervals or {}).get("local")
+        by_steps = (auto or {}).get("seconds") if ckpt.interval_steps == "auto" else ckpt.interval_steps * event.step_time_s
+        if intervals := [s for s in (ckpt.interval_seconds, by_steps) if s]:
             self.metrics.checkpoint_interval(self.job, min(intervals))
+        if event.checkpoint_intervals:
+            self.metrics.checkpoint_policy(self.job, event.checkpoint_intervals)
 
     def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
         self.metrics.checkpoint(self.job, tier=event.tier, reason=event.reason, seconds=event.seconds,

@@ -40,6 +40,8 @@ class Ledger:
         saved = saved or {}
         self.clock, self.wall, self.on_badput = clock, wall, on_badput or (lambda kind, seconds: None)
         self.on_ratio = on_ratio or (lambda ratio: None)
+        self.on_useful_mfu: Callable[[float], None] = lambda ratio: None
+        self.mfu: float | None = None  # the worker's last report of it: goodput x MFU is the useful compute
         self.productive: float = saved.get("productive", 0.0)
         self.badput: dict[str, float] = {k: saved.get("badput", {}).get(k, 0.0) for k in KINDS}
         self.phase = IDLE
@@ -58,6 +60,7 @@ class Ledger:
         for kind, seconds in ledger.badput.items():  # the down time it just booked is in these once
             metrics.badput(job, kind, seconds)
         ledger.on_badput = lambda kind, seconds: metrics.badput(job, kind, seconds)
+        ledger.on_useful_mfu = lambda ratio: metrics.useful_mfu(job, ratio)
         return ledger
 
     # --- what the supervisor tells us ---
@@ -109,8 +112,11 @@ class Ledger:
 
     def on_step(self, event: events.Step) -> None:
         self.worker_report(event.step, event.badput)
+        self.mfu = event.mfu
         if self.ratio is not None:
             self.on_ratio(self.ratio)
+            if self.mfu is not None:
+                self.on_useful_mfu(self.ratio * self.mfu)
 
     def worker_exited(self, lost_work: bool) -> None:
         """The worker is gone: its unreported time was lost work, or its final checkpoint."""
@@ -135,7 +141,8 @@ class Ledger:
         return self.productive / wall if wall > 0 else None
 
     def snapshot(self) -> dict:
-        return {"ratio": None if self.ratio is None else round(self.ratio, 4),
+        useful = None if self.ratio is None or self.mfu is None else round(self.ratio * self.mfu, 4)
+        return {"ratio": None if self.ratio is None else round(self.ratio, 4), "useful_mfu": useful,
                 "productive_seconds": round(self.productive, 3), "wall_seconds": round(self.wall_seconds, 3),
                 "badput_seconds": {k: round(v, 3) for k, v in self.badput.items()}}
 

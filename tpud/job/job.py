@@ -71,6 +71,9 @@ class MetricsSink(Protocol):
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int, step: int) -> None: ...
     def checkpoint_found(self, job: str, *, tier: str, step: int, at: float) -> None: ...
     def checkpoint_interval(self, job: str, seconds: float) -> None: ...
+    def checkpoint_policy(self, job: str, intervals: dict[str, dict]) -> None: ...
+    def experts(self, job: str, **values: float | None) -> None: ...
+    def useful_mfu(self, job: str, ratio: float) -> None: ...
     def checkpoint_failure(self, job: str, tier: str) -> None: ...
     def goodput(self, job: str, ratio: float) -> None: ...
     def badput(self, job: str, kind: str, seconds: float) -> None: ...
@@ -93,8 +96,7 @@ class Job:
         self.checkpoints = JobCheckpoints(self.name, metrics, lambda: self.spec.checkpoint, loop.post)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
-        self.backoff_until = 0.0
-        self.last_status: int | None = None  # the last worker's exit status (`tpud run` exits with it)
+        self.backoff_until, self.last_status = 0.0, None  # last_status: the last worker's (`tpud run` exits with it)
         self.watch = HangWatch(spec.health, clock)
         self._preparing = False  # a start waits: for a thread fetching from GCS, or the fork server
         self.gang = GangView(gang, self.name, metrics)  # several hosts: this host's place, and its worker's gang
@@ -193,7 +195,8 @@ class Job:
             return
         self.report.new_worker()
         self.gang.new_worker()
-        pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env()})
+        pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env(),
+                                             **self.restarts.worker_env(self.spec, self.ledger.wall_seconds)})
         self.record.first_started = self.record.first_started or time.time()
         self._set(State.STARTING, f"pid {pid}")
 

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from tpud.view import summary
 from tpud.view.format import age, duration, percent, rate
+from tpud.view.status import useful_mfu
 
 REFRESH_HZ = 4
 SHOWN_LEVELS = ("warning", "error", "critical")
@@ -92,7 +93,8 @@ class LiveView:
             + f"   val loss {_num(eval_loss)}" + ("" if eval_loss is None else f" @{job.get('eval_step')}")
             + f"   tokens/s {rate(job.get('tokens_per_second'))}   MFU {percent(job.get('mfu'))}",
             f"elapsed {duration(elapsed)}   remaining {duration(remaining(job))}   "
-            f"restarts {job.get('restarts', 0)}   goodput {percent((job.get('goodput') or {}).get('ratio'))}",
+            f"restarts {job.get('restarts', 0)}   goodput {percent((job.get('goodput') or {}).get('ratio'))}"
+            f"   useful MFU {percent(useful_mfu(job))}",
             "checkpoints  " + "   ".join(
                 f"{tier} {c['step']} ({age(c.get('age_seconds'))} ago)" if c else f"{tier} -"
                 for tier, c in tiers(job).items()),

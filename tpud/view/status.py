@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tpud.view.format import age, percent, rate
 
-HEADER = ("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "AGE")
+HEADER = ("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "USEFUL", "AGE")
 
 
 def _dash(value: object) -> str:
@@ -28,8 +28,27 @@ def row(job: dict) -> tuple[str, ...]:
         last,
         _dash(job.get("restarts")),
         percent((job.get("goodput") or {}).get("ratio")),
+        percent(useful_mfu(job)),
         age(job.get("age_seconds")),
     )
+
+
+def useful_mfu(job: dict) -> float | None:
+    """Goodput x MFU: the share of the devices' peak that went into training kept."""
+    ratio, mfu = (job.get("goodput") or {}).get("ratio"), job.get("mfu")
+    return None if ratio is None or mfu is None else ratio * mfu
+
+
+def policy_line(intervals: dict) -> str:
+    """The auto checkpoint tiers' intervals, costs and the disruption rate they assume, in a line."""
+    tiers = []
+    for tier, i in sorted(intervals.items()):
+        span = "" if i.get("seconds") is None else f" ({i['seconds']:.3g}s)"
+        cost = "" if i.get("save_seconds") is None else f", a save {i['save_seconds'] * 1e3:.3g}ms"
+        loss = "" if i.get("expected_loss_seconds") is None else f", ~{i['expected_loss_seconds']:.3g}s lost per disruption"
+        tiers.append(f"{tier} every {i.get('steps')} steps{span}{cost}{loss}")
+    rate = next(iter(intervals.values())).get("disruptions_per_hour")
+    return "auto checkpoints: " + "; ".join(tiers) + ("" if rate is None else f"; assuming {rate:.3g} disruptions/h")
 
 
 def lines(jobs: list[dict]) -> list[str]:
@@ -44,6 +63,8 @@ def lines(jobs: list[dict]) -> list[str]:
             out += ["", f"{name}: error:", *(f"  {line}" for line in str(job["error"]).splitlines())]
         for line in job.get("warnings") or []:
             out += ["", f"{name}: warning: {line}"]
+        if intervals := job.get("checkpoint_intervals"):
+            out += ["", f"{name}: {policy_line(intervals)}"]
         if experts := job.get("experts"):
             dropped = experts.get("dropped_fraction")
             out += ["", f"{name}: experts: busiest {percent(experts.get('load_max'))} of its layer's tokens, "

@@ -1,0 +1,146 @@
+"""The auto checkpoint interval (engine.checkpoint.policy) and the schedule that follows it, with
+injected costs and an injected clock; and one real run whose memory tier follows its policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import events
+from engine.checkpoint.policy import DisruptionRate, IntervalPolicy
+from engine.checkpoint.schedule import SaveSchedule
+from engine.spec.schema import CheckpointConfig
+from engine.train import Trainer
+from tests.recorders import Recorder
+
+
+def decided(save_s: float, per_hour: float, step_s: float = 0.05, **bounds) -> int:
+    policy = IntervalPolicy(per_hour, **bounds)
+    for _ in range(3):
+        policy.step_took(step_s)
+        policy.save_took(save_s)
+    return policy.interval().steps
+
+
+def test_the_interval_is_youngs_for_the_measured_cost_and_rate():
+    # T* = sqrt(2 C / r): a 10 ms save at one disruption an hour is 8.5 s, 170 steps of 50 ms.
+    assert decided(0.010, 1.0) == round(math.sqrt(2 * 0.010 * 3600) / 0.05)
+    policy = IntervalPolicy(1.0)
+    policy.step_took(0.05)
+    policy.save_took(0.010)
+    interval = policy.interval()
+    assert interval.seconds == pytest.approx(interval.steps * 0.05)
+    assert interval.expected_loss_seconds == pytest.approx(interval.seconds / 2 + 0.010)
+
+
+def test_a_state_ten_times_larger_saves_about_sqrt_ten_times_less_often():
+    ratio = decided(0.080, 2.0) / decided(0.008, 2.0)
+    assert ratio == pytest.approx(math.sqrt(10), rel=0.3)
+
+
+def test_disruptions_four_times_as_frequent_halve_the_interval():
+    assert decided(0.010, 1.0) / decided(0.010, 4.0) == pytest.approx(2.0, rel=0.3)
+
+
+def test_the_bounds_hold_whatever_the_model_says():
+    # Frequent disruptions and a cheap save would save every step; max_overhead keeps saves under 5 %.
+    assert decided(0.010, 3600.0, max_overhead=0.05) == round(0.010 / 0.05 / 0.05)  # 0.2 s of steps
+    assert decided(0.0001, 3600.0, min_steps=7) == 7
+    assert decided(1.0, 0.01, max_seconds=60.0) == 60 / 0.05  # rare disruptions: at most a minute of steps
+    # Until a save has been measured, it saves after the fewest steps allowed, to measure one.
+    assert IntervalPolicy(1.0, min_steps=3).interval().steps == 3
+
+
+def test_the_disruption_rate_starts_at_the_prior_and_follows_what_is_seen():
+    rate = DisruptionRate(prior_per_hour=1.0)
+    assert rate.per_hour(0, 0) == 1.0
+    assert rate.per_hour(0, 9 * 3600) == pytest.approx(0.1)  # ten quiet hours: one in ten
+    assert rate.per_hour(39, 9 * 3600) == pytest.approx(4.0)  # 39 restarts in 9 h, with the prior's one
+    with pytest.raises(ValueError):
+        DisruptionRate(0)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class OneProcess:
+    class data:
+        world = 1
+
+
+def test_the_schedule_saves_at_the_policys_interval_counted_from_the_last_save():
+    clock = Clock()
+    cfg = CheckpointConfig.model_validate({"interval_steps": "auto", "memory": {"interval_steps": "auto"}})
+    schedule = SaveSchedule(cfg, OneProcess, disruptions_per_hour=3600.0, clock=clock)
+    saves = {"local": [], "memory": []}
+    for step in range(1, 200):
+        clock.now += 0.05  # a 50 ms step
+        schedule.step_done()
+        if schedule.due(step):
+            clock.now += 0.02  # a disk save holds the loop 20 ms
+            schedule.saved(step, 0.02)
+            saves["local"].append(step)
+        elif schedule.memory_due(step):
+            started = clock.now
+            clock.now += 0.004
+            schedule.memory_saved(step, started)
+            saves["memory"].append(step)
+    intervals = schedule.intervals()
+    # sqrt(2 C / r) at one disruption a second: local sqrt(0.04) = 0.2 s (max_overhead: 0.4 s), 8 steps;
+    # memory sqrt(0.008) = 0.089 s (max_overhead: 0.08 s), 2 steps.
+    assert (intervals["local"].steps, intervals["memory"].steps) == (8, 2)
+    assert saves["local"][0] == 1 and saves["memory"][0] == 2  # the first of each measures its cost
+    assert set(b - a for a, b in zip(saves["local"][3:], saves["local"][4:])) == {8}
+    assert intervals["memory"].disruptions_per_hour == 3600.0
+
+
+def test_explicit_intervals_keep_their_meaning():
+    cfg = CheckpointConfig.model_validate({"interval_steps": 5, "memory": {"interval_steps": 2}})
+    schedule = SaveSchedule(cfg, OneProcess, clock=Clock())
+    assert [s for s in range(1, 12) if schedule.due(s)] == [5, 10]
+    assert [s for s in range(1, 7) if schedule.memory_due(s)] == [2, 4, 6]
+    assert schedule.intervals() == {}
+
+
+@pytest.mark.slow
+@pytest.mark.in_process
+def test_under_the_daemon_the_memory_tier_follows_its_policy(tiny_spec, tmp_path, monkeypatch):
+    """Real runs whose memory tier is auto (the default), each told a disruption rate as the daemon
+    tells its workers: the saves come at the intervals the step events report, and a rate 100x
+    higher makes the interval about 10x shorter."""
+    reported = {}
+    for per_hour in (360.0, 36000.0):
+        monkeypatch.setenv("TPUD_DISRUPTIONS_PER_HOUR", str(per_hour))
+        monkeypatch.setenv("TPUD_MEMORY_DIR", str(tmp_path / f"shm-{per_hour}"))
+        spec = tiny_spec("train.max_steps=120", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
+                         "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.max_overhead=1")
+        assert spec.checkpoint.memory.interval_steps == "auto"
+        hooks = Recorder()
+        assert Trainer(spec, tmp_path / str(per_hour), hooks).run() == 0
+        steps = {e.step: e.checkpoint_intervals["memory"] for e in hooks.of(events.Step)}
+        # (the final disk save at 120 goes through the tier too, whatever its interval)
+        saved = [c.step for c in hooks.of(events.CheckpointCommitted) if c.tier == "memory" and c.step < 120]
+        assert saved[0] == 1 and len(saved) > 1  # the first measures a save
+        for before, after in zip(saved, saved[1:]):  # each came when an interval reported about then said
+            assert after - before in {steps[k]["steps"] for k in range(before, after + 2) if k in steps}, saved
+        assert all(i["disruptions_per_hour"] == per_hour for i in steps.values())
+        reported[per_hour] = sorted(i["steps"] for i in steps.values())[len(steps) // 2]
+    assert reported[360.0] / reported[36000.0] == pytest.approx(10, rel=0.5), reported
+
+
+def test_the_daemon_hands_each_worker_the_rate_it_has_seen(tiny_spec):
+    from tpud.job.health.restarts import Restarts
+
+    spec, restarts = tiny_spec("checkpoint.disruptions_per_hour=2"), Restarts()
+    assert restarts.worker_env(spec, 0.0) == {"TPUD_DISRUPTIONS_PER_HOUR": "2"}  # nothing seen: the prior
+    for reason in ("crash", "hang", "killed"):
+        assert restarts.crashed(spec, 0.0, reason) is not None
+    restarts.peer()
+    # Four restarts in an hour, with the prior's one disruption in half an hour: 5 / 1.5 h.
+    assert float(restarts.worker_env(spec, 3600.0)["TPUD_DISRUPTIONS_PER_HOUR"]) == pytest.approx(5 / 1.5, rel=1e-5)
