@@ -26,8 +26,9 @@ from (its resumed_at), lost steps = reached - resumed, recovery s until a step p
 logged. Goodput: last step x clean step time / arm wall time; the clean step time is the median of
 an undisturbed run first (--clean-seconds, `python -m engine.train`: no memory tier). The ideal
 goodput of a schedule is what a supervisor that loses nothing it could save would reach: the arm's
-time less the first cold start, each hang's bound and each preempted VM's cold start (the clean
-run's, from its launch to its first step).
+time less the first cold start, each hang's bound, each preempted VM's cold start (the clean
+run's, from its launch to its first step) and each SIGKILLed or hung worker's restart (from its
+end to its replacement's `trainer ready`: the median over the three arms, which restart alike).
 
 Targets (every job and seed): auto's goodput >= the better of off and every minus 0.01, and within
 0.03 of the ideal; auto's median lost steps per SIGKILL <= half its median interval in force (the
@@ -252,6 +253,9 @@ def analyse(run: dict, clean_step_s: float) -> dict:
         replaced.add(replacement)
         recovered = next((ts for ts, s in steps if ts > until and s > reached), None) if replacement else None
         row = {k: v for k, v in d.items() if k != "_t"}
+        # From the old worker's end (SIGKILL, or the hang verdict) to its replacement's `trainer ready`.
+        gone = next((h for h in hung if h > t), t) if d["kind"] == "hang" else t
+        row["restart_s"] = round(until - gone, 2) if replacement and d["kind"] != "preemption" else None
         row.update(reached=reached, resumed=resumed, lost_steps=0 if absorbed else max(0, reached - resumed),
                    recovery_s=None if recovered is None else round(recovered - t, 2), absorbed=absorbed)
         if d["kind"] == "hang" and hung:  # tpud's hang detector: from SIGSTOP to its verdict
@@ -296,10 +300,11 @@ def clean_run(base: Path, job: str, seconds: float) -> dict:
             "cold_start_s": round(steps[0]["_t"] - launched, 2)}
 
 
-def ideal_goodput(schedule: list[tuple[float, str]], wall_s: float, clean: dict) -> float:
+def ideal_goodput(schedule: list[tuple[float, str]], wall_s: float, clean: dict, restart_s: float) -> float:
     """What a supervisor losing nothing it could save reaches on the schedule (module docstring)."""
     kinds = [kind for _, kind in schedule]
-    unavoidable = clean["cold_start_s"] * (1 + kinds.count("preemption")) + HANG_BOUND_S * kinds.count("hang")
+    unavoidable = (clean["cold_start_s"] * (1 + kinds.count("preemption")) + HANG_BOUND_S * kinds.count("hang")
+                   + restart_s * (kinds.count("sigkill") + kinds.count("hang")))
     return round(1 - unavoidable / wall_s, 4)
 
 
@@ -318,7 +323,8 @@ def report(job: str, arms: dict, clean: dict, ideal: float) -> dict:
                  for k in (arm["by_kind"][kind] for arm in arms.values())]
         print(f"{kind:<11} {arms['auto']['by_kind'][kind]['n']:>3} | " + " | ".join(cells))
     print(f"{'goodput':<15} | " + " | ".join(f"{arm['goodput']:>18.3f}" for arm in arms.values()))
-    print(f"{'ideal goodput':<15} | {ideal:>18.3f}   (the schedule's unavoidable time: cold starts, hang bound)")
+    print(f"{'ideal goodput':<15} | {ideal:>18.3f}   (the schedule's unavoidable time: cold starts, hang bounds, "
+          "worker restarts)")
     print(f"{'auto interval':<15} | median {fmt(arms['auto']['auto_interval_median'], 'g')} steps")
     for name, arm in arms.items():  # goodput assumes the arms step as fast as the clean run did
         ratio = (arm["mean_step_s"] or clean["mean_step_s"]) / clean["mean_step_s"]
@@ -354,7 +360,9 @@ def run_seed(job_name: str, seed: int, args: argparse.Namespace) -> dict:
             arms[name] = analyse(run_arm(arm, schedule, args), clean["step_s"])
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    ideal = ideal_goodput(schedule, args.minutes * 60, clean)
+    # Every arm restarts its worker alike (a fork and a restore): the median, the same for all.
+    restarts = [d["restart_s"] for arm in arms.values() for d in arm["disruptions"] if d.get("restart_s") is not None]
+    ideal = ideal_goodput(schedule, args.minutes * 60, clean, statistics.median(restarts) if restarts else 0.0)
     met = report(job_name, arms, clean, ideal)
     # The result records the job with the repository as "<repo>": a checkout's path means nothing elsewhere.
     recorded = {name: JOB.format(repo="<repo>", memory=memory, **fields) for name, memory in ARMS.items()}

@@ -127,8 +127,12 @@ def test_under_the_daemon_the_memory_tier_follows_its_policy(tiny_spec, tmp_path
         # (the final disk save at 120 goes through the tier too, whatever its interval)
         saved = [c.step for c in hooks.of(events.CheckpointCommitted) if c.tier == "memory" and c.step < 120]
         assert saved[0] == 1 and len(saved) > 1  # the first measures a save
-        for before, after in zip(saved, saved[1:]):  # each came when an interval reported about then said
-            assert after - before in {steps[k]["steps"] for k in range(before, after + 2) if k in steps}, saved
+        for before, after in zip(saved, saved[1:]):
+            # Each came once the interval in force had passed: the one reported at the step before (the
+            # decision at `after` also weighs that step's time, and the step events report the policy as
+            # it stood before their own step: within what one step's time moves it).
+            window = [steps[k]["steps"] for k in range(before + 1, after + 1) if k in steps]
+            assert 0.7 * min(window) <= after - before <= max(window), (saved, window)
         assert all(i["disruptions_per_hour"] == per_hour for i in steps.values())
         reported[per_hour] = sorted(i["steps"] for i in steps.values())[len(steps) // 2]
     assert reported[360.0] / reported[36000.0] == pytest.approx(10, rel=0.5), reported

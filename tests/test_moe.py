@@ -315,11 +315,11 @@ def test_a_tiny_moe_under_tpud_run_shows_its_routers_and_resumes_bit_for_bit_aft
             worker = next(r["pid"] for r in reversed(records) if r["event"] == "worker started")
             if at == 8:  # held still while Prometheus scrapes: the job cannot end meanwhile
                 os.kill(worker, signal.SIGSTOP)
-                last = next(r for r in reversed(records) if r["event"] == "step")
-                for name, key in (("tpud_job_expert_load_max_ratio", "expert_load_max"),
-                                  ("tpud_job_dropped_tokens_ratio", "dropped_fraction"),
-                                  ("tpud_job_router_aux_loss", "aux_loss")):
-                    assert metric(home, name, job="tiny-cpu") == pytest.approx(last[key], rel=1e-4), name
+                scraped_at = metric(home, "tpud_job_step", job="tiny-cpu")
+                scraped = {key: metric(home, name, job="tiny-cpu") for name, key in (
+                    ("tpud_job_expert_load_max_ratio", "expert_load_max"),
+                    ("tpud_job_dropped_tokens_ratio", "dropped_fraction"), ("tpud_job_router_aux_loss", "aux_loss"))}
+                assert metric(home, "tpud_job_step", job="tiny-cpu") == scraped_at
             os.kill(worker, signal.SIGKILL)
             restored = read_until(run, lambda r: r["event"] == "checkpoint restored")
             records += restored
@@ -333,6 +333,8 @@ def test_a_tiny_moe_under_tpud_run_shows_its_routers_and_resumes_bit_for_bit_aft
     assert sorted(steps) == list(range(1, 13))
     assert {s: r["loss"] for s, r in steps.items()} == {s: r["loss"] for s, r in reference.items()}
     assert steps[12]["loss"] < steps[1]["loss"] - 0.3
+    for key, value in scraped.items():  # that step's figures (its line may come from the redone step: bitwise alike)
+        assert value == pytest.approx(steps[int(scraped_at)][key], rel=1e-4), key
     for r in steps.values():  # the step log line carries the routers' figures
         assert r["aux_loss"] >= 1 - 1e-3 and r["z_loss"] > 0 and r["expert_load_cv"] >= 0
         assert r["dropped_fraction"] == reference[r["step"]]["dropped_fraction"]
