@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 from torch import nn
 
 from engine.backends.base import Backend, DataPosition, require_all, peak_flops_for
+from engine.side_threads import side_thread
 from engine.spec.schema import DeviceConfig
 
 # Output-dim-sharded ("column-parallel") weights get (tensor, fsdp); input-dim-sharded
@@ -79,7 +80,7 @@ class XlaBackend(Backend):
         self.bf16 = True
         self._peak_flops = cfg.peak_flops
         self._input_sharding = xs.ShardingSpec(self.mesh, (BATCH_AXES, None), minibatch=True)
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla-metrics")
+        self._reader = side_thread("xla-metrics")
         self._reads: list[Future] = []
 
     @staticmethod

@@ -32,7 +32,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,7 @@ import torch
 
 from engine.checkpoint import manifest as mf
 from engine.checkpoint.errors import describe_error
+from engine.side_threads import side_thread
 
 log = structlog.get_logger()
 
@@ -145,7 +146,7 @@ class MemoryTier:
         self.job_dir = Path(job_dir)
         self._describe, self._on_commit, self._on_failure = describe, on_commit, on_failure
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-checkpoint") if background else None
+        self._thread = side_thread("memory-checkpoint") if background else None
         self._pending: Future | None = None
         self._lock = threading.Lock()  # slot choice and holders: the training, commit and disk threads
         self.slots = self._adopt()

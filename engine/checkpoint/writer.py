@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from engine.checkpoint import manifest as mf
 from engine.checkpoint import retention
 from engine.checkpoint.errors import describe_error
 from engine.layout import fsync_path
+from engine.side_threads import side_thread
 
 log = structlog.get_logger()
 _WRITER_THREADS = 2  # DCP serialises and writes each file in its own thread; measured 1.3x faster than 1
@@ -52,7 +53,7 @@ class DiskWriter:
         self.group, self.rank, self.world = group, rank, world
         self.hosts, self.hosts_group = hosts, hosts_group
         self._describe, self._emit = describe, emit
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.pool = side_thread("checkpoint-writer")
         self._pending: Future | None = None
         self.lock = threading.Lock()  # submitting: the training thread, and a promotion's (any thread)
         self.failures = 0  # saves that failed since the last commit

@@ -8,19 +8,20 @@ evaluation's own loader in between) is read in the caller's thread and nothing g
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from engine.data.batch import Batch
 from engine.data.loader import PackedLoader
+from engine.side_threads import side_thread
 
 
 class Prefetcher:
     def __init__(self, loader: PackedLoader, host_ready: Callable[[torch.Tensor], torch.Tensor]):
         """host_ready: what the backend wants done to a batch before it is sent (pinning)."""
         self.loader, self.host_ready = loader, host_ready
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpud-prefetch")
+        self._pool = side_thread("tpud-prefetch")
         self._next: tuple[int, Future] | None = None
 
     def batch(self, step: int, micro_step: int) -> Batch:
