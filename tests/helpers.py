@@ -184,3 +184,19 @@ def metric(home, name, **labels) -> float | None:
 
 def exits(daemon):
     return [r["status"] for r in daemon.events("worker exited")]
+
+
+def read_records(proc, done, timeout: float = 120) -> list[dict]:
+    """JSON log records from proc's stdout (text) up to and including the first for which done(record);
+    other lines (a traceback, say) are skipped."""
+    records, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{"):
+            records.append(json.loads(line))
+            if done(records[-1]):
+                return records
+    raise AssertionError(f"not seen before {'the end of output' if not line else 'the timeout'}; "
+                         f"last records: {records[-5:]}")

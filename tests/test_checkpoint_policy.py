@@ -148,3 +148,14 @@ def test_the_daemon_hands_each_worker_the_rate_it_has_seen(tiny_spec):
     restarts.peer()
     # Four restarts in an hour, with the prior's one disruption in half an hour: 5 / 1.5 h.
     assert float(restarts.worker_env(spec, 3600.0)["TPUD_DISRUPTIONS_PER_HOUR"]) == pytest.approx(5 / 1.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "true", "1.5"])
+def test_an_interval_that_is_neither_steps_nor_auto_is_refused_naming_the_key(value):
+    from engine.spec.loader import SpecError, load_spec
+    from tests.conftest import TINY_JOB
+
+    for key in ("checkpoint.interval_steps", "checkpoint.memory.interval_steps"):
+        with pytest.raises(SpecError, match=rf"{key}: must be a number of steps \(0: off\) or auto"):
+            load_spec(TINY_JOB, [f"{key}={value}"])
+    assert load_spec(TINY_JOB, ["checkpoint.interval_steps=auto"]).checkpoint.interval_steps == "auto"

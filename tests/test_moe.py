@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from engine.spec.loader import SpecError, load_mapping, load_spec
 from engine.spec.schema import ModelConfig, MoEConfig
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.helpers import metric
+from tests.helpers import metric, read_records
 from tests.recorders import Recorder
 from tests.states import assert_same_state, checkpoint_state
 from tests.test_hf_export import weights
@@ -311,7 +310,7 @@ def test_a_tiny_moe_under_tpud_run_shows_its_routers_and_resumes_bit_for_bit_aft
     records = []
     try:
         for at in (4, 8):
-            records += read_until(run, lambda r: r["event"] == "step" and r["step"] >= at)
+            records += read_records(run, lambda r: r["event"] == "step" and r["step"] >= at)
             worker = next(r["pid"] for r in reversed(records) if r["event"] == "worker started")
             if at == 8:  # held still while Prometheus scrapes: the job cannot end meanwhile
                 os.kill(worker, signal.SIGSTOP)
@@ -321,7 +320,7 @@ def test_a_tiny_moe_under_tpud_run_shows_its_routers_and_resumes_bit_for_bit_aft
                     ("tpud_job_dropped_tokens_ratio", "dropped_fraction"), ("tpud_job_router_aux_loss", "aux_loss"))}
                 assert metric(home, "tpud_job_step", job="tiny-cpu") == scraped_at
             os.kill(worker, signal.SIGKILL)
-            restored = read_until(run, lambda r: r["event"] == "checkpoint restored")
+            restored = read_records(run, lambda r: r["event"] == "checkpoint restored")
             records += restored
             assert restored[-1]["step"] >= at - 3  # from a checkpoint, not from the start
         records += [json.loads(line) for line in run.stdout if line.startswith("{")]
@@ -341,20 +340,6 @@ def test_a_tiny_moe_under_tpud_run_shows_its_routers_and_resumes_bit_for_bit_aft
     final = "checkpoints/tiny-cpu/step_000000012"
     assert_same_state(checkpoint_state(home / "state" / final, tmp_path),
                       checkpoint_state(tmp_path / "whole" / final, tmp_path))
-
-
-def read_until(proc, done, timeout=180):
-    """JSON log records from proc's stdout up to and including the first for which done(record)."""
-    records, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            records.append(json.loads(line))
-            if done(records[-1]):
-                return records
-    raise AssertionError(f"not seen; last records: {records[-5:]}")
 
 
 def test_the_routers_figures_reach_status_and_prometheus():

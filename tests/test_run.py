@@ -10,6 +10,7 @@ import pytest
 
 from engine import exit_codes
 from tests.conftest import PYTHON, TINY_JOB, python_env
+from tests.helpers import read_records
 
 pytestmark = pytest.mark.slow
 QUICK = ["data.corpus_bytes=400000", "data.micro_batch_size=4", "data.seq_len=64", "scheduler.warmup_steps=1",
@@ -24,15 +25,7 @@ def tpud_run(home, *overrides, job=TINY_JOB):
 
 def read_until(proc, event, timeout=120):
     """JSON log records from proc's stdout up to and including the first `event`."""
-    records, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        records.append(json.loads(line))
-        if records[-1]["event"] == event:
-            return records
-    raise AssertionError(f"no {event!r} in {records[-5:]}")
+    return read_records(proc, lambda record: record["event"] == event, timeout)
 
 
 def alive(pid):

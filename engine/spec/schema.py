@@ -491,7 +491,14 @@ class DeviceConfig(Section):
     )
 
 
-Interval = Annotated[int, Field(ge=0)] | Literal["auto"]
+def _interval(value: object) -> object:
+    """One message for both forms, not one per branch of the union."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError("must be a number of steps (0: off) or auto")
+
+
+Interval = Annotated[Annotated[int, Field(ge=0)] | Literal["auto"], BeforeValidator(_interval)]
 
 
 class MemoryTierConfig(Section):
