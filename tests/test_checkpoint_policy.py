@@ -111,31 +111,35 @@ def test_explicit_intervals_keep_their_meaning():
 @pytest.mark.slow
 @pytest.mark.in_process
 def test_under_the_daemon_the_memory_tier_follows_its_policy(tiny_spec, tmp_path, monkeypatch):
-    """Real runs whose memory tier is auto (the default), each told a disruption rate as the daemon
-    tells its workers: the saves come at the intervals the step events report, and a rate 100x
-    higher makes the interval about 10x shorter."""
-    reported = {}
-    for per_hour in (360.0, 36000.0):
-        monkeypatch.setenv("TPUD_DISRUPTIONS_PER_HOUR", str(per_hour))
-        monkeypatch.setenv("TPUD_MEMORY_DIR", str(tmp_path / f"shm-{per_hour}"))
-        spec = tiny_spec("train.max_steps=120", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
-                         "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.max_overhead=1")
-        assert spec.checkpoint.memory.interval_steps == "auto"
-        hooks = Recorder()
-        assert Trainer(spec, tmp_path / str(per_hour), hooks).run() == 0
-        steps = {e.step: e.checkpoint_intervals["memory"] for e in hooks.of(events.Step)}
-        # (the final disk save at 120 goes through the tier too, whatever its interval)
-        saved = [c.step for c in hooks.of(events.CheckpointCommitted) if c.tier == "memory" and c.step < 120]
-        assert saved[0] == 1 and len(saved) > 1  # the first measures a save
-        for before, after in zip(saved, saved[1:]):
-            # Each came once the interval in force had passed: the one reported at the step before (the
-            # decision at `after` also weighs that step's time, and the step events report the policy as
-            # it stood before their own step: within what one step's time moves it).
-            window = [steps[k]["steps"] for k in range(before + 1, after + 1) if k in steps]
-            assert 0.7 * min(window) <= after - before <= max(window), (saved, window)
-        assert all(i["disruptions_per_hour"] == per_hour for i in steps.values())
-        reported[per_hour] = sorted(i["steps"] for i in steps.values())[len(steps) // 2]
-    assert reported[360.0] / reported[36000.0] == pytest.approx(10, rel=0.5), reported
+    """A real run whose memory tier is auto (the default), told a disruption rate as the daemon
+    tells its workers: every interval it reports is Young's for the save cost and step time it
+    measured, and its saves come at those intervals. (How the interval scales with the rate is the
+    policy's own tests': here the costs are whatever this host measures.)"""
+    per_hour = 3600.0
+    monkeypatch.setenv("TPUD_DISRUPTIONS_PER_HOUR", str(per_hour))
+    monkeypatch.setenv("TPUD_MEMORY_DIR", str(tmp_path / "shm"))
+    spec = tiny_spec("train.max_steps=120", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
+                     "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.max_overhead=1")
+    assert spec.checkpoint.memory.interval_steps == "auto"
+    hooks = Recorder()
+    assert Trainer(spec, tmp_path, hooks).run() == 0
+    steps = {e.step: e.checkpoint_intervals["memory"] for e in hooks.of(events.Step)}
+    assert all(i["disruptions_per_hour"] == per_hour for i in steps.values())
+    timed = [i for i in steps.values() if i["save_seconds"] and i["seconds"]]
+    assert len(timed) > len(steps) // 2
+    for i in timed:
+        # sqrt(2 C / r), at least C (max_overhead 1), in whole steps (at least one) of the mean step time.
+        young, step = max(math.sqrt(2 * i["save_seconds"] * 3600 / per_hour), i["save_seconds"]), i["seconds"] / i["steps"]
+        assert abs(i["seconds"] - young) <= step / 2 + 2e-3 or (i["steps"] == 1 and young <= 1.5 * step + 2e-3), i
+    # (the final disk save at 120 goes through the tier too, whatever its interval)
+    saved = [c.step for c in hooks.of(events.CheckpointCommitted) if c.tier == "memory" and c.step < 120]
+    assert saved[0] == 1 and len(saved) > 1  # the first measures a save
+    for before, after in zip(saved, saved[1:]):
+        # Each came once the interval in force had passed. Step `after`'s event reports the policy
+        # the loop held at step after - 1, which found no save due: so never later than that interval.
+        # The decision at `after` also weighed step `after`'s own time: a slow step (a loaded host)
+        # shortens it, a step of rounding more at the smallest intervals; never to a fraction.
+        assert steps[after]["steps"] / 2 - 1 <= after - before <= steps[after]["steps"], (saved, steps[after])
 
 
 def test_the_daemon_hands_each_worker_the_rate_it_has_seen(tiny_spec):
