@@ -8,7 +8,7 @@ import math
 import pytest
 
 from engine import events
-from engine.checkpoint.policy import DisruptionRate, IntervalPolicy
+from engine.checkpoint.policy import DisruptionRate, IntervalPolicy, SecondsPolicy
 from engine.checkpoint.schedule import SaveSchedule
 from engine.spec.schema import CheckpointConfig
 from engine.train import Trainer
@@ -142,16 +142,54 @@ def test_under_the_daemon_the_memory_tier_follows_its_policy(tiny_spec, tmp_path
         assert steps[after]["steps"] / 2 - 1 <= after - before <= steps[after]["steps"], (saved, steps[after])
 
 
-def test_the_daemon_hands_each_worker_the_rate_it_has_seen(tiny_spec):
+def test_the_daemon_hands_each_worker_the_rate_it_has_seen(tiny_spec, tmp_path):
+    from tpud.checkpoints.tiers import CheckpointTiers
     from tpud.job.health.restarts import Restarts
+    from tpud.paths import Paths
 
     spec, restarts = tiny_spec("checkpoint.disruptions_per_hour=2"), Restarts()
-    assert restarts.worker_env(spec, 0.0) == {"TPUD_DISRUPTIONS_PER_HOUR": "2"}  # nothing seen: the prior
+    assert restarts.disruptions_per_hour(spec, 0.0) == 2  # nothing seen: the prior
     for reason in ("crash", "hang", "killed"):
         assert restarts.crashed(spec, 0.0, reason) is not None
     restarts.peer()
     # Four restarts in an hour, with the prior's one disruption in half an hour: 5 / 1.5 h.
-    assert float(restarts.worker_env(spec, 3600.0)["TPUD_DISRUPTIONS_PER_HOUR"]) == pytest.approx(5 / 1.5, rel=1e-5)
+    rate = restarts.disruptions_per_hour(spec, 3600.0)
+    assert rate == pytest.approx(5 / 1.5)
+    # The worker gets it in its environment; the GCS tier's auto interval follows it too.
+    spec = tiny_spec("checkpoint.remote=gs://bucket/ckpt", "checkpoint.remote_interval_seconds=auto")
+    tiers = CheckpointTiers(spec, Paths.resolve(tmp_path), lambda *a: None)
+    assert float(tiers.worker_env(rate)["TPUD_DISRUPTIONS_PER_HOUR"]) == pytest.approx(rate, rel=1e-5)
+    tiers.uploader.interval.save_took(1.0)
+    assert tiers.policy().disruptions_per_hour == rate
+    assert tiers.policy().seconds == pytest.approx(math.sqrt(2 * 3600 / rate))
+
+
+def test_the_gcs_tier_interval_follows_youngs_rule_in_seconds():
+    policy = SecondsPolicy(1.0, max_seconds=3600.0, max_overhead=1.0)
+    assert policy.interval().seconds == 0  # nothing measured: upload at once, and measure
+    policy.save_took(10.0)
+    first = policy.interval()
+    assert first.seconds == pytest.approx(math.sqrt(2 * 10 * 3600)) and first.steps is None  # ~268 s
+    assert first.expected_loss_seconds == pytest.approx(first.seconds / 2 + 10)
+    bigger = SecondsPolicy(1.0, max_seconds=3600.0, max_overhead=1.0)
+    bigger.save_took(100.0)
+    assert bigger.interval().seconds / first.seconds == pytest.approx(math.sqrt(10))
+    policy.disruptions_per_hour = 4.0
+    assert first.seconds / policy.interval().seconds == pytest.approx(2)
+    policy.disruptions_per_hour, policy.max_overhead = 3600.0, 0.05  # sqrt(2 x 10 / 1) = 4.5 s; 10 s at 5 %: 200 s
+    assert policy.interval().seconds == pytest.approx(200)
+    policy.max_seconds = 60
+    assert policy.interval().seconds == 60
+
+
+@pytest.mark.parametrize("value", ["-1", "true", "soon", "inf"])
+def test_a_gcs_interval_that_is_neither_seconds_nor_auto_is_refused_naming_the_key(value):
+    from engine.spec.loader import SpecError, load_spec
+    from tests.conftest import TINY_JOB
+
+    with pytest.raises(SpecError, match=r"checkpoint.remote_interval_seconds: must be a number of seconds"):
+        load_spec(TINY_JOB, [f"checkpoint.remote_interval_seconds={value}"])
+    assert load_spec(TINY_JOB, ["checkpoint.remote_interval_seconds=2.5"]).checkpoint.remote_interval_seconds == 2.5
 
 
 @pytest.mark.parametrize("value", ["fast", "-1", "true", "1.5"])

@@ -23,6 +23,7 @@ from engine.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
+from engine.checkpoint.policy import SecondsPolicy, young_seconds
 from tests.gcs_server import GcsServer
 from tpud.checkpoints.gcs import GcsTier, RemoteConflict, RemoteCorrupt, RemoteUnavailable, RetryPolicy
 from tpud.checkpoints.uploader import Uploader, ensure_newest_local
@@ -364,6 +365,63 @@ def test_uploader_newest_wins_and_protects_what_it_holds(gcs_server, tmp_path, m
         assert uploader.protected_steps() == frozenset() and pinned_steps(local) == set()
     finally:
         gate.set()
+        uploader.close(timeout=10)
+
+
+def test_uploader_keeps_its_interval_but_uploads_urgent_steps_at_once(gcs_server, tmp_path, monkeypatch):
+    """remote_interval_seconds: an upload begins at most once per interval, with the newest step
+    committed by then; a final, requested or preemption save (urgent), and the stop path's wait(),
+    upload at once."""
+    local, tier = tmp_path / JOB, make_tier()
+    began: dict[str, float] = {}
+    real_upload = GcsTier.upload_step
+
+    def timed_upload(self, step_dir):
+        began[Path(step_dir).name] = time.monotonic()
+        return real_upload(self, step_dir)
+
+    monkeypatch.setattr(GcsTier, "upload_step", timed_upload)
+    uploader = Uploader(tier, local, keep=5, interval=1.0).start()
+    try:
+        uploader.submit(make_step(local, 1, sizes=(100,)))  # the first: at once
+        assert uploader.wait(timeout=10) and list(began) == ["step_000000001"]
+        uploader.interval = 1.5
+        for step in (2, 3):
+            uploader.submit(make_step(local, step, sizes=(100,)))
+        deadline = time.monotonic() + 10
+        while "step_000000003" not in began and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(began) == ["step_000000001", "step_000000003"]  # 2 was superseded while 3 waited
+        assert began["step_000000003"] - began["step_000000001"] >= 1.5
+        uploader.interval = 60.0
+        uploader.submit(make_step(local, 4, sizes=(100,)), urgent=True)
+        deadline = time.monotonic() + 10
+        while "step_000000004" not in began and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "step_000000004" in began and began["step_000000004"] - began["step_000000003"] < 10
+        uploader.submit(make_step(local, 5, sizes=(100,)))
+        assert uploader.stats.queued == "step_000000005"
+        assert uploader.wait(timeout=10)  # the stop path does not wait for the interval
+        assert [s.step for s in tier.committed_steps()] == [1, 3, 4, 5]
+    finally:
+        uploader.close(timeout=10)
+
+
+def test_an_auto_interval_learns_what_an_upload_takes(gcs_server, tmp_path):
+    local = tmp_path / JOB
+    policy = SecondsPolicy(3600.0, max_seconds=600.0, max_overhead=0.05)
+    results = []
+    uploader = Uploader(make_tier(), local, keep=3, interval=policy, on_result=lambda key, t: results.append(t)).start()
+    try:
+        assert uploader.policy().seconds == 0
+        uploader.submit(make_step(local, 1, sizes=(100,)))
+        assert uploader.wait(timeout=10)
+        interval = uploader.policy()
+        assert interval.save_seconds == results[0].seconds > 0
+        assert interval.seconds == pytest.approx(young_seconds(results[0].seconds, 3600.0, 0.05))
+        uploader.submit(make_step(local, 2, sizes=(100,)))
+        assert uploader.stats.queued == "step_000000002"  # waits out the interval it learned
+    finally:
         uploader.close(timeout=10)
 
 

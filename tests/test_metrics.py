@@ -406,3 +406,37 @@ def test_head_and_what_is_not_a_get(metrics):
     except ConnectionResetError:
         pass  # the answer was sent, then the unread rest of the head reset the connection
     assert scrape(metrics)  # still serving
+
+
+def test_the_auto_intervals_of_the_worker_and_the_uploader_reach_status_and_metrics(metrics):
+    """A step event's auto tiers and the GCS uploader's policy, as JobCheckpoints keeps them: each
+    in `tpud status` (json and its line) and in the gauges."""
+    from engine import events
+    from engine.checkpoint.policy import Interval
+    from engine.spec.schema import CheckpointConfig
+    from tpud.job.checkpoints import JobCheckpoints
+    from tpud.view.status import lines
+
+    posted = []
+    checkpoints = JobCheckpoints("llm", metrics, lambda: CheckpointConfig(), posted.append)
+    memory = Interval(12, 0.6, 0.004, 2.0, 0.304).as_dict()
+    checkpoints.on_step(events.Step(step=40, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1e4, step_time_s=0.05,
+                                    checkpoint_intervals={"memory": memory}))
+    gcs = Interval(None, 268.3, 10.0, 2.0, 144.2)
+    checkpoints.upload_result((40, 0), None, "down", gcs)
+    for fn in posted:
+        fn()
+    checkpoints.on_step(events.Step(step=41, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1e4, step_time_s=0.05,
+                                    checkpoint_intervals={"memory": memory}))
+    snapshot = checkpoints.snapshot()
+    assert snapshot["checkpoint_intervals"] == {"memory": memory, "gcs": gcs.as_dict()}  # the uploader's stays
+    line = [x for x in lines([{"name": "llm", "state": "RUNNING", **snapshot}]) if "auto checkpoints" in x]
+    assert line == ["llm: auto checkpoints: gcs every 268s, an upload 10s, ~144s lost per disruption; memory every "
+                    "12 steps (0.6s), a save 4ms, ~0.304s lost per disruption; assuming 2 disruptions/h"]
+    s = scrape(metrics)
+    assert value(s, "tpud_checkpoint_auto_interval_steps", job="llm", tier="memory") == 12
+    assert value(s, "tpud_checkpoint_auto_interval_seconds", job="llm", tier="gcs") == pytest.approx(268.3)
+    assert value(s, "tpud_checkpoint_save_cost_seconds", job="llm", tier="gcs") == 10.0
+    assert value(s, "tpud_checkpoint_expected_loss_seconds", job="llm", tier="memory") == pytest.approx(0.304)
+    assert value(s, "tpud_job_assumed_disruptions_per_second", job="llm") == pytest.approx(2 / 3600)
+    assert [lab["tier"] for lab, _ in s["tpud_checkpoint_auto_interval_steps"]] == ["memory"]  # gcs: in seconds

@@ -14,7 +14,8 @@ tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier
 (histogram), tpud_checkpoint_bytes_total{job,tier}, tpud_checkpoint_failures_total{job,tier},
 tpud_checkpoint_last_committed_step{job,tier},
 tpud_checkpoint_last_committed_timestamp_seconds{job,tier}, tpud_job_checkpoint_interval_seconds{job},
-tpud_checkpoint_auto_interval_steps{job,tier}, tpud_checkpoint_save_cost_seconds{job,tier},
+tpud_checkpoint_auto_interval_steps{job,tier}, tpud_checkpoint_auto_interval_seconds{job,tier},
+tpud_checkpoint_save_cost_seconds{job,tier},
 tpud_checkpoint_expected_loss_seconds{job,tier}, tpud_job_assumed_disruptions_per_second{job},
 tpud_job_useful_mfu_ratio{job},
 tpud_heartbeat_age_seconds{job},
@@ -202,8 +203,12 @@ class Metrics:
         self._auto_steps = Gauge("tpud_checkpoint_auto_interval_steps", "A tier's interval in steps when it is auto "
                                  "(the least lost time for its save cost and the disruption rate).",
                                  ["job", "tier"], registry=r)
+        self._auto_seconds = Gauge("tpud_checkpoint_auto_interval_seconds", "An auto tier's interval in seconds of "
+                                   "training (the GCS tier's: between the starts of uploads).", ["job", "tier"],
+                                   registry=r)
         self._save_cost = Gauge("tpud_checkpoint_save_cost_seconds", "What a save of an auto tier holds the loop "
-                                "for (the worker's running average).", ["job", "tier"], registry=r)
+                                "for (the worker's running average; the GCS tier's: an upload's time).",
+                                ["job", "tier"], registry=r)
         self._expected_loss = Gauge("tpud_checkpoint_expected_loss_seconds", "Training time an auto tier expects "
                                     "to lose per disruption: half its interval, and a save.", ["job", "tier"],
                                     registry=r)
@@ -275,8 +280,8 @@ class Metrics:
         """The auto tiers' policies as a step event reports them (engine.checkpoint.policy.Interval)."""
         with self._change():
             for tier, interval in intervals.items():
-                for metric, key in ((self._auto_steps, "steps"), (self._save_cost, "save_seconds"),
-                                    (self._expected_loss, "expected_loss_seconds")):
+                for metric, key in ((self._auto_steps, "steps"), (self._auto_seconds, "seconds"),
+                                    (self._save_cost, "save_seconds"), (self._expected_loss, "expected_loss_seconds")):
                     if interval.get(key) is not None:
                         self._child(metric, job, tier).set(float(interval[key]))
                 if interval.get("disruptions_per_hour") is not None:

@@ -15,6 +15,10 @@ measured the tier saves after min_interval_steps, to measure one. r comes from t
 (the disruptions it has seen for this job on this host, with a prior: `DisruptionRate`),
 handed to each worker at its start: every disruption starts a new worker, which gets the
 updated rate. A preemption notice still saves at once, whatever the interval.
+
+The GCS uploads (`SecondsPolicy`) follow the same rule in seconds: the supervisor makes them
+beside the running loop, so their cost C is the upload's own time; the supervisor updates
+their rate as each worker starts.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ SMOOTHING = 0.2  # weight of each new measurement in the running averages
 class Interval:
     """What a tier's policy decided, as status and metrics show it."""
 
-    steps: int
+    steps: int | None                  # None: a tier timed in seconds (the GCS uploads)
     seconds: float | None              # steps x the step time (None before a step was timed)
-    save_seconds: float | None         # what a save holds the loop for (None before one was measured)
+    save_seconds: float | None         # what a save costs (None before one was measured)
     disruptions_per_hour: float        # the rate assumed
     expected_loss_seconds: float | None  # per disruption: half an interval of work redone, and a save
 
@@ -68,13 +72,36 @@ class IntervalPolicy:
         if step is None or save is None or step <= 0:
             steps = self.min_steps
         else:
-            rate = self.disruptions_per_hour / 3600.0
-            seconds = max(math.sqrt(2.0 * save / rate), save / self.max_overhead)
+            seconds = young_seconds(save, self.disruptions_per_hour, self.max_overhead)
             most = max(self.min_steps, math.floor(self.max_seconds / step + 1e-9))
             steps = min(most, max(self.min_steps, round(seconds / step)))
         seconds = None if step is None else steps * step
         loss = None if seconds is None else seconds / 2 + (save or 0.0)
         return Interval(steps, seconds, save, self.disruptions_per_hour, loss)
+
+
+def young_seconds(save_seconds: float, disruptions_per_hour: float, max_overhead: float) -> float:
+    """sqrt(2 C / r), and no shorter than C / max_overhead."""
+    return max(math.sqrt(2.0 * save_seconds * 3600.0 / disruptions_per_hour), save_seconds / max_overhead)
+
+
+class SecondsPolicy:
+    """Young's interval for a tier timed in seconds rather than steps: the GCS uploads, which
+    the supervisor makes while the loop runs on. C is what an upload takes (the host's uplink
+    and CPUs busy beside the training), bounded by max_overhead and max_seconds as above."""
+
+    def __init__(self, disruptions_per_hour: float, *, max_seconds: float, max_overhead: float):
+        self.disruptions_per_hour, self.max_seconds, self.max_overhead = disruptions_per_hour, max_seconds, max_overhead
+        self.save_seconds: float | None = None
+
+    def save_took(self, seconds: float) -> None:
+        self.save_seconds = _average(self.save_seconds, seconds)
+
+    def interval(self) -> Interval:
+        """Before an upload was measured: 0, upload at once (and measure one)."""
+        rate, save = self.disruptions_per_hour, self.save_seconds
+        seconds = 0.0 if save is None else min(self.max_seconds, young_seconds(save, rate, self.max_overhead))
+        return Interval(None, seconds, save, rate, seconds / 2 + (save or 0.0))
 
 
 def _average(mean: float | None, value: float) -> float:

@@ -7,6 +7,7 @@ and never imports torch. Loading YAML (includes, overrides, line numbers) lives 
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError,
@@ -501,6 +502,15 @@ def _interval(value: object) -> object:
 Interval = Annotated[Annotated[int, Field(ge=0)] | Literal["auto"], BeforeValidator(_interval)]
 
 
+def _seconds_interval(value: object) -> object:
+    if value == "auto" or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf):
+        return value
+    raise ValueError("must be a number of seconds (0: every committed step) or auto")
+
+
+SecondsInterval = Annotated[Annotated[float, Field(ge=0)] | Literal["auto"], BeforeValidator(_seconds_interval)]
+
+
 class MemoryTierConfig(Section):
     """Checkpoints in host shared memory (a tmpfs the supervisor owns): they survive the worker's
     death, not the host's, so a crash or hang costs at most interval_steps steps of work."""
@@ -542,6 +552,12 @@ class CheckpointConfig(Section):
         "<remote>/<job>/step_N (manifest last), keeps `keep` steps there too, and downloads the newest "
         "one before starting a worker on a host that lacks it.",
     )
+    remote_interval_seconds: SecondsInterval = Field(
+        0, description="How often the GCS tier uploads: 0, every committed local step (newest wins while one "
+        "uploads); N, the newest committed step once N seconds have passed since the last upload began; auto, "
+        "the interval that loses the least time from what an upload takes and how often the job is disrupted, "
+        "within max_overhead and max_interval_seconds. A final, requested or preemption checkpoint is uploaded "
+        "at once, whatever the interval.")
     allow_spec_changes: list[str] = Field(
         [], description="A job on several hosts resumes a checkpoint only with the job spec it was made with, "
         f"but for {', '.join(RESUMABLE)}. Keys or sections listed here may differ too, e.g. [optimizer.lr, "

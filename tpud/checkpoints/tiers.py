@@ -1,6 +1,8 @@
 """The supervisor's side of a job's checkpoints: the GCS tier beside the worker's local one.
 
 It lives in the daemon rather than in the worker so that an upload outlives a worker crash.
+It also hands each worker the disruption rate its auto intervals assume, the rate the GCS
+tier's own auto interval follows too.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from engine import events
 from engine.checkpoint import manifest as mf
+from engine.checkpoint.policy import Interval, SecondsPolicy
 from engine.spec.schema import JobSpec
 from tpud.checkpoints.gcs import GcsTier, Transfer
 from tpud.checkpoints.uploader import Key, Uploader, ensure_newest_local
@@ -20,10 +23,11 @@ from tpud.paths import Paths
 class CheckpointTiers:
     """The GCS tier of one job, when it has one: its uploader, and the download before a start."""
 
-    def __init__(self, spec: JobSpec, paths: Paths, on_upload: Callable[[Key, Transfer | None, str | None], None],
-                 *, uploads: bool = True):
-        """on_upload(key, transfer, error) after each upload attempt, from the uploader's thread:
-        transfer None and the uploader's error when the attempt failed.
+    def __init__(self, spec: JobSpec, paths: Paths,
+                 on_upload: Callable[[Key, Transfer | None, str | None, Interval | None], None], *, uploads: bool = True):
+        """on_upload(key, transfer, error, policy) after each upload attempt, from the uploader's
+        thread: transfer None and the uploader's error when the attempt failed; policy, the auto
+        interval now in force (None unless remote_interval_seconds is auto).
 
         `uploads` False: a host of a multi-host job other than host 0. Every host's part restores
         the whole replicated state, so one host uploads it; every host downloads.
@@ -32,13 +36,28 @@ class CheckpointTiers:
         self.local_job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
         self.remote, self.keep = spec.checkpoint.remote, spec.checkpoint.keep
         self.tier = GcsTier.for_spec(spec)
-        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep,
-                                  on_result=lambda key, transfer: on_upload(key, transfer, self._error(transfer)))
+        self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, interval=self._interval(spec),
+                                  on_result=lambda key, transfer: on_upload(key, transfer, self._error(transfer),
+                                                                           self.policy()))
                          if self.tier and uploads else None)
+
+    @staticmethod
+    def _interval(spec: JobSpec, old: float | SecondsPolicy | None = None) -> float | SecondsPolicy:
+        """The uploader's interval for `spec`; an auto one it had keeps what it measured."""
+        ckpt = spec.checkpoint
+        if ckpt.remote_interval_seconds != "auto":
+            return ckpt.remote_interval_seconds
+        if isinstance(old, SecondsPolicy):
+            old.max_seconds, old.max_overhead = ckpt.max_interval_seconds, ckpt.max_overhead
+            return old
+        return SecondsPolicy(ckpt.disruptions_per_hour, max_seconds=ckpt.max_interval_seconds,
+                             max_overhead=ckpt.max_overhead)
 
     def adopt(self, spec: JobSpec) -> CheckpointTiers:
         """The tiers of the job's new spec: these, or new ones when the GCS tier changed."""
         if spec.checkpoint.remote == self.remote and spec.checkpoint.keep == self.keep:
+            if self.uploader is not None:
+                self.uploader.interval = self._interval(spec, self.uploader.interval)
             return self
         # The old uploader finishes its upload in flight in the background, then stops.
         threading.Thread(target=self.close, name=f"close-uploads-{spec.name}", daemon=True).start()
@@ -49,12 +68,23 @@ class CheckpointTiers:
         """The tiers a job's checkpoints go to."""
         return ["local"] + ["memory"] * (spec.checkpoint.memory is not None) + ["gcs"] * bool(spec.checkpoint.remote)
 
+    def worker_env(self, disruptions_per_hour: float) -> dict[str, str]:
+        """The rate the next worker's auto intervals assume (tpud.job.health.Restarts), which the
+        GCS tier's auto interval follows from now on too."""
+        if self.uploader is not None and isinstance(self.uploader.interval, SecondsPolicy):
+            self.uploader.interval.disruptions_per_hour = disruptions_per_hour
+        return {"TPUD_DISRUPTIONS_PER_HOUR": f"{disruptions_per_hour:.6g}"}
+
+    def policy(self) -> Interval | None:
+        """The GCS tier's auto interval, when it has one."""
+        return None if self.uploader is None else self.uploader.policy()
+
     def _error(self, transfer) -> str | None:
         return None if transfer is not None else self.uploader.stats.last_error or "upload failed"
 
     def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
         if event.tier != "memory" and self.uploader is not None:  # the memory tier stays on this host
-            self.uploader.submit(Path(event.path))
+            self.uploader.submit(Path(event.path), urgent=event.reason != "interval")
 
     def newest_run_id(self) -> str | None:
         """The wandb run id in the newest local checkpoint."""

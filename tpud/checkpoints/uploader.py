@@ -5,6 +5,9 @@ worker that wrote the checkpoint (torch-free).
   one uploads, further submissions wait in a single slot, and a newer step replaces an older
   one there (the dropped step is never uploaded: the remote tier only needs recent steps to
   resume from, and each upload is a whole step). The upload in progress is never cancelled.
+- `interval` (checkpoint.remote_interval_seconds): an upload begins at most once per interval,
+  counted from when the last began; auto, a `SecondsPolicy` fed with each upload's time. An
+  urgent submission (a final, requested or preemption save) and `wait` upload at once.
 - After each upload the remote retention runs (`keep` steps).
 - A failed upload is logged, counted, and retried later with backoff unless a newer step
   has been submitted meanwhile, the step is no longer committed locally, or the failure is
@@ -31,6 +34,7 @@ from pathlib import Path
 import structlog
 
 from engine.backoff import Backoff
+from engine.checkpoint.policy import Interval, SecondsPolicy
 from engine.checkpoint.manifest import PINS, pin, read_manifest, step_dir_name, unpin
 from tpud.checkpoints.gcs import GcsTier, RemoteConflict, Transfer, newest_valid_local
 
@@ -55,10 +59,12 @@ class Uploader:
     """Background uploads of one job's committed local steps (in local_job_dir) to its GcsTier."""
 
     def __init__(self, tier: GcsTier, local_job_dir: Path, keep: int, *, retry_initial: float = 5.0,
-                 retry_maximum: float = 300.0, on_result: Callable[[Key, Transfer | None], None] | None = None):
+                 retry_maximum: float = 300.0, on_result: Callable[[Key, Transfer | None], None] | None = None,
+                 interval: float | SecondsPolicy = 0.0):
         """on_result(key, transfer) after each attempt, from the uploader's thread; transfer is
-        None when the attempt failed."""
+        None when the attempt failed. interval: seconds between the starts of uploads, or a policy."""
         self.tier = tier
+        self.interval = interval
         self.on_result = on_result
         self.local_job_dir = Path(local_job_dir)
         self.keep = keep
@@ -70,6 +76,8 @@ class Uploader:
         self._not_before = 0.0          # monotonic time before which a failed step is not retried
         self._retries = 0               # consecutive failures of the queued step
         self._hurry = False             # wait() is waiting: retry within a second
+        self._urgent = False            # the queued step uploads whatever the interval
+        self._began: float | None = None  # monotonic time the last upload began
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._uploaded = self._failures = self._retention_failures = self._bytes = 0
@@ -89,8 +97,9 @@ class Uploader:
                 self._thread.start()
         return self
 
-    def submit(self, step_dir: Path) -> None:
-        """Queue a committed local step directory for upload (newest wins; never raises)."""
+    def submit(self, step_dir: Path, *, urgent: bool = False) -> None:
+        """Queue a committed local step directory for upload (newest wins; never raises); urgent:
+        at once, whatever the interval."""
         step_dir = Path(step_dir)
         manifest = read_manifest(step_dir)
         if manifest is None:
@@ -104,6 +113,7 @@ class Uploader:
                 return
             dropped, self._queued = self._queued, (key, step_dir)
             self._not_before, self._retries = 0.0, 0
+            self._urgent = self._urgent or urgent
             self._pin(key)
             if dropped is not None:
                 log.info("gcs upload superseded", job=self.tier.job, dropped=dropped[1].name, step=step_dir.name)
@@ -153,6 +163,10 @@ class Uploader:
             self._thread.join(timeout=5)
         return done
 
+    def policy(self) -> Interval | None:
+        """The auto interval in force (None when the interval is a number of seconds)."""
+        return self.interval.interval() if isinstance(self.interval, SecondsPolicy) else None
+
     @property
     def stats(self) -> UploaderStats:
         with self._cond:
@@ -189,13 +203,14 @@ class Uploader:
                     if self._stopping:
                         return
                     if self._queued is not None:
-                        now = time.monotonic()
-                        if self._not_before <= now:
+                        now, start = time.monotonic(), max(self._not_before, self._due())
+                        if start <= now:
                             break
-                        self._cond.wait(self._not_before - now)
+                        self._cond.wait(start - now)
                     else:
                         self._cond.wait()
                 self._uploading, self._queued = self._queued, None
+                self._began, self._urgent = time.monotonic(), False
                 key, step_dir = self._uploading
             try:
                 retry = self._upload(key, step_dir)
@@ -210,6 +225,13 @@ class Uploader:
                     self._unpin_unless_held(key)
                 self._cond.notify_all()
 
+    def _due(self) -> float:
+        """When the interval lets the next upload begin (the monotonic clock's time)."""
+        if self._urgent or self._hurry or self._began is None:
+            return 0.0
+        policy = self.policy()
+        return self._began + (self.interval if policy is None else policy.seconds)
+
     def _upload(self, key: Key, step_dir: Path) -> bool:
         """One attempt; True when the step should be retried later."""
         try:
@@ -221,6 +243,8 @@ class Uploader:
             self._bytes += transfer.bytes
             self._last = max(key, self._last or key)
             self._last_error = None
+        if isinstance(self.interval, SecondsPolicy):
+            self.interval.save_took(transfer.seconds)
         self._report(key, transfer)
         try:
             deleted = self.tier.apply_retention(self.keep)

@@ -1,7 +1,7 @@
 """What a job knows of its checkpoints: the newest committed one on any tier, the callers of
 `tpud checkpoint-now` waiting for the next local commit, the tiers' failure streaks, how
 long a local save takes (which sets how much of a preemption deadline the step may use),
-and the checkpoint metrics."""
+the auto tiers' intervals (the worker's, and the GCS uploader's), and the checkpoint metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine import events
 from engine.checkpoint import manifest as mf
+from engine.checkpoint.policy import Interval
 from engine.spec.schema import CheckpointConfig
 from tpud.job.save_failures import SaveFailures
 
@@ -46,6 +47,7 @@ class JobCheckpoints:
         self.waiters: list[Waiter] = []
         self.failures = SaveFailures()
         self.save_seconds = 0.0  # how long the last local save took
+        self.intervals: dict[str, dict] = {}  # tier -> its auto interval (engine.checkpoint.policy.Interval.as_dict)
 
     def found_local(self, job_dir: Path) -> Checkpoint | None:
         """The newest committed step a former worker (or daemon) left on the local tier, from its
@@ -97,6 +99,8 @@ class JobCheckpoints:
             self.metrics.checkpoint_interval(self.job, min(intervals))
         if event.checkpoint_intervals:
             self.metrics.checkpoint_policy(self.job, event.checkpoint_intervals)
+        gcs = {"gcs": self.intervals["gcs"]} if "gcs" in self.intervals else {}
+        self.intervals = {**(event.checkpoint_intervals or {}), **gcs}
 
     def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
         self.metrics.checkpoint(self.job, tier=event.tier, reason=event.reason, seconds=event.seconds,
@@ -137,8 +141,11 @@ class JobCheckpoints:
         self.memory = None
         self.tiers.pop("memory", None)
 
-    def upload_result(self, key: tuple[int, int], transfer, error: str | None) -> None:
+    def upload_result(self, key: tuple[int, int], transfer, error: str | None, policy: Interval | None) -> None:
         """From the uploader's thread, after each attempt (tpud/checkpoints/tiers.py)."""
+        if policy is not None:
+            self.metrics.checkpoint_policy(self.job, {"gcs": policy.as_dict()})
+            self.post(lambda: self.intervals.update(gcs=policy.as_dict()))
         if transfer is None:
             self.metrics.checkpoint_failure(self.job, "gcs")
             self.post(lambda: self.failures.failed("gcs", error, key[0]))
@@ -163,4 +170,5 @@ class JobCheckpoints:
 
         return {"last_checkpoint": brief(self.last), "memory_checkpoint": brief(self.memory),
                 "checkpoints": {tier: brief(c) for tier, c in self.tiers.items()},
+                "checkpoint_intervals": self.intervals or None,
                 "warnings": self.failures.warnings(), "checkpoint_failures": self.failures.snapshot()}

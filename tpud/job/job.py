@@ -195,8 +195,9 @@ class Job:
             return
         self.report.new_worker()
         self.gang.new_worker()
+        rate = self.restarts.disruptions_per_hour(self.spec, self.ledger.wall_seconds)
         pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env(),
-                                             **self.restarts.worker_env(self.spec, self.ledger.wall_seconds)})
+                                             **self.tiers.worker_env(rate)})
         self.record.first_started = self.record.first_started or time.time()
         self._set(State.STARTING, f"pid {pid}")
 

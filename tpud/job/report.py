@@ -53,7 +53,6 @@ class WorkerReport:
             "eval_loss": None if evaluated is None else evaluated.loss,
             "eval_step": None if evaluated is None else evaluated.step,
             "experts": None if progress is None else experts(progress),
-            "checkpoint_intervals": None if progress is None else progress.checkpoint_intervals,
         }
 
     def nonfinite_exit(self) -> tuple[str, bool]:

@@ -44,9 +44,11 @@ def policy_line(intervals: dict) -> str:
     tiers = []
     for tier, i in sorted(intervals.items()):
         span = "" if i.get("seconds") is None else f" ({i['seconds']:.3g}s)"
-        cost = "" if i.get("save_seconds") is None else f", a save {i['save_seconds'] * 1e3:.3g}ms"
+        what, cost = "an upload" if tier == "gcs" else "a save", i.get("save_seconds")
+        cost = "" if cost is None else f", {what} " + (f"{cost * 1e3:.3g}ms" if cost < 1 else f"{cost:.3g}s")
         loss = "" if i.get("expected_loss_seconds") is None else f", ~{i['expected_loss_seconds']:.3g}s lost per disruption"
-        tiers.append(f"{tier} every {i.get('steps')} steps{span}{cost}{loss}")
+        every = f"every {i['seconds']:.3g}s" if i.get("steps") is None else f"every {i.get('steps')} steps{span}"
+        tiers.append(f"{tier} {every}{cost}{loss}")
     rate = next(iter(intervals.values())).get("disruptions_per_hour")
     return "auto checkpoints: " + "; ".join(tiers) + ("" if rate is None else f"; assuming {rate:.3g} disruptions/h")
 

@@ -60,11 +60,10 @@ class Restarts:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self.on_restart(reason)
 
-    def worker_env(self, spec: JobSpec, seconds: float) -> dict[str, str]:
-        """TPUD_DISRUPTIONS_PER_HOUR for the next worker's auto checkpoint intervals: every restart
-        counted over the job's `seconds` so far, weighed with its prior (checkpoint.disruptions_per_hour)."""
-        rate = DisruptionRate(spec.checkpoint.disruptions_per_hour).per_hour(self.total, seconds)
-        return {"TPUD_DISRUPTIONS_PER_HOUR": f"{rate:.6g}"}
+    def disruptions_per_hour(self, spec: JobSpec, seconds: float) -> float:
+        """What the auto checkpoint intervals assume: every restart counted over the job's `seconds`
+        so far, weighed with its prior (checkpoint.disruptions_per_hour)."""
+        return DisruptionRate(spec.checkpoint.disruptions_per_hour).per_hour(self.total, seconds)
 
     def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
         """The worker made progress: its crashes are not a crash loop."""
