@@ -32,6 +32,7 @@ class Badput:
     checkpoint: float = 0.0  # the loop blocked by saves (all of a sync save, staging of an async one)
     data: float = 0.0        # fetching batches on the host and moving them to the device
     eval: float = 0.0        # validation loss (eval.batches micro-batches without gradients)
+    rollback: float = 0.0    # healing a bad step in place: restores and replays (engine.health.healing)
 
 
 BADPUT_KINDS = tuple(f.name for f in dataclasses.fields(Badput))
@@ -160,14 +161,32 @@ class Eval(Event):
 
 @dataclass(frozen=True, config=_CONFIG)
 class NonFinite(Event):
-    """The loss or gradient norm of `step` is not finite; the worker exits 76 next."""
+    """A bad step (its loss or gradient norm not finite, or a spike) the worker could not heal in
+    place, or may not (too many rollbacks, health.nonfinite stop): it exits 76 next."""
 
     TYPE: ClassVar[str] = "nonfinite"
     step: int
     loss: float
     grad_norm: float | None
-    policy: str                       # health.nonfinite: rollback | stop
-    skip: tuple[int, int] | None = None  # for a rollback: the micro-batches (start, end) skipped from now on
+    policy: str                       # rollback (the restart skips the step) | stop
+    skip: tuple[int, int] | None = None  # for a rollback: the micro-batches (first, count) skipped from now on
+    reason: str = ""                  # what was wrong, in a line
+
+
+@dataclass(frozen=True, config=_CONFIG)
+class RolledBack(Event):
+    """The worker healed a bad step in place (engine.health.healing) and trains on."""
+
+    TYPE: ClassVar[str] = "rolled_back"
+    step: int                          # the bad step
+    kind: str                          # spike | nonfinite
+    reason: str                        # what was wrong, in a line
+    restored_step: int                 # the state it went back to
+    verdict: str                       # data (skipped) | hardware (not reproduced on replay: nothing skipped)
+    skip: tuple[int, int] | None       # the micro-batches (first, count) skipped from now on
+    samples: tuple[int, int] | None    # the same as samples (first, count)
+    redone_steps: int                  # steps trained again: their first training was lost
+    seconds: float
 
 
 @dataclass(frozen=True, config=_CONFIG)
@@ -203,7 +222,7 @@ class CheckpointRequest(Event):
 
 
 WORKER_EVENTS: tuple[type[Event], ...] = (Hello, Heartbeat, Started, Step, CheckpointStarted, CheckpointCommitted,
-                                         CheckpointFailed, CheckpointRestored, Eval, NonFinite, Gang)
+                                         CheckpointFailed, CheckpointRestored, Eval, NonFinite, RolledBack, Gang)
 _BY_TYPE = {cls.TYPE: cls for cls in (*WORKER_EVENTS, CheckpointRequest)}
 
 

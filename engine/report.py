@@ -3,7 +3,7 @@
 Finished steps are kept with their values still on the device, and reported together every
 log_interval steps, at the last step, and before each save: their values are read in one
 batch through the backend (on XLA by a reader thread), so the hot path never waits for the
-device. Each step passes the non-finite guard before it is emitted (`events.Step`, with the
+device. Each step passes the step guard (engine.health.guard) before it is emitted (`events.Step`, with the
 interval's tokens/s, step time, MFU, memory in use and the badput so far); the last one
 reported is logged.
 """
@@ -24,7 +24,7 @@ from engine.backends.base import Backend
 from engine.badput import Badput
 from engine.data.loader import PackedLoader
 from engine.models.moe import STATS
-from engine.nonfinite import NonFiniteGuard
+from engine.health.guard import StepGuard
 from engine.spec.schema import TrainConfig
 
 log = structlog.get_logger()
@@ -50,18 +50,24 @@ def host_rss_bytes() -> int:
 
 class Reporter:
     def __init__(self, train: TrainConfig, backend: Backend, loader: PackedLoader, flops_per_token: float,
-                 nonfinite: NonFiniteGuard, badput: Badput, emit: Callable[[events.Event], None],
+                 guard: StepGuard, badput: Badput, emit: Callable[[events.Event], None],
                  router_stats: bool = False, intervals: Callable[[], dict] = dict):
         self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
         self.names = StepResult.NAMES + (STATS if router_stats else ())
         self.intervals = intervals  # the auto checkpoint intervals in force (engine.checkpoint.policy)
-        self.nonfinite, self.badput, self.emit = nonfinite, badput, emit
+        self.guard, self.badput, self.emit = guard, badput, emit
         self.pending: list[StepResult] = []  # finished steps whose values are not read yet
-        self._checked = 0  # of pending, how many the non-finite guard has seen (check_pending)
+        self._checked = 0  # of pending, how many the step guard has seen (check_pending)
         self._interval_start = time.monotonic()
 
     def start(self) -> None:
         """The loop begins: the first interval is timed from here."""
+        self._interval_start = time.monotonic()
+
+    def rewound(self) -> None:
+        """The loop went back to an earlier state (engine.health.healing): the pending steps never
+        happened, and the next report's time starts now."""
+        self.pending, self._checked = [], 0
         self._interval_start = time.monotonic()
 
     def record(self, result: StepResult) -> None:
@@ -71,7 +77,7 @@ class Reporter:
             self.report_pending()
 
     def check_pending(self) -> None:
-        """Read the finished steps' values for the non-finite guard only, before a memory save:
+        """Read the finished steps' values for the step guard only, before a memory save:
         the memory tier saves every step or few, and the log still gets a line every
         log_interval steps."""
         unchecked, self._checked = self.pending[self._checked:], len(self.pending)
@@ -80,7 +86,7 @@ class Reporter:
 
         def check(rows: list[list[float]]) -> None:
             for result, row in zip(unchecked, rows):
-                if not self.nonfinite.publishable(result.step, *row[:2]):
+                if not self.guard.publishable(result.step, *row[:2]):
                     break
 
         self.backend.read_values([result.values for result in unchecked], check)
@@ -96,8 +102,8 @@ class Reporter:
     def report(self, pending: list[StepResult], seconds: float) -> None:
         """Emit and log the steps in `pending` once their values reach the host, checking them."""
         # The previous interval's values first: the device finished those steps long ago, and
-        # from here on every host has seen the same values (engine.nonfinite).
-        self.nonfinite.flush()
+        # from here on every host has seen the same values (engine.health.guard).
+        self.guard.flush()
         # Steps pending[0].step - 1 .. pending[-1].step - 1, whose micro-batch counts may differ (batch_ramp).
         tokens = self.loader.tokens_in_steps(pending[0].step - 1, pending[-1].step) * self.backend.data.world
         tokens_per_s = tokens / seconds
@@ -120,7 +126,7 @@ class Reporter:
         def publish(rows: list[list[float]]) -> None:
             scalars = None
             for result, row in zip(pending, rows):
-                if not self.nonfinite.publishable(result.step, *row[:2]):
+                if not self.guard.publishable(result.step, *row[:2]):
                     break  # this step is the first non-finite one, or trained on its weights
                 scalars = dict(zip(self.names, row), lr=result.lr)
                 self.emit(events.Step(step=result.step, **scalars, **perf, badput=badput))

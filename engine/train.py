@@ -7,9 +7,9 @@ every micro-batch and step boundary, and a checkpoint may be taken at either. Me
 tensors are read in batches every log_interval steps through the backend (engine.report),
 so the hot path never waits for the device.
 
-A non-finite loss or gradient norm found in those values ends the run with exit 76 at the
-next step boundary, and no checkpoint ever holds a non-finite step's update
-(engine.nonfinite). Every `step` event carries this process's badput so far
+A bad step found in those values (a non-finite loss or gradient norm, a loss spike) is rolled
+back in place at the next step boundary, its batches skipped (engine.health), and no checkpoint
+ever holds a bad step's update. Every `step` event carries this process's badput so far
 (engine.badput): the time it spent starting, restoring, blocked by checkpoints, and
 fetching data, which the supervisor's goodput accounting cannot see from outside.
 """
@@ -36,13 +36,17 @@ from engine.badput import Badput
 from engine.spec.fingerprint import check_resume, fingerprint
 from engine.spec.schema import JobSpec
 from engine.data.dataset import open_data
-from engine.data.loader import PackedLoader, batch_geometry, merge_skips, read_skips
+from engine.data.loader import PackedLoader, batch_geometry
+from engine.data.skips import merge_skips
 from engine.data.prefetch import Prefetcher
 from engine.errors import ConfigError
 from engine.checkpoint.checkpointer import Checkpointer, Progress
 from engine.checkpoint.hosts import Hosts
 from engine.evaluation import Evaluator
-from engine.faults import Faults, NoFaults
+from engine.health.faults import Faults, NoFaults
+from engine.health.guard import StepGuard
+from engine.health.healing import Healer
+from engine.health.ledger import SkipLedger
 from engine.layout import StateLayout
 from engine.hooks import Boundary, Hooks, SignalHooks
 from engine.requests import Action, Request, merge
@@ -52,7 +56,6 @@ from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
 from engine.models.moe import STATS, router_terms
-from engine.nonfinite import NonFiniteGuard
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
 from engine.report import Reporter, StepResult
@@ -133,9 +136,10 @@ class Trainer:
         self.module = self.backend.prepare_model(language_model)
         self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
-        skips_path = layout.skips_file(spec.name)
+        self.ledger = SkipLedger(layout.skips_file(spec.name), micro_batch_size * self.backend.data.world,
+                                 spec.data.skip)
         self.loader = PackedLoader(data.train, micro_batch_size, accum,
-                                   spec.train.seed, self.backend.data, read_skips(skips_path), data.identity,
+                                   spec.train.seed, self.backend.data, self.ledger.ranges, data.identity,
                                    spec.data.document_mask, self.backend.global_loss)
         self.batches = Prefetcher(self.loader, self.backend.host_ready)
         precision = spec.train.mixed_precision
@@ -159,12 +163,14 @@ class Trainer:
                              spec.checkpoint.allow_spec_changes, restored.step)
             self._check_same_data(self.checkpointer.restored_loader)
             # A checkpoint made on another host carries skips that this host's state file lacks.
+            self.ledger.adopt(restored.data_skips)
             self.loader.skips = merge_skips(self.loader.skips, restored.data_skips)
         self.checkpointer.data_skips = self.loader.skips
-        self.nonfinite = NonFiniteGuard(spec.health.nonfinite, self.backend, self.loader, skips_path,
-                                        self.hooks.emit, self.progress)
+        self.guard = StepGuard(spec.health, self.backend, self.loader, self.ledger, self.hooks.emit, self.progress)
+        self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
+                             self.hooks.emit)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
-                                 self.nonfinite, self.badput, self.hooks.emit, router_stats=moe is not None,
+                                 self.guard, self.badput, self.hooks.emit, router_stats=moe is not None,
                                  intervals=self.checkpointer.intervals)
         self._deferred: Request | None = None
         self.hooks.on_request(self._between_boundaries)
@@ -194,7 +200,8 @@ class Trainer:
     # --- the loop ---
 
     def run(self) -> int:
-        """Train to max_steps, or until a request, a non-finite value or a fault ends it: the exit code."""
+        """Train to max_steps, or until a request, a bad step that cannot be healed or a fault ends
+        it: the exit code."""
         p, max_steps = self.progress, self.spec.train.max_steps
         self.hooks.emit(events.Started(p.step, p.micro_step, self.badput.snapshot()))
         self.badput.startup_begins()  # until the first step is done: under XLA it compiles
@@ -202,23 +209,27 @@ class Trainer:
         try:
             if (p.step, p.micro_step) == (0, 0):
                 self.faults.at_step_boundary(0)
-            while p.step < max_steps:
-                if (request := self._request()) is not None and (code := self._act(request)) is not None:
-                    return code
-                self.micro_batch()
-                if p.micro_step < self.loader.accum.at(p.step):
-                    continue
-                self.reporter.record(self.optimizer_step())
-                if self.nonfinite.found is not None:
-                    return self.nonfinite.exit()
-                self.faults.at_step_boundary(p.step)
-                if self.evaluator is not None and self.evaluator.due(p.step, max_steps):
+            while True:  # once more when the final save finds the last steps bad and rolls them back
+                while p.step < max_steps:
+                    if (request := self._request()) is not None and (code := self._act(request)) is not None:
+                        return code
+                    self.micro_batch()
+                    if p.micro_step < self.loader.accum.at(p.step):
+                        continue
+                    self.reporter.record(self.optimizer_step())
+                    if self.guard.found is not None:
+                        if (code := self.healer.heal(self)) is not None:
+                            return code
+                        continue
+                    self.faults.at_step_boundary(p.step)
+                    if self.evaluator is not None and self.evaluator.due(p.step, max_steps):
+                        self.evaluator.run(p.step)
+                    if (code := self._save_if_due()) is not None:
+                        return code
+                if self.evaluator is not None and self.evaluator.last_step != p.step:
                     self.evaluator.run(p.step)
-                if (code := self._save_if_due()) is not None:
+                if (code := self._final_save()) is not None:
                     return code
-            if self.evaluator is not None and self.evaluator.last_step != p.step:
-                self.evaluator.run(p.step)
-            return self._final_save()
         finally:
             self.batches.close()
             self.backend.flush()
@@ -243,8 +254,8 @@ class Trainer:
                 # micro-batch count below, the step's loss is that of one batch of all its targets.
                 loss, router = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)
                 loss = loss * weight
-            if self.faults.poisons(self.loader.index(p.step, p.micro_step)):
-                loss = loss * float("nan")  # NaN gradients too, and so NaN weights: a real blow-up
+            if (factor := self.faults.poison(self.loader.index(p.step, p.micro_step))) != 1.0:
+                loss = loss * factor  # NaN: NaN gradients and weights, a real blow-up; else a spike
             with record_function("tpud.backward"):
                 ((loss if router is None else loss + router[0]) / accum).backward()
         # With experts, the router's statistics ride along: [loss, *STATS], summed like the loss.
@@ -316,9 +327,12 @@ class Trainer:
     def _final_save(self) -> int:
         """The checkpoint at max_steps, retried until it commits: the trained state exists only in
         this process, so giving up would lose the whole run's work. Requests are still served
-        (and heartbeats sent) while waiting: a stop ends the wait, exiting 75."""
+        (and heartbeats sent) while waiting: a stop ends the wait, exiting 75. None when the last
+        steps were bad and rolled back: the loop trains on to max_steps."""
         if (code := self._save("final", wait=True)) is not None:
             return code
+        if self.step < self.spec.train.max_steps:
+            return None
         attempt = 0  # counted here, not by the checkpointer: every rank must wait (poll, agree) alike
         while not self._committed_everywhere():
             attempt += 1
@@ -349,18 +363,41 @@ class Trainer:
         return None
 
     def _save(self, reason: str, *, wait: bool = False, memory_only: bool = False) -> int | None:
-        """Checkpoint, unless the state holds a non-finite step: then the exit code instead."""
+        """Checkpoint, unless the state holds a bad step: then it is healed (rolled back) instead,
+        or the exit code when it cannot be."""
         with self.badput.timing("checkpoint"):
             if memory_only:  # the finished steps' values, for the guard to check
                 self.reporter.check_pending()
             else:
                 self.reporter.report_pending()
-            if finite := self.nonfinite.state_is_finite(self.progress):
+            if clean := self.guard.state_is_clean(self.progress):
                 if memory_only:
                     self.checkpointer.save_memory(self.progress)
                 else:
                     self.checkpointer.save(self.progress, reason, wait=wait)
-        return None if finite else self.nonfinite.exit()
+        return None if clean else self.healer.heal(self)
+
+    # --- healing (engine.health.healing) ---
+
+    def rewind(self, at_most: int) -> Progress | None:
+        """Restore the newest state of step `at_most` or earlier in place; None if there is none."""
+        self.checkpointer.wait()
+        restored = self.checkpointer.restore(at_most=at_most)
+        if restored is None:
+            return None
+        self.progress.__dict__.update(vars(restored))  # the loop holds this object
+        self.reporter.rewound()
+        return self.progress
+
+    def replay_step(self) -> list[float]:
+        """Train the current step to its end as the loop does, unreported: its values, read now."""
+        p = self.progress
+        while p.micro_step < self.loader.accum.at(p.step):
+            self.micro_batch()
+        values: list[list[float]] = []
+        self.backend.read_values([self.optimizer_step().values], values.extend)
+        self.backend.flush()
+        return values[0]
 
     def _between_boundaries(self, request: Request) -> bool:
         """A request heard while a step runs (the hooks' thread): the newest memory state goes to

@@ -95,5 +95,5 @@ def test_an_endless_line_or_a_closed_peer_ends_the_connection():
 
 
 def test_the_lists_other_modules_use_come_from_the_types():
-    assert events.BADPUT_KINDS == ("startup", "restore", "checkpoint", "data", "eval")
+    assert events.BADPUT_KINDS == ("startup", "restore", "checkpoint", "data", "eval", "rollback")
     assert "loss" in events.STEP_SCALARS and "badput" not in events.STEP_SCALARS and "step" not in events.STEP_SCALARS

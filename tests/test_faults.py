@@ -4,6 +4,7 @@ The crash and hang tests run `python -m engine.train` for real: the exit status,
 traceback, SIGTERM being ignored and SIGKILL being needed are what the supervisor sees."""
 
 import json
+import math
 import queue
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from engine import exit_codes
 from engine.spec.schema import InjectConfig
 from engine.data.loader import AccumSchedule
-from engine.faults import Faults, NoFaults
+from engine.health.faults import SPIKE, Faults, NoFaults
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
 from tests.recorders import Recorder
@@ -47,9 +48,11 @@ def test_a_fault_fires_once_per_job_unless_repeat(tmp_path):
 def test_nan_poisons_the_micro_batches_of_the_step_in_the_unskipped_stream(tmp_path):
     faults = Faults(InjectConfig(nan_at_step=[3]), tmp_path, AccumSchedule(4, ((2, 1),)))
     # Steps 1-2 have one micro-batch each (indices 0, 1), step 3 has four (2-5).
-    assert [i for i in range(10) if faults.poisons(i)] == [2, 3, 4, 5]
-    assert [i for i in range(10) if faults.poisons(i)] == [2, 3, 4, 5]  # one firing covers the whole step
-    assert Faults(InjectConfig(nan_at_step=[3]), tmp_path, AccumSchedule(4, ((2, 1),))).poisons(2) is False
+    assert [i for i in range(10) if math.isnan(faults.poison(i))] == [2, 3, 4, 5]
+    assert [i for i in range(10) if math.isnan(faults.poison(i))] == [2, 3, 4, 5]  # one firing covers the step
+    assert Faults(InjectConfig(nan_at_step=[3]), tmp_path, AccumSchedule(4, ((2, 1),))).poison(2) == 1.0
+    spikes = Faults(InjectConfig(spike_at_step=[2]), tmp_path / "other", AccumSchedule(1))
+    assert [spikes.poison(i) for i in range(4)] == [1.0, SPIKE, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("repeat", [False, True])

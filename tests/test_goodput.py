@@ -119,3 +119,21 @@ def test_a_jobs_badput_counters_go_on_from_its_saved_totals_counting_the_down_ti
     clock.advance(3)
     book.enter(IDLE)
     assert counted["backoff"] == 3 and set(counted) == set(book.badput)
+
+
+def test_a_rollback_in_place_moves_the_rolled_back_steps_and_the_healing_to_rollback(clock):
+    from engine.events import RolledBack
+
+    book = ledger(clock)
+    book.enter(WORKER)
+    book.worker_started(0, counters())
+    clock.advance(20)
+    book.worker_report(20, counters())  # 1 s a step
+    # A spike at step 20: back to step 16, 3 s of restoring and replaying.
+    book.on_rolled_back(RolledBack(step=20, kind="spike", reason="loss spike", restored_step=16, verdict="data",
+                                   skip=(19, 1), samples=(38, 2), redone_steps=4, seconds=3.0))
+    assert book.badput["rollback"] == 4 and book.productive == 16
+    clock.advance(3 + 4)
+    book.worker_report(20, Badput(rollback=3.0))  # steps 17-20 trained again
+    assert book.badput["rollback"] == 4 + 3 and book.productive == 16 + 4
+    assert book.wall_seconds == pytest.approx(27)

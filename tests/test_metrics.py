@@ -440,3 +440,37 @@ def test_the_auto_intervals_of_the_worker_and_the_uploader_reach_status_and_metr
     assert value(s, "tpud_checkpoint_expected_loss_seconds", job="llm", tier="memory") == pytest.approx(0.304)
     assert value(s, "tpud_job_assumed_disruptions_per_second", job="llm") == pytest.approx(2 / 3600)
     assert [lab["tier"] for lab, _ in s["tpud_checkpoint_auto_interval_steps"]] == ["memory"]  # gcs: in seconds
+
+
+def test_rollbacks_reach_the_counters_and_status_with_the_skip_ledger(metrics, tmp_path):
+    from engine import events
+    from engine.health.ledger import SkipLedger
+    from tests.recorders import array_loader
+    from tpud.job.report import WorkerReport
+    from tpud.view.status import lines
+
+    path = tmp_path / "data_skips.json"
+    report = WorkerReport("llm", metrics, lambda: 0.0, path)
+    assert report.snapshot(100)["healing"] is None  # nothing healed, no ledger
+    loader = array_loader(__import__("numpy").arange(8 * 50), seq_len=7, micro_batch_size=2)
+    SkipLedger(path, per_micro_batch=2).skip(loader, step=30, steps=1, reason="spike", loss=7.5)
+    report.on_rolled_back(events.RolledBack(step=30, kind="spike", reason="loss spike: loss 7.5 at step 30",
+                                            restored_step=28, verdict="data", skip=(29, 1), samples=(58, 2),
+                                            redone_steps=2, seconds=0.4))
+    report.on_rolled_back(events.RolledBack(step=41, kind="nonfinite", reason="non-finite loss", restored_step=40,
+                                            verdict="hardware", skip=None, samples=None, redone_steps=1,
+                                            seconds=0.2))
+    healing = report.snapshot(100)["healing"]
+    assert (healing["rollbacks"], healing["hardware"], healing["redone_steps"]) == (2, 1, 3)
+    assert healing["skipped"] == {"ranges": 1, "samples": 2,
+                                  "last": {"reason": "spike", "step": 30, "samples": [58, 2], "loss": 7.5}}
+    line = [x for x in lines([{"name": "llm", "state": "RUNNING", "healing": healing}]) if "healing" in x]
+    assert line == ["llm: healing: 2 rollbacks (1 not reproduced: hardware suspected), 3 steps redone; 2 samples "
+                    "skipped in 1 ranges (data_skips.json); last at step 41: non-finite loss"]
+    s = scrape(metrics)
+    assert value(s, "tpud_job_rollbacks_total", job="llm", kind="spike", verdict="data") == 1
+    assert value(s, "tpud_job_rollbacks_total", job="llm", kind="nonfinite", verdict="hardware") == 1
+    assert value(s, "tpud_job_skipped_samples_total", job="llm") == 2
+    assert value(s, "tpud_job_redone_steps_total", job="llm") == 3
+    path.write_text("{not json")  # damaged: status says what this daemon saw, and never fails
+    assert report.snapshot(100)["healing"]["skipped"] is None

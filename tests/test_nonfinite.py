@@ -1,5 +1,6 @@
-"""Non-finite losses (health.nonfinite): skipped batches in the loader, no checkpoint of a bad
-step, exit 76, and a rollback that trains past the bad batches. Real training on CPU."""
+"""Non-finite losses (health.nonfinite): skipped batches in the loader and the skip ledger, no
+checkpoint of a bad step, a rollback in place that trains past the bad batches, and exit 76
+where there is no state to roll back to. Real training on CPU."""
 
 import json
 import math
@@ -14,7 +15,8 @@ from engine import events, exit_codes
 from engine.backends.base import DataPosition
 from engine.checkpoint import manifest as mf
 from engine.data.batch import Batch
-from engine.data.loader import AccumSchedule, merge_skips, read_skips, write_skips
+from engine.data.loader import AccumSchedule, merge_skips
+from engine.health.ledger import SkipLedger
 from tests.recorders import array_loader
 from engine.hooks import Boundary
 from engine.requests import Action, Request
@@ -91,16 +93,36 @@ def test_rollbacks_in_any_order_drop_exactly_the_bad_steps_batches(seed):
         assert after == sorted(after) and len(set(after)) == len(after)
 
 
-def test_skips_persist_atomically_and_merge(tmp_path):
+def test_the_ledger_persists_atomically_and_reads_the_old_format(tmp_path):
     path = StateLayout(tmp_path).skips_file("j")
-    assert read_skips(path) == ()
-    write_skips(path, ((9, 2), (4, 1)))
-    assert json.loads(path.read_text()) == {"format": 1, "skips": [[9, 2], [4, 1]]}
-    assert read_skips(path) == ((4, 1), (9, 2))
-    assert merge_skips([(4, 1)], [[9, 2], [4, 1]]) == ((4, 1), (9, 2))
+    ledger = SkipLedger(path, per_micro_batch=8, operator=[(20, 3), (100, 1)])
+    assert ledger.ranges == ((2, 1), (12, 1)) and not path.exists()  # the job file's: micro-batches 2 and 12
+    data = loader(accum=2)
+    assert ledger.skip(data, step=5, steps=2, reason="spike", loss=9.5) == (6, 4)  # steps 4-5: micro-batches 6-9
+    assert data.skips == ((2, 1), (6, 4), (12, 1))
+    saved = json.loads(path.read_text())
+    assert saved["skips"] == [[6, 4]] and saved["format"] == 2  # the operator's stay in the job file
+    (entry,) = saved["entries"]
+    assert entry["samples"] == [48, 32] and (entry["reason"], entry["step"], entry["loss"]) == ("spike", 5, 9.5)
+    again = SkipLedger(path, per_micro_batch=8)
+    assert again.ranges == ((6, 4),) and again.recent(step=5 + 999, window=1000) == 1
+    assert again.recent(step=5 + 1000, window=1000) == 0
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
+    path.write_text(json.dumps({"format": 1, "skips": [[9, 2], [4, 1]]}))  # an older tpud's
+    assert SkipLedger(path, per_micro_batch=8).ranges == ((4, 1), (9, 2))
+    assert merge_skips([(4, 1)], [[9, 2], [4, 1]]) == ((4, 1), (9, 2))
     with pytest.raises(ValueError):
         merge_skips([(3, 0)])
+
+
+def test_a_damaged_ledger_is_set_aside_and_the_checkpoints_ranges_come_back(tmp_path):
+    path = StateLayout(tmp_path).skips_file("j")
+    path.parent.mkdir(parents=True)
+    path.write_text('{"format": 2, "entries": [{"first": "x"}]}')
+    ledger = SkipLedger(path, per_micro_batch=4)
+    assert ledger.ranges == () and path.with_name(path.name + ".damaged").exists()
+    ledger.adopt([(3, 2)])  # what a restored checkpoint's manifest carries
+    assert SkipLedger(path, per_micro_batch=4).summary()["entries"][0]["samples"] == [12, 8]
 
 
 # --- the training loop ---
@@ -113,38 +135,48 @@ def committed(home):
     return [(step, m.micro_step) for step, _, m in mf.committed_steps(home / "checkpoints" / "tiny-cpu")]
 
 
-def test_rollback_skips_the_bad_steps_batches_and_finishes_finite(tiny_spec, tmp_path):
+def test_rollback_in_place_skips_the_bad_steps_batches_and_finishes_finite(tiny_spec, tmp_path):
     home = tmp_path / "rollback"
-    # NaN at step 3, found only when the save at step 4 reads steps 3-4 (log_interval 4).
-    first = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, script := Recorder())
-    assert first.run() == exit_codes.NONFINITE_LOSS
-    assert committed(home) == [(2, 0)]  # step 4 held the bad update: never saved
-    (event,) = script.of(events.NonFinite)
-    assert event.step == 3 and math.isnan(event.loss) and event.policy == "rollback"
+    # NaN at step 3, found only when the save at step 4 reads steps 3-4 (log_interval 4): the worker
+    # goes back to step 2, replays step 3 (NaN again: the data's), skips its batches and trains on.
+    run = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, script := Recorder())
+    assert run.run() == exit_codes.OK
+    (event,) = script.of(events.RolledBack)
+    assert (event.step, event.kind, event.restored_step, event.verdict) == (3, "nonfinite", 2, "data")
     assert event.skip == (4, 2)  # step 3 (index 2): micro-batches 4 and 5
-    assert json.loads(StateLayout(home).skips_file("tiny-cpu").read_text())["skips"] == [[4, 2]]
-    assert 3 not in script.losses
+    assert event.samples == (8, 4) and event.redone_steps == 1  # 2 sequences a micro-batch
+    assert not script.of(events.NonFinite)
+    ledger = json.loads(StateLayout(home).skips_file("tiny-cpu").read_text())
+    assert ledger["skips"] == [[4, 2]] and ledger["entries"][0]["reason"] == "nonfinite"
+    losses = script.losses
+    assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
+    assert (2, 0) in committed(home) and (4, 0) in committed(home)
 
-    second = Trainer(tiny_spec(*QUICK, "debug.inject.nan_at_step=3"), home, resumed := Recorder())
-    assert second.progress.step == 2 and second.loader.skips == ((4, 2),)
-    assert second.run() == exit_codes.OK
-    losses = resumed.losses
-    assert sorted(losses) == list(range(3, 9)) and all(math.isfinite(v) for v in losses.values())
-
-    # Against runs without faults: the same before the bad step; from it on, exactly the run
-    # whose data skips micro-batches 4-5 from the start.
+    # Against runs without faults: the same before the bad step; from it on, exactly the run whose
+    # data skips those samples from the start (data.skip: the ledger's sample ranges).
     Trainer(tiny_spec(*QUICK), tmp_path / "whole", whole := Recorder()).run()
-    skipping_home = tmp_path / "skipping"
-    write_skips(StateLayout(skipping_home).skips_file("tiny-cpu"), ((4, 2),))
-    Trainer(tiny_spec(*QUICK), skipping_home, skipping := Recorder()).run()
-    assert {s: script.losses[s] for s in (1, 2)} == {s: whole.losses[s] for s in (1, 2)}
+    Trainer(tiny_spec(*QUICK, "data.skip=[[8, 4]]"), tmp_path / "skipping", skipping := Recorder()).run()
+    assert {s: losses[s] for s in (1, 2)} == {s: whole.losses[s] for s in (1, 2)}
     assert losses[3] != whole.losses[3]
-    assert losses == {s: skipping.losses[s] for s in range(3, 9)}
+    assert losses == skipping.losses
 
     # Every later checkpoint carries the skips: a host without the state file still skips.
     assert mf.committed_steps(home / "checkpoints" / "tiny-cpu")[-1][2].data_skips == ((4, 2),)
     StateLayout(home).skips_file("tiny-cpu").unlink()
     assert Trainer(tiny_spec(*QUICK, "train.max_steps=10"), home, Recorder()).loader.skips == ((4, 2),)
+
+
+def test_with_no_state_before_the_bad_step_the_restart_skips_it(tiny_spec, tmp_path):
+    """Nothing saved yet to go back to in place: exit 76, the skip recorded, and the supervisor's
+    restart (here: the next Trainer) begins afresh past the bad batches."""
+    args = (*QUICK, "checkpoint.interval_steps=0", "debug.inject.nan_at_step=3")
+    assert Trainer(tiny_spec(*args), tmp_path, script := Recorder()).run() == exit_codes.NONFINITE_LOSS
+    (event,) = script.of(events.NonFinite)
+    assert event.step == 3 and math.isnan(event.loss) and event.policy == "rollback" and event.skip == (4, 2)
+    assert committed(tmp_path) == []
+    second = Trainer(tiny_spec(*args), tmp_path, resumed := Recorder())
+    assert second.progress.step == 0 and second.loader.skips == ((4, 2),)
+    assert second.run() == exit_codes.OK and all(math.isfinite(v) for v in resumed.losses.values())
 
 
 def test_a_partial_step_checkpoint_is_refused_when_its_accumulated_loss_is_nan(tiny_spec, tmp_path):
@@ -196,7 +228,8 @@ def test_nan_with_policy_stop_exits_76_without_checkpointing_the_bad_step(tmp_pa
 @pytest.mark.slow
 @pytest.mark.xla
 def test_under_xla_the_asynchronous_reads_are_checked_before_a_save_and_the_rollback_finishes(tmp_path):
-    """On XLA the values reach the host on a reader thread: the save at step 4 must wait for them."""
+    """On XLA the values reach the host on a reader thread: the save at step 4 must wait for them,
+    find the NaN of step 3, and roll back in place to step 2."""
     pytest.importorskip("torch_xla")
     args = [*QUICK, "train.log_interval=10", "data.corpus_bytes=400000", "data.micro_batch_size=4",
             "device.backend=xla", "train.mixed_precision=fp32", "attention.kernel=eager", "debug.inject.nan_at_step=3",
@@ -207,13 +240,12 @@ def test_under_xla_the_asynchronous_reads_are_checked_before_a_save_and_the_roll
                               capture_output=True, text=True, timeout=600,
                               env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"))
 
-    first = train()
-    assert first.returncode == exit_codes.NONFINITE_LOSS, first.stdout[-3000:] + first.stderr[-3000:]
-    assert committed(tmp_path) == [(2, 0)]
-    assert read_skips(StateLayout(tmp_path).skips_file("tiny-cpu")) == ((4, 2),)
-    second = train()
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    records = [json.loads(line) for line in second.stdout.splitlines()]
-    # One log line per report: before the saves at steps 4 and 6, and at the end.
+    run = train()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    (rolled,) = [r for r in records if r["event"] == "rolled back"]
+    assert (rolled["step"], rolled["restored_step"], rolled["verdict"], rolled["skip"]) == (3, 2, "data", [4, 2])
+    assert SkipLedger(StateLayout(tmp_path).skips_file("tiny-cpu"), 1).ranges == ((4, 2),)
+    # One log line per report: before the saves at steps 2, 4 (after the rollback), 6, and at the end.
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "step"}
-    assert sorted(losses) == [4, 6, 8] and all(math.isfinite(v) for v in losses.values())
+    assert sorted(losses) == [2, 4, 6, 8] and all(math.isfinite(v) for v in losses.values())

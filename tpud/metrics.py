@@ -17,7 +17,8 @@ tpud_checkpoint_last_committed_timestamp_seconds{job,tier}, tpud_job_checkpoint_
 tpud_checkpoint_auto_interval_steps{job,tier}, tpud_checkpoint_auto_interval_seconds{job,tier},
 tpud_checkpoint_save_cost_seconds{job,tier},
 tpud_checkpoint_expected_loss_seconds{job,tier}, tpud_job_assumed_disruptions_per_second{job},
-tpud_job_useful_mfu_ratio{job},
+tpud_job_useful_mfu_ratio{job}, tpud_job_rollbacks_total{job,kind,verdict},
+tpud_job_skipped_samples_total{job}, tpud_job_redone_steps_total{job},
 tpud_heartbeat_age_seconds{job},
 tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
 tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
@@ -178,6 +179,13 @@ class Metrics:
                               "the last step (capacity_factor).", ["job"], registry=r)
         self._restarts = Counter("tpud_job_restarts_total", "Worker restarts by reason.",
                                  ["job", "reason"], registry=r)
+        self._rollbacks = Counter("tpud_job_rollbacks_total", "Bad steps the worker healed in place, by kind "
+                                  "(spike, nonfinite) and verdict (data: its batches skipped; hardware: not "
+                                  "reproduced on replay).", ["job", "kind", "verdict"], registry=r)
+        self._skipped = Counter("tpud_job_skipped_samples_total", "Samples the job's rollbacks skipped.", ["job"],
+                                registry=r)
+        self._redone = Counter("tpud_job_redone_steps_total", "Steps trained again after a rollback (their first "
+                               "training was lost).", ["job"], registry=r)
         self._preemptions = Counter("tpud_preemption_notices_total",
                                     "Preemption or maintenance notices received, by source.",
                                     ["source"], registry=r)
@@ -314,6 +322,12 @@ class Metrics:
         with self._change():
             self._child(self._restarts, job, reason).inc()
 
+    def rolled_back(self, job: str, *, kind: str, verdict: str, samples: int, redone_steps: int) -> None:
+        with self._change():
+            self._child(self._rollbacks, job, kind, verdict).inc()
+            self._child(self._skipped, job).inc(samples)
+            self._child(self._redone, job).inc(redone_steps)
+
     def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None:
         """Create the job's counters at 0, so that increase() sees the first restart or failure
         and a dashboard shows 0 rather than no data."""
@@ -322,6 +336,8 @@ class Metrics:
                 self._child(self._ckpt_failures, job, tier)
             for reason in restart_reasons:
                 self._child(self._restarts, job, reason)
+            self._child(self._skipped, job)
+            self._child(self._redone, job)
 
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int,
                    step: int, at: float | None = None) -> None:

@@ -217,11 +217,14 @@ class Checkpointer:
 
     # --- restoring ---
 
-    def restore(self) -> Progress | None:
-        """Load the newest valid checkpoint of either tier into the model and optimizer; None when
-        there is none (engine.checkpoint.restore: a damaged one is moved aside and the next older
-        one tried; it raises when none is left after a damaged one was loaded)."""
-        restored = self.restorer.restore()
+    def restore(self, at_most: int | None = None) -> Progress | None:
+        """Load the newest valid checkpoint of either tier (of step `at_most` or earlier) into the
+        model and optimizer; None when there is none (engine.checkpoint.restore: a damaged one is
+        moved aside and the next older one tried; it raises when none is left after a damaged
+        one was loaded)."""
+        if self.memory is not None:
+            self.memory.wait()  # a state still being copied in is not yet there to restore
+        restored = self.restorer.restore(at_most)
         if restored is None:
             return None
         progress = restored.progress

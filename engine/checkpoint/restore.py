@@ -46,8 +46,9 @@ class Restorer:
         self.hosts, self.hosts_group, self.memory, self._pool = hosts, hosts_group, memory, pool
         self._memory_agreed: frozenset = frozenset()  # with several hosts: memory states every host holds
 
-    def restore(self) -> Restored | None:
-        """Load the newest valid checkpoint into the model and optimizer; None when there is none.
+    def restore(self, at_most: int | None = None) -> Restored | None:
+        """Load the newest valid checkpoint (of step `at_most` or earlier: a rollback,
+        engine.health.healing) into the model and optimizer; None when there is none.
 
         Every file's CRC32C is checked while DCP loads (both read the same files, so the
         second read comes from the page cache), and the state is applied only once the check
@@ -60,6 +61,9 @@ class Restorer:
         tainted = False
         candidates = mf.committed_steps(self.job_dir) if self.hosts is None else self._agreed_part()
         in_memory = self._memory_states(candidates)
+        if at_most is not None:  # a partial step of at_most itself holds batches of step at_most + 1
+            candidates, in_memory = ([c for c in found if (c[0], c[2].micro_step) <= (at_most, 0)]
+                                     for found in (candidates, in_memory))
         # Newest first; of two copies of a step, the memory one (read at memory speed).
         ordered = sorted([(item, False) for item in candidates] + [(item, True) for item in in_memory],
                          key=lambda c: (c[0][0], c[0][2].micro_step, c[1]), reverse=True)

@@ -24,7 +24,6 @@ every process can do alone: the counts too are a pure function of the step.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +33,9 @@ import numpy as np
 from engine.backends.base import DataPosition
 from engine.data.batch import Batch, kept
 from engine.data.dataset import Samples
+from engine.data.skips import Skips, merge_skips
 from engine.errors import ConfigError
 from engine.spec.schema import TrainConfig
-from engine.layout import atomic_write
 
 
 @dataclass(frozen=True)
@@ -88,31 +87,6 @@ def batch_geometry(train: TrainConfig, micro_batch_size: int, world: int) -> tup
                           f"among {world} data-parallel ranks (hosts x devices)")
     fits = max(d for d in range(1, min(micro_batch_size, per_rank) + 1) if per_rank % d == 0)
     return fits, AccumSchedule(per_rank // fits)
-
-
-Skips = tuple[tuple[int, int], ...]
-
-
-def merge_skips(*lists: Iterable[Iterable[int]]) -> Skips:
-    """The union of skip lists as the loader wants it: sorted (first, count) pairs, no duplicates."""
-    merged = {(int(first), int(count)) for skips in lists for first, count in skips}
-    if any(first < 0 or count < 1 for first, count in merged):
-        raise ValueError(f"skip ranges must be (first >= 0, count >= 1): {sorted(merged)}")
-    return tuple(sorted(merged))
-
-
-def read_skips(path: Path) -> Skips:
-    """The skip list persisted in a job's state directory (data_skips.json); none if absent."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return ()
-    return merge_skips(data["skips"])
-
-
-def write_skips(path: Path, skips: Skips) -> None:
-    """Durably replace the skip list: {"format": 1, "skips": [[first, count], ...]}."""
-    atomic_write(path, json.dumps({"format": 1, "skips": [list(s) for s in skips]}))
 
 
 class PackedLoader:

@@ -49,6 +49,7 @@ RESUMABLE: dict[str, str] = {
     "checkpoint": "how and where states are saved, not what they hold",
     "eval": "evaluation reads the model and never changes it",
     "health": "what the supervisor does about a non-finite loss",
+    "data.skip": "samples left out, as a rollback leaves them out",
     **dict.fromkeys(("data.dataset", "data.mixture", "data.allow_change"),
                     "other data: judged by its identity on resume, under data.allow_change"),
     "model.init_from": "a resume takes the checkpoint's weights instead",

@@ -195,6 +195,10 @@ class DataConfig(Section):
         "restart with it, and no loss is taken on predicting a document's first token from the previous one; "
         "documents come from the dataset's stored boundaries (the built-in corpus: its files). Needs a kernel "
         "that masks: cpu sdpa or eager, cuda flex or eager, any xla kernel.")
+    skip: list[tuple[NonNegativeInt, PositiveInt]] = Field(
+        [], description="Ranges [first, count] of the run's samples (global indices into its stream, as `tpud "
+        "status` and the skip ledger show them) never trained on: a known bad shard, or another run's ledger to "
+        "train on exactly its samples. Whole micro-batches are skipped: every one holding a listed sample.")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -553,7 +557,7 @@ class CheckpointConfig(Section):
         "one before starting a worker on a host that lacks it.",
     )
     remote_interval_seconds: SecondsInterval = Field(
-        0, description="How often the GCS tier uploads: 0, every committed local step (newest wins while one "
+        0.0, description="How often the GCS tier uploads: 0, every committed local step (newest wins while one "
         "uploads); N, the newest committed step once N seconds have passed since the last upload began; auto, "
         "the interval that loses the least time from what an upload takes and how often the job is disrupted, "
         "within max_overhead and max_interval_seconds. A final, requested or preemption checkpoint is uploaded "
@@ -585,6 +589,26 @@ class RestartConfig(Section):
         "a start or restart then skips the seconds of imports. false: each worker imports for itself.")
 
 
+class SpikeConfig(Section):
+    """Loss spikes (docs/architecture.md, "Healing"): a step whose loss or gradient norm stands far
+    above the recent steps' is rolled back in the worker, its batches skipped and recorded."""
+
+    window_steps: int = Field(64, ge=8, description="Steps of history: the median and the spread (median "
+                              "absolute deviation) of the log loss and log gradient norm are over these.")
+    warmup_steps: NonNegativeInt = Field(100, description="No spike is called before this step of the run (the "
+                                         "loss falls fast at first), nor before window_steps / 4 steps of "
+                                         "history after each start.")
+    threshold: float = Field(6.0, gt=0, description="A spike stands this many robust standard deviations "
+                             "(1.4826 x the median absolute deviation) above the window's median...")
+    loss_ratio: float = Field(1.25, gt=1, description="...and its loss is at least this many times the median...")
+    grad_norm_ratio: float = Field(5.0, gt=1, description="...or its gradient norm this many times.")
+    skip_steps: PositiveInt = Field(1, description="A spike at step S restores a state from step S - skip_steps "
+                                    "or earlier and skips the batches of steps S - skip_steps + 1 .. S.")
+    replay: bool = Field(True, description="Before skipping, replay the steps from the restored state: a spike "
+                         "that does not come back was the hardware's (reported, nothing skipped), one that does "
+                         "is the data's.")
+
+
 class HealthConfig(Section):
     """How the supervisor judges a worker (docs/architecture.md, "Job lifecycle": hang, crash, non-finite loss)."""
 
@@ -599,9 +623,13 @@ class HealthConfig(Section):
         600.0, gt=0, description="Allowance while the training loop waits for a checkpoint to be written.")
     kill_grace_seconds: float = Field(15.0, ge=0, description="From SIGTERM to SIGKILL for a hung worker.")
     nonfinite: Literal["rollback", "stop"] = Field(
-        "rollback", description="On a NaN/inf loss: rollback = restart from the newest committed checkpoint and "
-        "skip the batches of the bad step; stop = exit 76 and FAILED.")
-    max_rollbacks: NonNegativeInt = Field(3, description="Rollbacks allowed per job; the next non-finite loss fails it.")
+        "rollback", description="On a NaN/inf loss: rollback = restore a state from before the bad step in the "
+        "worker (the memory tier, else disk; with none, a restart from the beginning) and skip its batches, as "
+        "for a spike; stop = exit 76 and FAILED.")
+    spikes: SpikeConfig | None = Field(SpikeConfig(), description="Loss-spike rollback; null disables it.")
+    max_rollbacks: NonNegativeInt = Field(3, description="Rollbacks (spikes and non-finite losses) allowed within "
+                                          "rollback_window_steps steps; the next one fails the job (exit 76).")
+    rollback_window_steps: PositiveInt = Field(1000, description="The window max_rollbacks counts in.")
 
 
 def _names_a_key(model: type[BaseModel] | None, dotted: str) -> bool:
@@ -630,6 +658,8 @@ class InjectConfig(Section):
     hang_at_step: Steps = Field([], description="Hang (ignoring SIGTERM) right after step N completes.")
     crash_at_step: Steps = Field([], description="Raise an exception right after step N completes.")
     nan_at_step: Steps = Field([], description="The loss of step N is NaN (its batch is poisoned).")
+    spike_at_step: Steps = Field([], description="The loss of step N is 10x (its batch is poisoned): a spike that "
+                                 "comes back on replay, as bad data's does.")
     repeat: bool = Field(
         False, description="Fire every time the step is reached (a deterministic fault); by default each fault "
         "fires once per job, as transient faults do.")

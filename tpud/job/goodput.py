@@ -10,7 +10,8 @@ takes differences. What the worker cannot see is settled here:
 - after its last report, a worker that crashed or hung did work that is lost, and one
   that was asked to stop was writing its final checkpoint;
 - steps done after the checkpoint a restarted worker resumes from were redone: their time
-  moves from productive to lost.
+  moves from productive to lost; steps a worker rolled back in place (a bad step healed,
+  engine.health.healing), from productive to rollback, beside the worker's own rollback time.
 
 Time the job is not meant to run (held by the operator, finished) is not counted; time
 it waits for a host (preempted, or tpud itself not running) is `down`.
@@ -107,6 +108,13 @@ class Ledger:
         if step > w["start_step"]:
             self._per_step = w["productive"] / (step - w["start_step"])
 
+    def on_rolled_back(self, event: events.RolledBack) -> None:
+        """The worker went back to event.restored_step in place: the later steps' time was spent for nothing."""
+        if self._worker is None or not self._worker["started"]:
+            return
+        self._lose(max(0, self._steps_reached - event.restored_step) * self._per_step, "rollback")
+        self._steps_reached = event.restored_step
+
     def on_started(self, event: events.Started) -> None:
         self.worker_started(event.step, event.badput)
 
@@ -171,7 +179,8 @@ class Ledger:
             self.badput[kind] += seconds
             self.on_badput(kind, seconds)
 
-    def _lose(self, seconds: float) -> None:
+    def _lose(self, seconds: float, kind: str = "lost") -> None:
+        """Productive time that turned out wasted, moved to `kind`."""
         seconds = min(seconds, self.productive)
         self.productive -= seconds
-        self._add("lost", seconds)
+        self._add(kind, seconds)

@@ -1,20 +1,25 @@
 """What a job's workers last reported of their training: the latest step, the validation loss,
-the step a worker restored, a non-finite loss, and the metrics that show them."""
+the step a worker restored, a bad step it could not heal, the rollbacks it healed in place, and
+the metrics that show them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from engine import events
+from engine.health.ledger import summary_of
 
 
 class WorkerReport:
-    def __init__(self, job: str, metrics, clock: Callable[[], float]):
-        self.job, self.metrics, self.clock = job, metrics, clock
+    def __init__(self, job: str, metrics, clock: Callable[[], float], ledger: Path | None = None):
+        """ledger: the job's skip ledger (engine.health.ledger), which status summarises."""
+        self.job, self.metrics, self.clock, self.ledger = job, metrics, clock, ledger
         self.progress: events.Step | None = None  # the latest step event, for status
         self.evaluated: events.Eval | None = None  # the latest validation loss, for status
         self.restored_step: int | None = None  # status's step before the first step event
         self.nonfinite: events.NonFinite | None = None  # the current worker's, for its exit 76
+        self.rollbacks: list[events.RolledBack] = []  # healed in place since this daemon started
 
     def new_worker(self) -> None:
         self.nonfinite = None
@@ -42,6 +47,11 @@ class WorkerReport:
     def on_nonfinite(self, event: events.NonFinite) -> None:
         self.nonfinite = event
 
+    def on_rolled_back(self, event: events.RolledBack) -> None:
+        self.rollbacks.append(event)
+        self.metrics.rolled_back(self.job, kind=event.kind, verdict=event.verdict,
+                                 samples=event.samples[1] if event.samples else 0, redone_steps=event.redone_steps)
+
     def snapshot(self, max_steps: int) -> dict:
         progress, evaluated = self.progress, self.evaluated
         return {
@@ -53,14 +63,26 @@ class WorkerReport:
             "eval_loss": None if evaluated is None else evaluated.loss,
             "eval_step": None if evaluated is None else evaluated.step,
             "experts": None if progress is None else experts(progress),
+            "healing": self.healing(),
         }
+
+    def healing(self) -> dict | None:
+        """The rollbacks healed in place since this daemon started, and the job's skip ledger."""
+        skipped = None if self.ledger is None else summary_of(self.ledger)
+        if not self.rollbacks and not skipped:
+            return None
+        last = self.rollbacks[-1] if self.rollbacks else None
+        return {"rollbacks": len(self.rollbacks), "hardware": sum(e.verdict == "hardware" for e in self.rollbacks),
+                "redone_steps": sum(e.redone_steps for e in self.rollbacks), "skipped": skipped,
+                "last": None if last is None else {"step": last.step, "kind": last.kind, "verdict": last.verdict,
+                                                   "restored_step": last.restored_step, "reason": last.reason}}
 
     def nonfinite_exit(self) -> tuple[str, bool]:
         """Exit 76: what went wrong, and whether the worker asked for a rollback."""
         event = self.nonfinite
         if event is None:
             return "non-finite loss (the worker's report was lost)", False
-        return f"non-finite loss ({event.loss}) at step {event.step}", event.policy == "rollback"
+        return event.reason or f"non-finite loss ({event.loss}) at step {event.step}", event.policy == "rollback"
 
 
 def experts(step: events.Step) -> dict | None:

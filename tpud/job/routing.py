@@ -22,6 +22,7 @@ ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.CheckpointFailed: ("checkpoints", "watch", "job"),
     events.CheckpointRestored: ("report",),
     events.NonFinite: ("report",),
+    events.RolledBack: ("report", "ledger"),
     events.Gang: ("gang",),
 }
 

@@ -53,6 +53,19 @@ def policy_line(intervals: dict) -> str:
     return "auto checkpoints: " + "; ".join(tiers) + ("" if rate is None else f"; assuming {rate:.3g} disruptions/h")
 
 
+def healing_line(h: dict) -> str:
+    """Rollbacks healed in place and the skip ledger (tpud.job.report.WorkerReport.healing), in a line."""
+    parts = []
+    if h.get("rollbacks"):
+        hardware = f" ({h['hardware']} not reproduced: hardware suspected)" if h.get("hardware") else ""
+        parts.append(f"{h['rollbacks']} rollbacks{hardware}, {h.get('redone_steps', 0)} steps redone")
+    if skipped := h.get("skipped"):
+        parts.append(f"{skipped['samples']} samples skipped in {skipped['ranges']} ranges (data_skips.json)")
+    if last := h.get("last"):
+        parts.append(f"last at step {last['step']}: {last['reason']}")
+    return "healing: " + "; ".join(parts)
+
+
 def lines(jobs: list[dict]) -> list[str]:
     rows = [HEADER, *(row(job) for job in jobs)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
@@ -73,6 +86,8 @@ def lines(jobs: list[dict]) -> list[str]:
                     f"spread (cv) {experts.get('load_cv') or 0:.3g}, aux loss {experts.get('aux_loss') or 0:.4g}, "
                     f"z loss {experts.get('z_loss') or 0:.4g}"
                     + ("" if not dropped else f", {percent(dropped)} dropped")]
+        if healing := job.get("healing"):
+            out += ["", f"{name}: {healing_line(healing)}"]
         if gang := job.get("gang"):
             generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
             out += ["", f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"

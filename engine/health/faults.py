@@ -9,6 +9,8 @@ Each looks like the real thing from outside the worker:
 - nan_at_step N: the micro-batches the data stream assigns to step N (counted without any
   skips) give a NaN loss, and so NaN gradients and weights. Keyed on the data, not the step:
   after a rollback that skips those batches, step N trains on the next ones and is finite.
+- spike_at_step N: the same micro-batches' loss is multiplied by SPIKE (and so their gradients):
+  a loss spike that comes back when the step is replayed, as bad data's does.
 
 Transient faults fire once per job: a marker file `<state>/jobs/<job>/faults/<kind>-<step>`
 is made durable before the fault fires, and a worker started after it exists does not fire
@@ -34,14 +36,15 @@ from engine.layout import atomic_write
 
 log = structlog.get_logger()
 
-HANG, CRASH, NAN = "hang", "crash", "nan"
+HANG, CRASH, NAN, SPIKE_KIND = "hang", "crash", "nan", "spike"
+SPIKE = 10.0  # what spike_at_step multiplies the loss by
 
 
 class NoFaults:
     """No faults injected (a job without debug.inject)."""
 
-    def poisons(self, index: int) -> bool:
-        return False
+    def poison(self, index: int) -> float:
+        return 1.0
 
     def at_step_boundary(self, step: int) -> None:
         pass
@@ -53,8 +56,9 @@ class Faults:
         self.dir = Path(job_dir) / "faults"
         self._fired_before = {p.name for p in self.dir.iterdir()} if self.dir.is_dir() else set()
         self._fired_now: set[str] = set()
-        # Global micro-batch index (unskipped stream) -> the logged step it poisons.
-        self._poisoned = {i: n for n in cfg.nan_at_step if n >= 1
+        # Global micro-batch index (unskipped stream) -> (the fault, the logged step it poisons).
+        self._poisoned = {i: (kind, n) for kind, steps in ((NAN, cfg.nan_at_step), (SPIKE_KIND, cfg.spike_at_step))
+                          for n in steps if n >= 1
                           for i in range(accum.before(n - 1), accum.before(n - 1) + accum.at(n - 1))}
 
     def _fire(self, kind: str, step: int) -> bool:
@@ -69,13 +73,14 @@ class Faults:
         self._fired_now.add(name)
         return True
 
-    def poisons(self, index: int) -> bool:
-        """Whether the micro-batch with this global index (unskipped stream) gives a NaN loss."""
-        step = self._poisoned.get(index)
-        if step is None or not self._fire(NAN, step):
-            return False
-        log.warning("injected nan", step=step, micro_batch=index)
-        return True
+    def poison(self, index: int) -> float:
+        """What the loss of the micro-batch with this global index (unskipped stream) is multiplied
+        by: NaN or SPIKE when a fault poisons it, else 1."""
+        kind, step = self._poisoned.get(index, (None, None))
+        if kind is None or not self._fire(kind, step):
+            return 1.0
+        log.warning(f"injected {kind}", step=step, micro_batch=index)
+        return float("nan") if kind == NAN else SPIKE
 
     def at_step_boundary(self, step: int) -> None:
         """Called once after each step completes (`step` = steps done), and at a fresh start with 0."""
