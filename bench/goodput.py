@@ -1,8 +1,8 @@
 """Goodput under chaos: the memory tier off, every step, and auto, on the same seeded schedules.
 
 For each job and seed, three arms, one after the other (their order rotated by the seed), run
-`tpud daemon` on the job (a log line per step, and one per save, async disk checkpoints every --checkpoint-interval s, hung after 5 s without a
-heartbeat, 1 s kill grace, 0.5 s first backoff; preemption notices from our metadata server,
+`tpud daemon` on the job (a log line per step, and one per save, async disk checkpoints every
+--checkpoint-interval s, hung after 5 s without a heartbeat, 1 s kill grace, 0.5 s first backoff; preemption notices from our metadata server,
 tests/metadata_server.py) for --minutes each, differing only in checkpoint.memory:
 - off:   `memory: null` (the disk tier alone);
 - every: `memory: {interval_steps: 1}` (issue 16's default: every step, within max_overhead);
@@ -79,6 +79,8 @@ JOBS = {"tiny": {"seq_len": 128, "micro_batch_size": 4}, "long-step": {"seq_len"
 ARMS = {"off": "null", "every": "{interval_steps: 1}", "auto": "{interval_steps: auto}"}
 # checkpoint_timeout_seconds: a hang that lands while an async save is in flight would
 # otherwise get the default 600 s allowance; this job's saves take well under a second.
+# spikes: null, so that the arms differ in their checkpoint cadence alone (a rollback in place
+# would restore from whichever tier the arm has).
 JOB = """\
 name: goodput
 include: {repo}/configs/jobs/tiny-cpu.yaml
@@ -88,7 +90,7 @@ train: {{max_steps: 100000000, log_interval: 1}}
 scheduler: {{warmup_steps: 1}}
 checkpoint: {{interval_steps: 0, interval_seconds: {interval}, async: true, memory: {memory}, disruptions_per_hour: {prior}}}
 restart: {{max_restarts: 1000, backoff_initial_seconds: 0.5}}
-health: {{heartbeat_timeout_seconds: {hang_bound}, kill_grace_seconds: 1, checkpoint_timeout_seconds: 30}}
+health: {{heartbeat_timeout_seconds: {hang_bound}, kill_grace_seconds: 1, checkpoint_timeout_seconds: 30, spikes: null}}
 logging: {{level: debug}}
 """
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

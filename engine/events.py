@@ -190,6 +190,20 @@ class RolledBack(Event):
 
 
 @dataclass(frozen=True, config=_CONFIG)
+class ReplicaMismatch(Event):
+    """The data-parallel replicas' states differ (engine.health.replicas); the worker exits 79
+    (this replica is odd: quarantined) or 77 (the gang starts again from `agreed_step`) next."""
+
+    TYPE: ClassVar[str] = "replica_mismatch"
+    step: int
+    agreed_step: int                 # the last step all replicas held the same state at
+    rank: int                        # this process's (its host's, in a gang)
+    odd: list[int]                   # the ranks outside the majority; [] when none is one
+    fingerprints: list[str]          # by rank, hex
+    reason: str
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class Gang(Event):
     """A job on several hosts: the worker's view of its gang, while it waits for the others and
     once the gang has formed (`present == hosts`). A new generation is a new gang: every restart
@@ -222,7 +236,8 @@ class CheckpointRequest(Event):
 
 
 WORKER_EVENTS: tuple[type[Event], ...] = (Hello, Heartbeat, Started, Step, CheckpointStarted, CheckpointCommitted,
-                                         CheckpointFailed, CheckpointRestored, Eval, NonFinite, RolledBack, Gang)
+                                         CheckpointFailed, CheckpointRestored, Eval, NonFinite, RolledBack, ReplicaMismatch,
+                                         Gang)
 _BY_TYPE = {cls.TYPE: cls for cls in (*WORKER_EVENTS, CheckpointRequest)}
 
 

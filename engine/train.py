@@ -47,6 +47,7 @@ from engine.health.faults import Faults, NoFaults
 from engine.health.guard import StepGuard
 from engine.health.healing import Healer
 from engine.health.ledger import SkipLedger
+from engine.health.replicas import ReplicaCheck
 from engine.layout import StateLayout
 from engine.hooks import Boundary, Hooks, SignalHooks
 from engine.requests import Action, Request, merge
@@ -169,6 +170,8 @@ class Trainer:
         self.guard = StepGuard(spec.health, self.backend, self.loader, self.ledger, self.hooks.emit, self.progress)
         self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
                              self.hooks.emit)
+        self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
+        self.replicas.agreed = self.progress.step  # restored states were compared before their commit
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.guard, self.badput, self.hooks.emit, router_stats=moe is not None,
                                  intervals=self.checkpointer.intervals)
@@ -221,7 +224,9 @@ class Trainer:
                         if (code := self.healer.heal(self)) is not None:
                             return code
                         continue
-                    self.faults.at_step_boundary(p.step)
+                    self.faults.at_step_boundary(p.step, self.model, self.backend.data.rank)
+                    if self.replicas.due(p.step) and (code := self._compare_replicas()) is not None:
+                        return code
                     if self.evaluator is not None and self.evaluator.due(p.step, max_steps):
                         self.evaluator.run(p.step)
                     if (code := self._save_if_due()) is not None:
@@ -373,14 +378,24 @@ class Trainer:
             if clean := self.guard.state_is_clean(self.progress):
                 if memory_only:
                     self.checkpointer.save_memory(self.progress)
+                elif (code := self._compare_replicas()) is not None:  # no commit of a state they differ on
+                    return code
                 else:
                     self.checkpointer.save(self.progress, reason, wait=wait)
         return None if clean else self.healer.heal(self)
+
+    def _compare_replicas(self) -> int | None:
+        """The replicas' fingerprints (engine.health.replicas): None when they agree, else the exit code."""
+        if (mismatch := self.replicas.compare(self.step)) is None:
+            return None
+        self.checkpointer.wait()
+        return self.replicas.quarantine(mismatch, self.checkpointer.forget_after, self.hooks.emit)
 
     # --- healing (engine.health.healing) ---
 
     def rewind(self, at_most: int) -> Progress | None:
         """Restore the newest state of step `at_most` or earlier in place; None if there is none."""
+        self._keep_polling()
         self.checkpointer.wait()
         restored = self.checkpointer.restore(at_most=at_most)
         if restored is None:
@@ -389,10 +404,17 @@ class Trainer:
         self.reporter.rewound()
         return self.progress
 
+    def _keep_polling(self) -> None:
+        """While healing: the hooks' heartbeats go on (a replay can outlast the supervisor's hang
+        bound), and what they are asked is kept for the loop's next boundary."""
+        p = self.progress
+        self._deferred = merge(self._deferred, self.hooks.poll(Boundary(p.step, p.micro_step)))
+
     def replay_step(self) -> list[float]:
         """Train the current step to its end as the loop does, unreported: its values, read now."""
         p = self.progress
         while p.micro_step < self.loader.accum.at(p.step):
+            self._keep_polling()
             self.micro_batch()
         values: list[list[float]] = []
         self.backend.read_values([self.optimizer_step().values], values.extend)

@@ -69,7 +69,7 @@ def test_table_lists_local_steps_newest_first(tmp_path, local_steps):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("job job: local ") and lines[1].split() == [
-        "TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "STATUS"]
+        "TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "SKIPPED", "STATUS"]
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("local", "30", "0"), ("local", "20", "3"),
                                                   ("local", "20", "0"), ("local", "10", "0")]
@@ -146,8 +146,8 @@ def test_a_job_on_several_hosts_shows_global_commits_and_who_holds_each_part(tmp
         (3, True, 1, 3, [0, 1]), (6, True, 1, 3, [0, 1, 2]), (9, False, 1, 3, [0, 1])]
     rows = [re.split(r"\s{2,}", line) for line in tpud("checkpoints", job_file(tmp_path)).stdout.splitlines()[2:]]
     assert [(r[1], r[7:]) for r in rows] == [
-        ("9", ["0,1 of 3", "not globally committed: a host's part was never durable"]),
-        ("6", ["0,1,2 of 3", "ok"]), ("3", ["0,1 of 3", "ok"])]
+        ("9", ["0,1 of 3", "-", "not globally committed: a host's part was never durable"]),
+        ("6", ["0,1,2 of 3", "-", "ok"]), ("3", ["0,1 of 3", "-", "ok"])]
 
     (job_dir / "hosts.json").write_text("{not json")  # never recorded, or garbled: each part's own host
     rows = [re.split(r"\s{2,}", line) for line in tpud("checkpoints", job_file(tmp_path)).stdout.splitlines()[2:]]

@@ -74,18 +74,32 @@ def test_a_repeating_crash_backs_off_spends_the_budget_and_fails_with_the_reason
         stopped(daemon)
 
 
-def test_a_nan_rolls_back_skips_the_bad_batch_and_finishes(tmp_path):
-    daemon = start(tmp_path, "debug: {inject: {nan_at_step: 6}}\n")
+def test_a_nan_and_a_spike_roll_back_in_place_skip_their_batches_and_finish(tmp_path):
+    """No restart: the worker goes back to its newest checkpoint before each bad step itself;
+    status, the log and the metrics say what it skipped."""
+    daemon = start(tmp_path, "debug: {inject: {nan_at_step: 6, spike_at_step: 20}}\n",
+                   job=JOB.replace("health: {", "health: {spikes: {warmup_steps: 8, window_steps: 8}, "))
     try:
         jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] in ("SUCCEEDED", "FAILED"), "the end", timeout=180)
-        assert jobs["sick"]["state"] == "SUCCEEDED", jobs["sick"]
-        assert exits(daemon) == [76, 0]
-        [nonfinite] = daemon.events("nonfinite")
-        assert nonfinite["step"] == 6 and nonfinite["policy"] == "rollback"
-        assert [r["step"] for r in daemon.events("checkpoint restored")] == [4]  # the newest clean checkpoint
+        job = jobs["sick"]
+        assert job["state"] == "SUCCEEDED", job
+        assert exits(daemon) == [0] and job["restarts"] == 0
+        rolled = daemon.events("rolled back")
+        assert [(r["step"], r["kind"], r["restored_step"], r["verdict"]) for r in rolled] == [
+            (6, "nonfinite", 4, "data"), (19, "spike", 16, "data")]  # step 20's batch, one skip earlier
+        # Micro-batches 5 (step 6) and 19 (step 20): two sequences each.
+        assert job["healing"]["skipped"]["samples"] == 4 and job["healing"]["rollbacks"] == 2
         after = [r for r in daemon.events("step") if r.get("step", 0) >= 5][-20:]
         assert after and all(math.isfinite(r["loss"]) for r in after if "loss" in r)
-        assert metric(tmp_path, "tpud_job_restarts_total", job="sick", reason="nonfinite") == 1
+        assert metric(tmp_path, "tpud_job_rollbacks_total", job="sick", kind="nonfinite", verdict="data") == 1
+        assert metric(tmp_path, "tpud_job_rollbacks_total", job="sick", kind="spike", verdict="data") == 1
+        assert metric(tmp_path, "tpud_job_skipped_samples_total", job="sick") == 4
+        assert metric(tmp_path, "tpud_badput_seconds_total", job="sick", kind="rollback") > 0
+        status = daemon.cli("status").stdout
+        assert "sick: healing: 2 rollbacks, " in status and "4 samples skipped in 2 ranges" in status
+        listing = daemon.cli("checkpoints", str(tmp_path / "jobs.d" / "sick.yaml")).stdout
+        newest = listing.splitlines()[2].split()  # the final step's: both skips behind it
+        assert newest[1] == "24" and newest[-2] == "2" and "skip ledger: 4 samples skipped in 2 ranges" in listing
     finally:
         stopped(daemon)
 

@@ -87,6 +87,19 @@ def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tin
     assert max(memory_steps(memory)) == (5, 0)  # step 6 trained on a NaN: never saved
 
 
+def test_a_rollback_in_place_restores_the_memory_tiers_state_from_just_before_the_bad_step(
+        tiny_spec, tmp_path, memory):
+    spec = tiny_spec("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=1", "data.seq_len=32",
+                     "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.interval_steps=1",
+                     "checkpoint.memory.max_overhead=1", "debug.inject.nan_at_step=6")
+    assert Trainer(spec, tmp_path, hooks := Recorder()).run() == 0
+    (rolled,) = hooks.of(events.RolledBack)
+    assert (rolled.step, rolled.restored_step, rolled.verdict, rolled.redone_steps) == (6, 5, "data", 1)
+    # Restored twice (the replay, then the skip), both times from memory: the disk has nothing yet.
+    restored = hooks.of(events.CheckpointRestored)
+    assert [r.step for r in restored] == [5, 5] and all(r.path.startswith(str(memory)) for r in restored)
+
+
 @pytest.mark.slow
 def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_path, memory, whole):
     spec = tiny_spec(*QUICK)

@@ -202,6 +202,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
     from engine.checkpoint.hosts import holders
     from engine.checkpoint.manifest import is_global, parts, problems
+    from engine.health.ledger import summary_of
     from engine.spec.loader import SpecError, load_spec
     from tpud.paths import Paths
 
@@ -227,7 +228,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
                 step=step, micro_step=manifest.micro_step, bytes=manifest.total_bytes, files=len(manifest.files),
                 reason=manifest.reason, created_unix=manifest.created_unix,
                 age_seconds=round(now - manifest.created_unix, 1), ok=not issues, problems=issues,
-                location=str(directory), **_hosts_of(manifest, held if tier_name == "local" else {}, committed)))
+                location=str(directory), data_skips=[list(r) for r in manifest.data_skips],
+                **_hosts_of(manifest, held if tier_name == "local" else {}, committed)))
     if spec.checkpoint.remote:
         import logging
 
@@ -251,30 +253,37 @@ def _checkpoints(args: argparse.Namespace) -> int:
                     step=remote.step, micro_step=m.micro_step, bytes=m.total_bytes, files=len(m.files),
                     reason=m.reason, created_unix=m.created_unix, age_seconds=round(now - m.created_unix, 1),
                     ok=remote.complete, problems=list(remote.problems), location=remote.url,
-                    **_hosts_of(m, {}, True)))
+                    data_skips=[list(r) for r in m.data_skips], **_hosts_of(m, {}, True)))
         except RemoteError as e:
             errors["gcs"] = str(e) if tier.url in str(e) else f"{tier.url}: {e}"
             print(f"tpud checkpoints: cannot read the GCS tier: {errors['gcs']}", file=sys.stderr)
+    ledger = summary_of(paths.layout.skips_file(spec.name))
     if args.output == "json":
-        print(json.dumps({"job": spec.name, "tiers": tiers, **({"errors": errors} if errors else {})}, indent=2))
+        print(json.dumps({"job": spec.name, "tiers": tiers, "skip_ledger": ledger,
+                          **({"errors": errors} if errors else {})}, indent=2))
     else:
         print(f"job {spec.name}: " + (f"memory {memory_dir}, " if "memory" in tiers else "") + f"local {job_dir}"
               + (f", gcs {spec.checkpoint.remote}" if spec.checkpoint.remote else ""))
-        rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "STATUS")]
+        rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "SKIPPED", "STATUS")]
         for tier_name, steps in tiers.items():
             for s in reversed(steps):  # newest first
                 status = "ok" if s["global"] else "not globally committed: a host's part was never durable"
                 if not s["ok"]:
                     status = f"damaged: {s['problems'][0]}" + (
                         f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
+                skipped = sum(count for _, count in s["data_skips"])  # micro-batches a rollback left out
                 rows.append((tier_name, str(s["step"]), str(s["micro_step"]), fmt.size(s["bytes"]), str(s["files"]),
-                             fmt.age(s["age_seconds"]), s["reason"], _holders_column(s), status))
+                             fmt.age(s["age_seconds"]), s["reason"], _holders_column(s),
+                             str(skipped) if skipped else "-", status))
             if not steps:
-                rows.append((tier_name, "-", "-", "-", "-", "-", "-", "-", "no committed steps"
+                rows.append((tier_name, "-", "-", "-", "-", "-", "-", "-", "-", "no committed steps"
                              if tier_name not in errors else "error (see stderr)"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        if ledger:
+            print(f"skip ledger: {ledger['samples']} samples skipped in {ledger['ranges']} ranges "
+                  f"({paths.layout.skips_file(spec.name)}; data.skip takes its samples ranges)")
     return EXIT_FAILED if errors else EXIT_OK
 
 

@@ -19,6 +19,7 @@ tpud_checkpoint_save_cost_seconds{job,tier},
 tpud_checkpoint_expected_loss_seconds{job,tier}, tpud_job_assumed_disruptions_per_second{job},
 tpud_job_useful_mfu_ratio{job}, tpud_job_rollbacks_total{job,kind,verdict},
 tpud_job_skipped_samples_total{job}, tpud_job_redone_steps_total{job},
+tpud_job_replica_mismatches_total{job,odd}, tpud_job_quarantined{job},
 tpud_heartbeat_age_seconds{job},
 tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
 tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
@@ -186,6 +187,12 @@ class Metrics:
                                 registry=r)
         self._redone = Counter("tpud_job_redone_steps_total", "Steps trained again after a rollback (their first "
                                "training was lost).", ["job"], registry=r)
+        self._mismatches = Counter("tpud_job_replica_mismatches_total", "Times the data-parallel replicas' states "
+                                   "differed, by the ranks (hosts) outside the majority (none: no majority).",
+                                   ["job", "odd"], registry=r)
+        self._quarantined = Gauge("tpud_job_quarantined", "1 when this host's replica of the job's state differed "
+                                  "from the majority's: the job is failed here until the host is replaced.",
+                                  ["job"], registry=r)
         self._preemptions = Counter("tpud_preemption_notices_total",
                                     "Preemption or maintenance notices received, by source.",
                                     ["source"], registry=r)
@@ -327,6 +334,11 @@ class Metrics:
             self._child(self._rollbacks, job, kind, verdict).inc()
             self._child(self._skipped, job).inc(samples)
             self._child(self._redone, job).inc(redone_steps)
+
+    def replica_mismatch(self, job: str, *, odd: str, quarantined: bool) -> None:
+        with self._change():
+            self._child(self._mismatches, job, odd).inc()
+            self._child(self._quarantined, job).set(1 if quarantined else 0)
 
     def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None:
         """Create the job's counters at 0, so that increase() sees the first restart or failure

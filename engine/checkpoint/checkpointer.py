@@ -234,6 +234,18 @@ class Checkpointer:
                                             seconds=round(time.monotonic() - restored.started, 3)))
         return progress
 
+    def forget_after(self, step: int) -> None:
+        """A rollback undid the steps after `step` (engine.health.healing): the states that hold
+        them, on disk (set aside in corrupt/) and in memory (dropped), are out of restore's way."""
+        why = [f"a rollback to step {step} undid it"]
+        for s, path, manifest in mf.committed_steps(self.job_dir):
+            if (s, manifest.micro_step) > (step, 0):
+                retention.move_aside(self.job_dir, path, why, self.rank, "checkpoint rolled back, moved aside")
+        if self.memory is not None:
+            for s, path, manifest in mf.parts(self.memory.job_dir):
+                if (s, manifest.micro_step) > (step, 0):
+                    self.memory.discard(path, why, "memory checkpoint rolled back, discarded")
+
     def close(self) -> None:
         self.writer.close()
         if self.memory is not None:

@@ -352,9 +352,10 @@ class MemoryTier:
         slot.path, slot.key, slot.staged = final, key, key
         return True
 
-    def discard(self, path: Path, why: list[str]) -> None:
-        """A state that failed verification: never trusted, and its memory given back."""
-        log.warning("memory checkpoint failed verification, discarded", path=str(path), problems=why)
+    def discard(self, path: Path, why: list[str],
+                what: str = "memory checkpoint failed verification, discarded") -> None:
+        """A state that failed verification (or a rollback undid): never trusted, and its memory given back."""
+        log.warning(what, path=str(path), problems=why)
         for slot in self.slots:
             if slot.path == path:
                 slot.key = slot.staged = None

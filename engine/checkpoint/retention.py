@@ -59,12 +59,12 @@ def remove_unfinished(job_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def move_aside(job_dir: Path, path: Path, found: list[str], rank: int) -> None:
-    """A step that failed verification (or was never committed) goes to corrupt/, out of restore's
-    way; rank 0 moves it, every rank logs it."""
+def move_aside(job_dir: Path, path: Path, found: list[str], rank: int,
+               what: str = "checkpoint failed verification, moved aside") -> None:
+    """A step that failed verification (or was never committed, or a rollback undid) goes to
+    corrupt/, out of restore's way; rank 0 moves it, every rank logs it."""
     aside = job_dir / "corrupt" / f"{path.name}.{int(time.time())}"
-    log.warning("checkpoint failed verification, moved aside", path=str(path), problems=found,
-                moved_to=str(aside))
+    log.warning(what, path=str(path), problems=found, moved_to=str(aside))
     if rank == 0:
         aside.parent.mkdir(exist_ok=True)
         path.rename(aside)

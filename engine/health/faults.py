@@ -11,6 +11,9 @@ Each looks like the real thing from outside the worker:
   after a rollback that skips those batches, step N trains on the next ones and is finite.
 - spike_at_step N: the same micro-batches' loss is multiplied by SPIKE (and so their gradients):
   a loss spike that comes back when the step is replayed, as bad data's does.
+- bit_flips [{step, rank, tensor, element, bit}]: right after `step`, the process of that rank
+  (with several hosts, the host) flips one bit of one element of one parameter: silent data
+  corruption, which the replicas' fingerprints find (engine.health.replicas).
 
 Transient faults fire once per job: a marker file `<state>/jobs/<job>/faults/<kind>-<step>`
 is made durable before the fault fires, and a worker started after it exists does not fire
@@ -36,7 +39,7 @@ from engine.layout import atomic_write
 
 log = structlog.get_logger()
 
-HANG, CRASH, NAN, SPIKE_KIND = "hang", "crash", "nan", "spike"
+HANG, CRASH, NAN, SPIKE_KIND, FLIP = "hang", "crash", "nan", "spike", "flip"
 SPIKE = 10.0  # what spike_at_step multiplies the loss by
 
 
@@ -46,7 +49,7 @@ class NoFaults:
     def poison(self, index: int) -> float:
         return 1.0
 
-    def at_step_boundary(self, step: int) -> None:
+    def at_step_boundary(self, step: int, model=None, rank: int = 0) -> None:
         pass
 
 
@@ -82,8 +85,12 @@ class Faults:
         log.warning(f"injected {kind}", step=step, micro_batch=index)
         return float("nan") if kind == NAN else SPIKE
 
-    def at_step_boundary(self, step: int) -> None:
-        """Called once after each step completes (`step` = steps done), and at a fresh start with 0."""
+    def at_step_boundary(self, step: int, model=None, rank: int = 0) -> None:
+        """Called once after each step completes (`step` = steps done; `model` and this process's
+        `rank` for bit flips), and at a fresh start with 0."""
+        for flip in self.cfg.bit_flips:
+            if flip.step == step and flip.rank == rank and model is not None and self._fire(FLIP, step * 1000 + rank):
+                flip_bit(model, flip)
         if step in self.cfg.crash_at_step and self._fire(CRASH, step):
             log.error("injected crash", step=step)
             raise RuntimeError(f"injected crash after step {step}")
@@ -91,3 +98,19 @@ class Faults:
             log.error("injected hang", step=step)
             while True:  # a sleeping loop, not a blocked signal: SIGTERM's handler runs, and changes nothing
                 time.sleep(1)
+
+
+def flip_bit(model, flip) -> None:
+    """Flip bit `flip.bit` of element `flip.element` of parameter `flip.tensor` (the first by default)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    name = flip.tensor or next(iter(params))
+    if name not in params:
+        raise ValueError(f"debug.inject.bit_flips: the model has no parameter {name!r}")
+    with torch.no_grad():
+        flat = params[name].detach().view(-1)
+        i = flip.element % flat.numel()
+        bits = flat[i:i + 1].view(torch.int32)  # 32-bit parameters: fp32
+        bits ^= (1 << flip.bit) if flip.bit < 31 else -(1 << 31)  # the sign bit, as an int32
+    log.error("injected bit flip", parameter=name, element=i, bit=flip.bit)

@@ -12,7 +12,8 @@ a spike. With K = health.spikes.skip_steps (1 for a non-finite step without spik
    step S's values. Bad again, it was the data. Clean, it was the hardware: the replayed state
    is kept, nothing is skipped, and the event says so.
 4. The data's: restore the same state again, skip the micro-batches of steps S - K + 1 .. S
-   (engine.health.ledger), and train on. Each later checkpoint carries the skips.
+   (engine.health.ledger), set aside any newer state (it holds the skipped batches' updates),
+   and train on. Each later checkpoint carries the skips.
 
 A `rolled_back` event tells the supervisor: the spike, the state restored, the samples skipped,
 the verdict, and the steps whose work was redone. Its time is the worker's `rollback` badput.
@@ -51,7 +52,7 @@ class Rewindable(Protocol):
         """Train the current step to its end as the loop does, unreported; its values [loss, grad norm, ...]."""
 
 
-def reproduced(bad: BadStep, values: list[float], guard: StepGuard) -> bool:
+def reproduced(bad: BadStep, values: list[float]) -> bool:
     """Whether a replayed step is bad again: not finite again, or a spike again (the same values
     up to the last digits a device's reductions may change)."""
     loss, grad_norm = values[0], values[1]
@@ -65,6 +66,7 @@ class Healer:
                  checkpointer: Checkpointer, badput: Badput, emit):
         self.cfg, self.guard, self.ledger, self.loader = cfg, guard, ledger, loader
         self.checkpointer, self.badput, self.emit = checkpointer, badput, emit
+        self.hardware: list[int] = []  # steps of the hardware verdicts, which the ledger does not record
 
     @property
     def skip_steps(self) -> int:
@@ -75,7 +77,9 @@ class Healer:
         bad = self.guard.found
         if bad.spike is None and self.cfg.nonfinite == "stop":
             return self.guard.exit()
-        if (recent := self.ledger.recent(bad.step, self.cfg.rollback_window_steps)) >= self.cfg.max_rollbacks:
+        window = self.cfg.rollback_window_steps
+        recent = self.ledger.recent(bad.step, window) + sum(1 for s in self.hardware if bad.step - s < window)
+        if recent >= self.cfg.max_rollbacks:
             return self.guard.exit(f"{recent} rollbacks within {self.cfg.rollback_window_steps} steps "
                                    f"(health.max_rollbacks); then {bad.describe()}")
         started, target = time.monotonic(), bad.step - self.skip_steps
@@ -90,14 +94,18 @@ class Healer:
                 values = None
                 while loop.progress.step < bad.step:
                     values = loop.replay_step()
-                if not reproduced(bad, values, self.guard):
+                if not reproduced(bad, values):
                     verdict = "hardware"
+                    self.hardware.append(bad.step)
                 else:
                     loop.rewind(target)
             skip = None
             if verdict == "data":
                 skip = self.ledger.skip(self.loader, bad.step, self.skip_steps, bad.kind, bad.loss)
                 self.checkpointer.data_skips = self.loader.skips  # every later manifest carries them
+                # States after the one restored hold the skipped batches' updates (skip_steps > 1,
+                # or a partial step): no later restore may take them.
+                self.checkpointer.forget_after(restored_step)
             self.guard.rewound(loop.progress)
         entry = self.ledger.entries[-1] if skip is not None else None
         event = events.RolledBack(

@@ -27,16 +27,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import structlog
-
 from engine.data.skips import Skips, merge_skips, sample_ranges_to_micro_batches
 from engine.files import Refused, read_regular_file
 from engine.layout import atomic_write
 
 if TYPE_CHECKING:
     from engine.data.loader import PackedLoader
-
-log = structlog.get_logger()
 
 FORMAT = 2
 MAX_BYTES = 16 << 20  # the daemon's bound on what it reads of a ledger
@@ -130,8 +126,10 @@ class SkipLedger:
         except (OSError, Refused, ValueError, KeyError, TypeError, IndexError) as e:
             # Damaged: set aside rather than stop the job. The checkpoints' manifests carry the ranges
             # (adopt), so what is lost is their reasons.
+            import structlog  # here: `tpud checkpoints` reads ledgers without structlog's imports
+
             aside = self.path.with_name(self.path.name + ".damaged")
-            log.error("the skip ledger is damaged; set aside", path=str(self.path), aside=str(aside), error=str(e))
+            structlog.get_logger().error("the skip ledger is damaged; set aside", path=str(self.path), aside=str(aside), error=str(e))
             with contextlib.suppress(OSError):
                 self.path.replace(aside)
             return []

@@ -196,7 +196,7 @@ class DataConfig(Section):
         "documents come from the dataset's stored boundaries (the built-in corpus: its files). Needs a kernel "
         "that masks: cpu sdpa or eager, cuda flex or eager, any xla kernel.")
     skip: list[tuple[NonNegativeInt, PositiveInt]] = Field(
-        [], description="Ranges [first, count] of the run's samples (global indices into its stream, as `tpud "
+        [], max_length=10_000, description="Ranges [first, count] of the run's samples (global indices into its stream, as `tpud "
         "status` and the skip ledger show them) never trained on: a known bad shard, or another run's ledger to "
         "train on exactly its samples. Whole micro-batches are skipped: every one holding a listed sample.")
 
@@ -601,12 +601,21 @@ class SpikeConfig(Section):
     threshold: float = Field(6.0, gt=0, description="A spike stands this many robust standard deviations "
                              "(1.4826 x the median absolute deviation) above the window's median...")
     loss_ratio: float = Field(1.25, gt=1, description="...and its loss is at least this many times the median...")
-    grad_norm_ratio: float = Field(5.0, gt=1, description="...or its gradient norm this many times.")
+    grad_norm_ratio: float = Field(10.0, gt=1, description="...or its gradient norm this many times (small "
+                                   "batches' norms swing 5x and train on).")
     skip_steps: PositiveInt = Field(1, description="A spike at step S restores a state from step S - skip_steps "
                                     "or earlier and skips the batches of steps S - skip_steps + 1 .. S.")
     replay: bool = Field(True, description="Before skipping, replay the steps from the restored state: a spike "
                          "that does not come back was the hardware's (reported, nothing skipped), one that does "
                          "is the data's.")
+
+
+class ReplicaConfig(Section):
+    """Silent data corruption (docs/architecture.md, "Healing"): data-parallel replicas hold the same
+    state after every step; they compare a fingerprint of it (8 bytes each)."""
+
+    interval_steps: PositiveInt = Field(100, description="Compare every N steps, and before every disk save of a "
+                                        "job with replicas (several processes or hosts, not sharded across them).")
 
 
 class HealthConfig(Section):
@@ -627,6 +636,8 @@ class HealthConfig(Section):
         "worker (the memory tier, else disk; with none, a restart from the beginning) and skip its batches, as "
         "for a spike; stop = exit 76 and FAILED.")
     spikes: SpikeConfig | None = Field(SpikeConfig(), description="Loss-spike rollback; null disables it.")
+    replicas: ReplicaConfig | None = Field(ReplicaConfig(), description="The replicas' fingerprint comparison; "
+                                           "null disables it.")
     max_rollbacks: NonNegativeInt = Field(3, description="Rollbacks (spikes and non-finite losses) allowed within "
                                           "rollback_window_steps steps; the next one fails the job (exit 76).")
     rollback_window_steps: PositiveInt = Field(1000, description="The window max_rollbacks counts in.")
@@ -651,6 +662,17 @@ def _as_list(value: object) -> object:
 Steps = Annotated[list[NonNegativeInt], BeforeValidator(_as_list)]
 
 
+class BitFlip(Section):
+    """One bit of one parameter of one process flipped right after a step: silent data corruption."""
+
+    step: PositiveInt
+    rank: NonNegativeInt = Field(1, description="The process (with several hosts: the host) whose copy flips.")
+    tensor: str | None = Field(None, description="The parameter, by its name in the model; default the first.")
+    element: NonNegativeInt = Field(0, description="Its element, in row-major order (modulo its size).")
+    bit: int = Field(22, ge=0, le=31, description="The bit of the element's 32-bit pattern: 22, the mantissa's "
+                     "highest, changes the value by up to half, silently; 23-30 (the exponent) may blow it up.")
+
+
 class InjectConfig(Section):
     """Faults for tests and drills. A daemon refuses jobs carrying them unless its settings
     say allow_fault_injection: true. Steps are as logged: step N is the N-th optimizer step."""
@@ -660,6 +682,7 @@ class InjectConfig(Section):
     nan_at_step: Steps = Field([], description="The loss of step N is NaN (its batch is poisoned).")
     spike_at_step: Steps = Field([], description="The loss of step N is 10x (its batch is poisoned): a spike that "
                                  "comes back on replay, as bad data's does.")
+    bit_flips: list[BitFlip] = Field([], description="Bits flipped in one process's parameters after a step.")
     repeat: bool = Field(
         False, description="Fire every time the step is reached (a deterministic fault); by default each fault "
         "fires once per job, as transient faults do.")

@@ -318,7 +318,7 @@ class Job:
             self.start()  # stopped on a request from outside the daemon: resume
         elif status == exit_codes.NONFINITE_LOSS:
             self._nonfinite_exit()
-        elif status == exit_codes.BAD_INPUT:
+        elif status in (exit_codes.BAD_INPUT, exit_codes.QUARANTINED):  # never retried on this host
             self.error = self.current.output.last_error() or f"worker exited with {status}"
             self._set(State.FAILED, f"exit {status}")
         else:

@@ -20,6 +20,7 @@ class WorkerReport:
         self.restored_step: int | None = None  # status's step before the first step event
         self.nonfinite: events.NonFinite | None = None  # the current worker's, for its exit 76
         self.rollbacks: list[events.RolledBack] = []  # healed in place since this daemon started
+        self.mismatch: events.ReplicaMismatch | None = None  # the replicas' last disagreement
 
     def new_worker(self) -> None:
         self.nonfinite = None
@@ -52,6 +53,11 @@ class WorkerReport:
         self.metrics.rolled_back(self.job, kind=event.kind, verdict=event.verdict,
                                  samples=event.samples[1] if event.samples else 0, redone_steps=event.redone_steps)
 
+    def on_replica_mismatch(self, event: events.ReplicaMismatch) -> None:
+        self.mismatch = event
+        self.metrics.replica_mismatch(self.job, odd=",".join(map(str, event.odd)) or "none",
+                                      quarantined=event.rank in event.odd)
+
     def snapshot(self, max_steps: int) -> dict:
         progress, evaluated = self.progress, self.evaluated
         return {
@@ -64,6 +70,9 @@ class WorkerReport:
             "eval_step": None if evaluated is None else evaluated.step,
             "experts": None if progress is None else experts(progress),
             "healing": self.healing(),
+            "replicas": None if self.mismatch is None else {
+                "step": self.mismatch.step, "agreed_step": self.mismatch.agreed_step, "odd": self.mismatch.odd,
+                "quarantined": self.mismatch.rank in self.mismatch.odd, "reason": self.mismatch.reason},
         }
 
     def healing(self) -> dict | None:

@@ -23,6 +23,7 @@ ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.CheckpointRestored: ("report",),
     events.NonFinite: ("report",),
     events.RolledBack: ("report", "ledger"),
+    events.ReplicaMismatch: ("report",),
     events.Gang: ("gang",),
 }
 

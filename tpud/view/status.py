@@ -88,6 +88,9 @@ def lines(jobs: list[dict]) -> list[str]:
                     + ("" if not dropped else f", {percent(dropped)} dropped")]
         if healing := job.get("healing"):
             out += ["", f"{name}: {healing_line(healing)}"]
+        if replicas := job.get("replicas"):
+            here = "; this host is quarantined" if replicas.get("quarantined") else ""
+            out += ["", f"{name}: replicas: {replicas['reason']}; back to step {replicas['agreed_step']}{here}"]
         if gang := job.get("gang"):
             generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
             out += ["", f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"

@@ -1,0 +1,29 @@
+"""One rank of tests/test_replicas.py's data-parallel runs (spawned with RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): trains the job, writes STATE_DIR/rank<R>.json with its exit code and
+the replica_mismatch events it emitted, and exits with the trainer's exit code."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from engine import events
+from engine.spec.loader import load_spec
+from engine.train import Trainer
+from tests.recorders import Recorder
+
+
+def main(job: str, state_dir: str, *overrides: str) -> int:
+    hooks = Recorder()
+    trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), hooks)
+    code = trainer.run()
+    rank = dist.get_rank()
+    mismatches = [dict(e.to_json()) for e in hooks.of(events.ReplicaMismatch)]
+    (Path(state_dir) / f"rank{rank}.json").write_text(json.dumps({"exit": code, "mismatches": mismatches,
+                                                                   "steps": sorted(hooks.losses)}))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
