@@ -241,17 +241,30 @@ def run_arm(arm, schedule, args) -> dict:
 
 def clean_step_s(records: list[dict]) -> float | None:
     """The median time of the step lines with no save line since the line before, and not the
-    first after a start (each line is one step: log_interval 1)."""
-    clean, pure = [], False
+    first after a start (each line is one step: log_interval 1). An arm that saves at nearly every
+    step (every, or auto when a save is cheap next to a step) has too few of those: then each
+    step's time less what the saves since the line before held the loop for (a memory save's
+    `seconds`, a disk save's `blocking_s`)."""
+    clean, held, pure, saving = [], [], False, 0.0
     for r in records:
         event = r.get("event", "")
         if event == "step":
             if pure:
                 clean.append(r["step_time_s"])
-            pure = True
-        elif event.startswith("checkpoint") or event == "trainer ready":
+            elif saving:
+                held.append(r["step_time_s"] - saving)
+            pure, saving = True, 0.0
+        elif event == "trainer ready":
+            pure, saving = False, 0.0
+        elif event.startswith("checkpoint"):
             pure = False
-    return statistics.median(clean) if clean else None
+            if event == "checkpoint committed" and r.get("tier") == "memory":
+                saving += r.get("seconds", 0.0)
+            elif event == "checkpoint started":
+                saving += r.get("blocking_s", 0.0)
+    if len(clean) >= 20:
+        return statistics.median(clean)
+    return statistics.median(clean + held) if clean + held else None
 
 
 def analyse(run: dict) -> dict:

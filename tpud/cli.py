@@ -173,7 +173,8 @@ def _add_run(subparsers: Subparsers) -> None:
         "(crash restarts with backoff, GCS tier, metrics). On a terminal: a live view (progress, losses, "
         "throughput, checkpoints per tier, goodput) with warnings and errors above it, and a summary at the end; "
         "otherwise the worker's log as JSON lines. Exit with the worker's "
-        "last exit code when the job ends (0 done, 75 stopped, 76 non-finite loss, 78 invalid job, other: "
+        "last exit code when the job ends (0 done, 75 stopped, 76 a bad step it could not heal, 78 invalid job, 79 "
+        "quarantined, other: "
         "crashed beyond its restart budget). Ctrl-C or SIGTERM checkpoints and stops; a second one kills.",
     )
     parser.add_argument("job", metavar="JOB.yaml", help="job file")

@@ -350,6 +350,9 @@ class Metrics:
                 self._child(self._restarts, job, reason)
             self._child(self._skipped, job)
             self._child(self._redone, job)
+            for kind in ("spike", "nonfinite"):
+                for verdict in ("data", "hardware"):
+                    self._child(self._rollbacks, job, kind, verdict)
 
     def checkpoint(self, job: str, *, tier: str, reason: str, seconds: float, bytes: int,
                    step: int, at: float | None = None) -> None:
