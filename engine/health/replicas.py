@@ -4,7 +4,7 @@ Replicas hold bitwise the same parameters and optimizer state after every step. 
 `interval_steps` steps, and before every disk save, each replica computes a fingerprint of its
 state, the wrapping 64-bit sum of every element's bit pattern (one flipped bit anywhere changes
 it; summation order does not), and the replicas compare them (8 bytes each, all-gathered over
-the backend's gloo group). When they differ:
+the training thread's gloo group). When they differ:
 
 - with three replicas or more, the odd ones are those outside the majority: they exit 79
   (engine.exit_codes.QUARANTINED; the supervisor fails the job on that host, naming why) and
@@ -80,7 +80,9 @@ class ReplicaCheck:
         self.path = Path(job_dir) / "replicas.json"
         # Replicas: several processes that do not shard the state between them.
         replicated = backend.data.world > 1 and not getattr(backend, "sharded", True)
-        self.group = backend.checkpoint_group if cfg is not None and replicated else None
+        # The training thread's own group (as backend.agree's): the checkpoint group also carries a
+        # background save's collectives, and two threads' collectives on one group mix their messages.
+        self.group = backend.agreement_group if cfg is not None and replicated else None
         self.agreed = 0  # the last step every replica held the same state at
 
     @property
