@@ -4,6 +4,7 @@ where there is no state to roll back to. Real training on CPU."""
 
 import json
 import math
+import os
 import random
 import subprocess
 
@@ -123,6 +124,18 @@ def test_a_damaged_ledger_is_set_aside_and_the_checkpoints_ranges_come_back(tmp_
     assert ledger.ranges == () and path.with_name(path.name + ".damaged").exists()
     ledger.adopt([(3, 2)])  # what a restored checkpoint's manifest carries
     assert SkipLedger(path, per_micro_batch=4).summary()["entries"][0]["samples"] == [12, 8]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_ledger_that_is_not_a_file_never_blocks_the_worker_or_the_daemon(tmp_path, kind):
+    from engine.health.ledger import summary_of
+
+    path = StateLayout(tmp_path).skips_file("j")
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    assert summary_of(path) is None  # the daemon's status: no ledger shown, no open() on a FIFO
+    ledger = SkipLedger(path, per_micro_batch=4)  # the worker: set aside, starts empty
+    assert ledger.ranges == () and path.with_name(path.name + ".damaged").exists() and not path.exists()
 
 
 # --- the training loop ---
