@@ -1,4 +1,4 @@
-"""No import circles among the engine/ and tpud/ modules.
+"""No import circles among the engine/ and tpud/ modules, and the shape issue 29 set.
 
 A circle makes a module's names depend on which of the two was imported first, and it hides
 the layering: a name both sides need belongs in a module below them. An import inside a
@@ -125,3 +125,13 @@ def test_circles_are_found_and_named():
 def test_there_are_no_import_circles():
     found = circles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" -> ".join(circle) for circle in found)
+
+
+def test_the_job_class_and_the_checkpoint_modules_stay_small():
+    """Issue 29's shape: Job keeps the state machine only (events go to their owners through
+    tpud/job/routing.py), and the checkpointer's responsibilities stay in modules of their own."""
+    tree = ast.parse((ROOT / "tpud/job/job.py").read_text())
+    job = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Job")
+    assert job.end_lineno - job.lineno + 1 <= 300, "the Job class grew past 300 lines: route the event to its owner"
+    for path in sorted((ROOT / "engine/checkpoint").glob("*.py")):
+        assert len(path.read_text().splitlines()) <= 400, f"{path.name} grew past 400 lines: split a responsibility out"

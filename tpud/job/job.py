@@ -88,7 +88,7 @@ class Job:
                  spawn: Spawn = WorkerProcess, gang: GangPlace | None = None,
                  memory_budget: MemoryBudget | None = None, forkserver: ForkServer | None = None):
         self.spec, self.file, self.paths, self.loop, self.metrics = spec, file, paths, loop, metrics
-        self.clock, self.stop_timeout, self.name = clock, stop_timeout, spec.name
+        self.clock, self.stop_timeout, self.name, self._saved_at = clock, stop_timeout, spec.name, clock()
         self.state = State.PENDING
         self.digest: str | None = None  # of the job file this spec came from
         self.error, self.error_detail = None, []  # what failed, and a crash's traceback lines
@@ -118,7 +118,6 @@ class Job:
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
                                   saved=self.record.wandb, newest_run_id=lambda: self.tiers.newest_run_id(),
                                   config=lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
-        self._saved_at = self.clock()
         self.metrics.job_state(self.name, self.state.value)
 
     # --- the record ---
