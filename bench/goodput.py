@@ -14,8 +14,8 @@ Two jobs: `tiny` (the tiny preset at seq 128 x 4: a 10 MB state against a ~40 ms
 save is small next to a step).
 
 Chaos: the arm is cut into round(--minutes x --per-minute) equal slots, each with one disruption at
-a seeded random time; kinds cycle through a seeded shuffle of the three. A disruption waits until
-the arm's worker has logged a step since it started.
+a seeded random time; kinds cycle through a seeded shuffle of sigkill, sigkill, hang, preemption.
+A disruption waits until the arm's worker has logged a step since it started.
 - sigkill: SIGKILL the worker.
 - hang: SIGSTOP it (no heartbeats); tpud's hang bound kills it.
 - preemption: instance/preempted=TRUE; --deadline s later SIGKILL daemon and worker,
@@ -23,24 +23,27 @@ the arm's worker has logged a step since it started.
 
 Per disruption: step reached (last logged before the replacement's `trainer ready`), step resumed
 from (its resumed_at), lost steps = reached - resumed, recovery s until a step past `reached` is
-logged, and down time: from the disruption to the replacement's first step, that step's own time
-left out (a hang's bound, a preempted VM's notice, deadline and cold start, a restart and its
-restore: what no checkpoint interval changes).
+logged, and down time: from the disruption to the replacement's third step line, less a clean step
+for each step line in between (a hang's bound, a preempted VM's notice, deadline and cold start, a
+restart, its restore and its first, slower steps: what no checkpoint interval changes).
 
-Goodput: last step x the arm's own clean step time / arm wall time. The clean step time is the
-median of the arm's step lines with no save line since the line before and not the first after a
-start: each arm is measured against its own speed, so that the machine's speed drifting between
-arms (2-18 % on this VM) does not pass for a difference between them, while what its saves held
-the loop, and the work it redid, count against it. The ideal goodput of the schedule is what a
-supervisor that loses no work and spends nothing on saves would reach: the arm's wall time less
-its first start (to its first step) and its disruptions' down time, the median over the arms.
+Goodput: last step x the arm's clean step / arm wall time. The clean step is the mean time between
+consecutive step lines with no save between them, a start's first three left out: each arm is
+measured against its own speed, so that the machine's speed drifting between arms (2-30 % on this
+VM) does not pass for a difference between them, while what its saves held the loop, and the work
+it redid, count against it. The mean, not the median: a run that never saves nor loses work then
+reaches the ideal exactly, its slow steps included. An arm with fewer than 20 such steps (every, or
+auto when a save is cheap next to a step) is measured by a --calibrate s run of its job without
+memory saves and disruptions, right after it. The ideal goodput of the schedule is what a supervisor
+that loses no work and spends nothing on saves would reach: the arm's wall time less its first start
+and its disruptions' down time, the median over the arms.
 
 Targets (every job and seed): auto's goodput >= the better of off and every minus 0.01, and within
 0.03 of the ideal. Per job, over its seeds: the median, over the work-losing disruptions of auto's
 arm (SIGKILLs and hangs), of lost steps / the interval in force (the last step line's
 auto_intervals before it) <= 1/2.
 
-    .venv/bin/python bench/goodput.py       # ~37 min: 2 jobs x seeds 0, 1, 2, three 2 min arms each
+    .venv/bin/python bench/goodput.py       # ~45 min: 2 jobs x seeds 0, 1, 2, three 2 min arms each, and calibrations
     .venv/bin/python bench/goodput.py --jobs tiny --seed 0 --minutes 0.5 --out /tmp/goodput.json
 Results: a table per job and seed and a summary on stdout, and bench/results/goodput.json.
 """
@@ -73,6 +76,8 @@ KINDS = ("sigkill", "preemption", "hang")
 # Warn when the arms' clean step times differ by more than this factor: the machine's speed
 # drifted between them (each arm's goodput is still measured against its own).
 DRIFT = 1.2
+WARM_STEPS = 3  # a start's first steps run slower (allocations, caches): unavoidable, like the start
+MIN_CLEAN = 20  # save-free steps an arm needs to measure its own clean step
 HANG_BOUND_S = 5.0  # the job's heartbeat_timeout_seconds: its steps are far below a tenth of it
 LOSING = ("sigkill", "hang")  # the disruptions that lose the work since the last save
 JOBS = {"tiny": {"seq_len": 128, "micro_batch_size": 4}, "long-step": {"seq_len": 512, "micro_batch_size": 16}}
@@ -191,7 +196,7 @@ def make_schedule(minutes: float, per_minute: float, seed: int) -> list[tuple[fl
     rng = random.Random(seed)
     n = max(1, round(minutes * per_minute))
     slot = minutes * 60 / n
-    order = list(KINDS)
+    order = ["sigkill", *KINDS]  # SIGKILLs twice as often: the lost-steps target is about them
     rng.shuffle(order)
     return [(round((i + rng.uniform(0.2, 0.6)) * slot, 1), order[i % len(order)]) for i in range(n)]
 
@@ -239,45 +244,54 @@ def run_arm(arm, schedule, args) -> dict:
     return {"t0": t0, "end": end, "records": tail.records, "fired": fired, "status": status}
 
 
-def clean_step_s(records: list[dict]) -> float | None:
-    """The median time of the step lines with no save line since the line before, and not the
-    first after a start (each line is one step: log_interval 1). An arm that saves at nearly every
-    step (every, or auto when a save is cheap next to a step) has too few of those: then each
-    step's time less what the saves since the line before held the loop for (a memory save's
-    `seconds`, a disk save's `blocking_s`)."""
-    clean, held, pure, saving = [], [], False, 0.0
+def clean_intervals(records: list[dict]) -> list[float]:
+    """The seconds between consecutive step lines of one worker (each line is one step: log_interval
+    1) with no save line between them, the first WARM_STEPS after a start left out: a step of the
+    loop as a run that never saves makes it, its logging and data loading included."""
+    intervals, previous, since_start = [], None, 0
     for r in records:
         event = r.get("event", "")
         if event == "step":
-            if pure:
-                clean.append(r["step_time_s"])
-            elif saving:
-                held.append(r["step_time_s"] - saving)
-            pure, saving = True, 0.0
+            since_start += 1
+            if previous is not None and since_start > WARM_STEPS:
+                intervals.append(r["_t"] - previous)
+            previous = r["_t"]
         elif event == "trainer ready":
-            pure, saving = False, 0.0
+            previous, since_start = None, 0
         elif event.startswith("checkpoint"):
-            pure = False
-            if event == "checkpoint committed" and r.get("tier") == "memory":
-                saving += r.get("seconds", 0.0)
-            elif event == "checkpoint started":
-                saving += r.get("blocking_s", 0.0)
-    if len(clean) >= 20:
-        return statistics.median(clean)
-    return statistics.median(clean + held) if clean + held else None
+            previous = None
+    return intervals
 
 
-def analyse(run: dict) -> dict:
+def step_unit(records: list[dict]) -> float | None:
+    """The mean clean interval (the mean, not the median: a run with no saves and no losses then
+    reaches the ideal exactly, its slow steps included); None with too few to measure."""
+    intervals = clean_intervals(records)
+    return statistics.mean(intervals) if len(intervals) >= MIN_CLEAN else None
+
+
+def analyse(run: dict, unit: float) -> dict:
+    """The arm's disruptions and goodput, `unit` its clean step (step_unit, its own or a calibration's)."""
     t0, end, records = run["t0"], run["end"], [r for r in run["records"] if r["_t"] <= run["end"]]
-    step_s = clean_step_s(records)
     step_lines = [r for r in records if r.get("event") == "step"]
     steps = [(r["_t"], r["step"]) for r in step_lines]
     auto = [(r["_t"], r["auto_intervals"]["memory"]) for r in step_lines if "memory" in (r.get("auto_intervals") or {})]
     readies = [(r["_t"], r.get("resumed_at", 0)) for r in records if r.get("event") == "trainer ready"]
     commits = [(r["_t"], r["step"]) for r in records if r.get("event") == "checkpoint committed"]
     hung = [r["_t"] for r in records if r.get("event") == "worker hung; terminating it"]
+
+    def unavoidable(since: float, ready: float | None, until: float) -> float:
+        """From `since` to the WARM_STEPS-th step line after `ready` (or `until`, if sooner), less a
+        clean step for each step line in between: the start, the restore and the warm-up steps,
+        which no checkpoint interval changes."""
+        after = [ts for ts, _ in steps if ready is not None and ready < ts <= until][:WARM_STEPS]
+        stop = after[-1] if len(after) == WARM_STEPS else until
+        done = sum(since < ts <= stop for ts, _ in steps)
+        return max(0.0, stop - since - done * unit)
+
     disruptions, replaced = [], set()
-    for d in run["fired"]:
+    fired_at = [d["_t"] for d in run["fired"]]
+    for i, d in enumerate(run["fired"]):
         t = d["_t"]
         replacement = next((r for r in readies if r[0] > t), None)
         until = replacement[0] if replacement else end
@@ -289,12 +303,12 @@ def analyse(run: dict) -> dict:
         # A second blow to a process already down loses nothing more.
         absorbed = replacement in replaced
         replaced.add(replacement)
-        first = next((ts for ts, _ in steps if ts > until), None) if replacement else None
         recovered = next((ts for ts, s in steps if ts > until and s > reached), None) if replacement else None
+        window_end = fired_at[i + 1] if i + 1 < len(fired_at) else end
         row = {k: v for k, v in d.items() if k != "_t"}
         row.update(reached=reached, resumed=resumed, lost_steps=0 if absorbed else max(0, reached - resumed),
                    interval=next((i for ts, i in reversed(auto) if ts < t), None),
-                   down_s=0.0 if absorbed else round((first or end) - t - (step_s or 0), 2),
+                   down_s=round(unavoidable(t, replacement and replacement[0], window_end), 2),
                    recovery_s=None if recovered is None else round(recovered - t, 2), absorbed=absorbed)
         if d["kind"] == "hang" and hung:  # tpud's hang detector: from SIGSTOP to its verdict
             row["detected_s"] = next((round(h - t, 2) for h in hung if h > t), None)
@@ -310,10 +324,10 @@ def analyse(run: dict) -> dict:
                          "lost_steps_median": statistics.median(lost) if rows else None,
                          "recovery_s_mean": statistics.mean(rec) if rec else None,
                          "never_recovered": len(rows) - len(rec)}
-    first_start = steps[0][0] - t0 if steps else end - t0
-    return {"wall_s": round(end - t0, 2), "final_step": final_step, "clean_step_s": step_s,
+    first_start = unavoidable(t0, t0, fired_at[0] if fired_at else end)
+    return {"wall_s": round(end - t0, 2), "final_step": final_step, "step_unit_s": unit,
             "mean_step_s": statistics.mean(r["step_time_s"] for r in step_lines) if step_lines else None,
-            "goodput": round(final_step * (step_s or 0) / (end - t0), 4),
+            "goodput": round(final_step * unit / (end - t0), 4),
             "unavoidable_s": round(first_start + sum(d["down_s"] for d in disruptions), 2),
             "auto_interval_median": statistics.median(i for _, i in auto) if auto else None,
             "disruptions": disruptions, "by_kind": by_kind, "tpud_status": run["status"]}
@@ -338,14 +352,14 @@ def report(job: str, arms: dict, ideal: float) -> dict:
         cells = [f"{k['lost_steps']:>5} {fmt(k['lost_steps_median'], '6.1f')} {fmt(k['recovery_s_mean'], '5.1f')}"
                  for k in (arm["by_kind"][kind] for arm in arms.values())]
         print(f"{kind:<11} {arms['auto']['by_kind'][kind]['n']:>3} | " + " | ".join(cells))
-    print(f"{'clean step ms':<15} | " + " | ".join(f"{fmt(arm['clean_step_s'] and arm['clean_step_s'] * 1e3, '>18.1f')}"
-                                                   for arm in arms.values()))
+    print(f"{'step unit ms':<15} | " + " | ".join(f"{arm['step_unit_s'] * 1e3:>11.1f} ({arm['unit_from'][:5]:>5})"
+                                                  for arm in arms.values()))
     print(f"{'down s':<15} | " + " | ".join(f"{arm['unavoidable_s']:>18.1f}" for arm in arms.values()))
     print(f"{'goodput':<15} | " + " | ".join(f"{arm['goodput']:>18.3f}" for arm in arms.values()))
     print(f"{'ideal goodput':<15} | {ideal:>18.3f}   (the arms' median down time: starts, hang bounds, "
           "preemption deadlines, restarts)")
     print(f"{'auto interval':<15} | median {fmt(arms['auto']['auto_interval_median'], 'g')} steps")
-    clean = [arm["clean_step_s"] for arm in arms.values() if arm["clean_step_s"]]
+    clean = [arm["step_unit_s"] for arm in arms.values()]
     if clean and max(clean) > DRIFT * min(clean):
         print(f"WARNING: the arms' clean step times differ {max(clean) / min(clean):.2f}x: the machine's speed drifted")
     auto, best = arms["auto"]["goodput"], max(arms["off"]["goodput"], arms["every"]["goodput"])
@@ -354,6 +368,17 @@ def report(job: str, arms: dict, ideal: float) -> dict:
           f"{'pass' if met['auto_at_least_the_better_arm'] else 'MISS'}")
     print(f"target: auto within 0.03 of the ideal {ideal:.3f}: {'pass' if met['auto_near_the_ideal'] else 'MISS'}")
     return met
+
+
+def calibrate(base: Path, name: str, fields: dict, args: argparse.Namespace) -> float:
+    """The clean step of an arm that has too few save-free steps of its own: the same job with
+    the memory tier off and no disruptions, for --calibrate seconds right after the arm."""
+    print(f"  calibrating {name}: {args.calibrate:g} s without memory saves")
+    arm = TpudArm(f"{name}-calibration", base, JOB.format(repo=REPO, memory="null", **fields), args.deadline)
+    unit = step_unit(run_arm(arm, [], argparse.Namespace(**{**vars(args), "minutes": args.calibrate / 60}))["records"])
+    if unit is None:
+        raise SystemExit(f"calibration of {name}: fewer than {MIN_CLEAN} clean steps in {args.calibrate} s")
+    return unit
 
 
 def run_seed(job_name: str, seed: int, args: argparse.Namespace) -> dict:
@@ -369,7 +394,11 @@ def run_seed(job_name: str, seed: int, args: argparse.Namespace) -> dict:
         for name in order:
             print(f"{name} arm, {args.minutes:g} min")
             arm = TpudArm(name, base, JOB.format(repo=REPO, memory=ARMS[name], **fields), args.deadline)
-            arms[name] = analyse(run_arm(arm, schedule, args))
+            run = run_arm(arm, schedule, args)
+            unit, source = step_unit(run["records"]), "own"
+            if unit is None:  # saves at (nearly) every step: a run of the job without them, at once
+                unit, source = calibrate(base, name, fields, args), "calibration"
+            arms[name] = {**analyse(run, unit), "unit_from": source}
     finally:
         shutil.rmtree(base, ignore_errors=True)
     arms = {name: arms[name] for name in ARMS}
@@ -385,10 +414,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
     parser.add_argument("--minutes", type=float, default=2.0, help="wall time of each arm")
-    parser.add_argument("--per-minute", type=float, default=1.5, help="disruptions per minute")
+    parser.add_argument("--per-minute", type=float, default=2.0, help="disruptions per minute")
     parser.add_argument("--seed", type=int, nargs="+", default=[0, 1, 2], help="one schedule per seed")
     parser.add_argument("--deadline", type=float, default=5.0, help="seconds from a preemption notice to the VM's end")
     parser.add_argument("--checkpoint-interval", type=float, default=10.0, help="periodic disk checkpoints, every arm")
+    parser.add_argument("--calibrate", type=float, default=40.0,
+                        help="seconds of a save-free run that measure the clean step of an arm that saves at every step")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput.json")
     args = parser.parse_args()
 
