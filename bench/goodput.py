@@ -33,8 +33,9 @@ measured against its own speed, so that the machine's speed drifting between arm
 VM) does not pass for a difference between them, while what its saves held the loop, and the work
 it redid, count against it. The mean, not the median: a run that never saves nor loses work then
 reaches the ideal exactly, its slow steps included. An arm with fewer than 20 such steps (every, or
-auto when a save is cheap next to a step) is measured by a --calibrate s run of its job without
-memory saves and disruptions, right after it. The ideal goodput of the schedule is what a supervisor
+auto when a save is cheap next to a step) takes the mean of all its intervals, each less what the
+saves in it held the loop for (a save-free run of the job right after the arm, tried first, drifted
+5 % from its arm on this VM: more than the differences measured). The ideal goodput of the schedule is what a supervisor
 that loses no work and spends nothing on saves would reach: the arm's wall time less its first start
 and its disruptions' down time, the median over the arms.
 
@@ -43,7 +44,7 @@ Targets (every job and seed): auto's goodput >= the better of off and every minu
 arm (SIGKILLs and hangs), of lost steps / the interval in force (the last step line's
 auto_intervals before it) <= 1/2.
 
-    .venv/bin/python bench/goodput.py       # ~45 min: 2 jobs x seeds 0, 1, 2, three 2 min arms each, and calibrations
+    .venv/bin/python bench/goodput.py       # ~40 min: 2 jobs x seeds 0, 1, 2, three 2 min arms each
     .venv/bin/python bench/goodput.py --jobs tiny --seed 0 --minutes 0.5 --out /tmp/goodput.json
 Results: a table per job and seed and a summary on stdout, and bench/results/goodput.json.
 """
@@ -77,7 +78,7 @@ KINDS = ("sigkill", "preemption", "hang")
 # drifted between them (each arm's goodput is still measured against its own).
 DRIFT = 1.2
 WARM_STEPS = 3  # a start's first steps run slower (allocations, caches): unavoidable, like the start
-MIN_CLEAN = 20  # save-free steps an arm needs to measure its own clean step
+MIN_CLEAN = 20  # save-free steps an arm needs to measure its clean step by them alone
 HANG_BOUND_S = 5.0  # the job's heartbeat_timeout_seconds: its steps are far below a tenth of it
 LOSING = ("sigkill", "hang")  # the disruptions that lose the work since the last save
 JOBS = {"tiny": {"seq_len": 128, "micro_batch_size": 4}, "long-step": {"seq_len": 512, "micro_batch_size": 16}}
@@ -244,34 +245,43 @@ def run_arm(arm, schedule, args) -> dict:
     return {"t0": t0, "end": end, "records": tail.records, "fired": fired, "status": status}
 
 
-def clean_intervals(records: list[dict]) -> list[float]:
+def step_intervals(records: list[dict]) -> tuple[list[float], list[float]]:
     """The seconds between consecutive step lines of one worker (each line is one step: log_interval
-    1) with no save line between them, the first WARM_STEPS after a start left out: a step of the
-    loop as a run that never saves makes it, its logging and data loading included."""
-    intervals, previous, since_start = [], None, 0
+    1), the first WARM_STEPS after a start left out: those with no save line between them, and
+    those with saves, less what the saves held the loop for (a memory save's `seconds`, a disk
+    save's `blocking_s`): a step of the loop as a run that never saves makes it, its logging and
+    data loading included."""
+    clean, saving, previous, since_start, held = [], [], None, 0, None
     for r in records:
         event = r.get("event", "")
         if event == "step":
             since_start += 1
             if previous is not None and since_start > WARM_STEPS:
-                intervals.append(r["_t"] - previous)
-            previous = r["_t"]
+                (clean if held is None else saving).append(r["_t"] - previous - (held or 0.0))
+            previous, held = r["_t"], None
         elif event == "trainer ready":
-            previous, since_start = None, 0
+            previous, since_start, held = None, 0, None
         elif event.startswith("checkpoint"):
-            previous = None
-    return intervals
+            held = held or 0.0
+            if event == "checkpoint committed" and r.get("tier") == "memory":
+                held += r.get("seconds", 0.0)
+            elif event == "checkpoint started":
+                held += r.get("blocking_s", 0.0)
+    return clean, saving
 
 
-def step_unit(records: list[dict]) -> float | None:
+def step_unit(records: list[dict]) -> tuple[float, str]:
     """The mean clean interval (the mean, not the median: a run with no saves and no losses then
-    reaches the ideal exactly, its slow steps included); None with too few to measure."""
-    intervals = clean_intervals(records)
-    return statistics.mean(intervals) if len(intervals) >= MIN_CLEAN else None
+    reaches the ideal exactly, its slow steps included), and where it came from; with too few
+    save-free steps (an arm that saves at every step), the mean of every interval less its saves."""
+    clean, saving = step_intervals(records)
+    if len(clean) >= MIN_CLEAN:
+        return statistics.mean(clean), "save-free steps"
+    return statistics.mean(clean + saving), "steps less their saves"
 
 
 def analyse(run: dict, unit: float) -> dict:
-    """The arm's disruptions and goodput, `unit` its clean step (step_unit, its own or a calibration's)."""
+    """The arm's disruptions and goodput, `unit` its clean step (step_unit)."""
     t0, end, records = run["t0"], run["end"], [r for r in run["records"] if r["_t"] <= run["end"]]
     step_lines = [r for r in records if r.get("event") == "step"]
     steps = [(r["_t"], r["step"]) for r in step_lines]
@@ -353,7 +363,8 @@ def report(job: str, arms: dict, ideal: float) -> dict:
                  for k in (arm["by_kind"][kind] for arm in arms.values())]
         print(f"{kind:<11} {arms['auto']['by_kind'][kind]['n']:>3} | " + " | ".join(cells))
     print(f"{'step unit ms':<15} | " + " | ".join(f"{arm['step_unit_s'] * 1e3:>11.1f} ({arm['unit_from'][:5]:>5})"
-                                                  for arm in arms.values()))
+                                                  for arm in arms.values()) + "   (saves: save-free steps; steps: "
+          "steps less their saves)")
     print(f"{'down s':<15} | " + " | ".join(f"{arm['unavoidable_s']:>18.1f}" for arm in arms.values()))
     print(f"{'goodput':<15} | " + " | ".join(f"{arm['goodput']:>18.3f}" for arm in arms.values()))
     print(f"{'ideal goodput':<15} | {ideal:>18.3f}   (the arms' median down time: starts, hang bounds, "
@@ -370,17 +381,6 @@ def report(job: str, arms: dict, ideal: float) -> dict:
     return met
 
 
-def calibrate(base: Path, name: str, fields: dict, args: argparse.Namespace) -> float:
-    """The clean step of an arm that has too few save-free steps of its own: the same job with
-    the memory tier off and no disruptions, for --calibrate seconds right after the arm."""
-    print(f"  calibrating {name}: {args.calibrate:g} s without memory saves")
-    arm = TpudArm(f"{name}-calibration", base, JOB.format(repo=REPO, memory="null", **fields), args.deadline)
-    unit = step_unit(run_arm(arm, [], argparse.Namespace(**{**vars(args), "minutes": args.calibrate / 60}))["records"])
-    if unit is None:
-        raise SystemExit(f"calibration of {name}: fewer than {MIN_CLEAN} clean steps in {args.calibrate} s")
-    return unit
-
-
 def run_seed(job_name: str, seed: int, args: argparse.Namespace) -> dict:
     """One job and seed: the off, every and auto arms on one schedule, in an order rotated by the seed."""
     schedule = make_schedule(args.minutes, args.per_minute, seed)
@@ -395,9 +395,7 @@ def run_seed(job_name: str, seed: int, args: argparse.Namespace) -> dict:
             print(f"{name} arm, {args.minutes:g} min")
             arm = TpudArm(name, base, JOB.format(repo=REPO, memory=ARMS[name], **fields), args.deadline)
             run = run_arm(arm, schedule, args)
-            unit, source = step_unit(run["records"]), "own"
-            if unit is None:  # saves at (nearly) every step: a run of the job without them, at once
-                unit, source = calibrate(base, name, fields, args), "calibration"
+            unit, source = step_unit(run["records"])
             arms[name] = {**analyse(run, unit), "unit_from": source}
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -418,8 +416,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, nargs="+", default=[0, 1, 2], help="one schedule per seed")
     parser.add_argument("--deadline", type=float, default=5.0, help="seconds from a preemption notice to the VM's end")
     parser.add_argument("--checkpoint-interval", type=float, default=10.0, help="periodic disk checkpoints, every arm")
-    parser.add_argument("--calibrate", type=float, default=40.0,
-                        help="seconds of a save-free run that measure the clean step of an arm that saves at every step")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput.json")
     args = parser.parse_args()
 

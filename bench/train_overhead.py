@@ -41,6 +41,9 @@ With --device cuda both sides run in bf16 autocast on the GPU at the CUDA geomet
 2048), the clocks read after a synchronize, and each side's MFU is reported (6 N + 12 L H Dh T
 FLOPs per token, engine.models.llama.flops_per_token, against the GPU's dense bf16 peak).
 
+The replicas' fingerprint (health.replicas) of the trained state is timed after each run (5 times)
+and reported as a share of the engine's median step at its default interval (target < 1 %).
+
 Results: a table on stdout and bench/results/train_overhead.json (raw step times included).
 """
 
@@ -69,7 +72,8 @@ from engine.requests import Action, Request
 from engine.backends.base import peak_flops_for
 from engine.models.llama import Transformer, flops_per_token
 from engine.spec.loader import load_spec
-from engine.spec.schema import JobSpec
+from engine.health.replicas import fingerprint
+from engine.spec.schema import JobSpec, ReplicaConfig
 from engine.train import Trainer
 from machine import describe
 from tpud.worker.channel import Listener
@@ -253,6 +257,13 @@ def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmu
         reported = [e.step for e in hooks.received if isinstance(e, events.Step)]
         assert reported == list(range(1, len(reported) + 1)), reported  # every step reported reached the daemon
 
+        # health.replicas: what the fingerprint of this state costs, at its default interval.
+        fingerprint_s = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fingerprint(trainer.model, trainer.optimizer)
+            fingerprint_s.append(time.perf_counter() - t0)
+
         data_s = []
         for step in range(steps):
             t0 = time.perf_counter()
@@ -275,6 +286,8 @@ def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmu
         "paired_ratio_median": statistics.median(e / b for e, b in zip(engine_s, baseline_s)),
         "others_cpu_share": others_cpu_share(*hooks.ticks),  # of the machine's CPU, during the timed steps
         "data_batch_median_s": statistics.median(data_s),
+        "fingerprint_median_s": statistics.median(fingerprint_s),
+        "fingerprint_share_of_step": statistics.median(fingerprint_s) / ReplicaConfig().interval_steps / engine_med,
         "step_events_sent": len(reported),
         "step0_loss": {"engine": hooks.engine_loss0, "baseline": hooks.baseline_loss0},
         "engine_step_s": engine_s, "baseline_step_s": baseline_s,
@@ -343,6 +356,9 @@ def main() -> int:
             print(f"{r['preset']:<7} MFU engine {r['mfu']['engine']:.1%}, baseline {r['mfu']['baseline']:.1%}"
                   + (f" (target >= {target:.0%}: {'pass' if r['mfu']['engine'] >= target else 'MISS'})"
                      if target else ""))
+    for r in results:
+        print(f"{r['preset']:<7} replica fingerprint {r['fingerprint_median_s'] * 1e3:.1f} ms, every "
+              f"{ReplicaConfig().interval_steps} steps: {r['fingerprint_share_of_step']:.3%} of a step (target < 1 %)")
     missed = [r["preset"] for r in results if not r["passed"]]
     print()
     print(f"MISSED TARGET (engine > {TARGET}x baseline): {', '.join(missed)}" if missed else "all targets met")

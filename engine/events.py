@@ -204,9 +204,25 @@ class ReplicaMismatch(Event):
 
 
 @dataclass(frozen=True, config=_CONFIG)
+class Straggler(Event):
+    """A process (a host, in a gang) was flagged a straggler, or cleared (engine.health.stragglers);
+    every process reports the same judgement. With health.stragglers.evict, a flagged one is
+    evicted: it exits 79 and the others 77 after a save."""
+
+    TYPE: ClassVar[str] = "straggler"
+    step: int
+    straggler: int                   # the straggler's rank (its host, in a gang)
+    rank: int                        # this process's
+    ratio: float                     # its forward time over the others' median, this step
+    flagged: bool                    # False: it kept under the factor for as long again: cleared
+    evicted: bool
+    reason: str
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class Gang(Event):
     """A job on several hosts: the worker's view of its gang, while it waits for the others and
-    once the gang has formed (`present == hosts`). A new generation is a new gang: every restart
+    once the gang has formed (`members` set: every host, or with gang.min_hosts those not left out). A new generation is a new gang: every restart
     of any host's worker starts one."""
 
     TYPE: ClassVar[str] = "gang"
@@ -214,6 +230,7 @@ class Gang(Event):
     hosts: int
     present: int
     generation: int
+    members: list[int] | None = None  # once formed: the hosts in it (fewer than hosts: some left out)
 
 
 @dataclass(frozen=True, config=_CONFIG)
@@ -237,7 +254,7 @@ class CheckpointRequest(Event):
 
 WORKER_EVENTS: tuple[type[Event], ...] = (Hello, Heartbeat, Started, Step, CheckpointStarted, CheckpointCommitted,
                                          CheckpointFailed, CheckpointRestored, Eval, NonFinite, RolledBack, ReplicaMismatch,
-                                         Gang)
+                                         Straggler, Gang)
 _BY_TYPE = {cls.TYPE: cls for cls in (*WORKER_EVENTS, CheckpointRequest)}
 
 

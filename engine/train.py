@@ -48,6 +48,7 @@ from engine.health.guard import StepGuard
 from engine.health.healing import Healer
 from engine.health.ledger import SkipLedger
 from engine.health.replicas import ReplicaCheck
+from engine.health.stragglers import StragglerWatch
 from engine.layout import StateLayout
 from engine.hooks import Boundary, Hooks, SignalHooks
 from engine.requests import Action, Request, merge
@@ -172,6 +173,7 @@ class Trainer:
                              self.hooks.emit)
         self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
         self.replicas.agreed = self.progress.step  # restored states were compared before their commit
+        self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.guard, self.badput, self.hooks.emit, router_stats=moe is not None,
                                  intervals=self.checkpointer.intervals)
@@ -220,6 +222,8 @@ class Trainer:
                     if p.micro_step < self.loader.accum.at(p.step):
                         continue
                     self.reporter.record(self.optimizer_step())
+                    if (code := self._judge_stragglers()) is not None:
+                        return code
                     if self.guard.found is not None:
                         if (code := self.healer.heal(self)) is not None:
                             return code
@@ -252,17 +256,22 @@ class Trainer:
             batch = self.batches.batch(p.step, p.micro_step).map(self.backend.to_device)
             # Device data, not a constant: under XLA every weight runs the same graph.
             weight = self.backend.to_device(torch.tensor(self.loader.loss_weight(p.step, p.micro_step)))
-        last = p.micro_step == accum - 1
+        last, rank = p.micro_step == accum - 1, self.backend.data.rank
         with self.backend.no_sync(self.module) if not last else contextlib.nullcontext():
+            began = time.monotonic()
             with self.backend.autocast(self.bf16), record_function("tpud.forward"):
                 # Weighted by its share of the step's targets (1.0 without masks): divided by the
                 # micro-batch count below, the step's loss is that of one batch of all its targets.
                 loss, router = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)
                 loss = loss * weight
+            self.faults.slow_down(p.step, rank, time.monotonic() - began)
+            self.stragglers.forward_took(time.monotonic() - began)  # no collective waits inside (stragglers.py)
             if (factor := self.faults.poison(self.loader.index(p.step, p.micro_step))) != 1.0:
                 loss = loss * factor  # NaN: NaN gradients and weights, a real blow-up; else a spike
+            began = time.monotonic()
             with record_function("tpud.backward"):
                 ((loss if router is None else loss + router[0]) / accum).backward()
+            self.faults.slow_down(p.step, rank, time.monotonic() - began)
         # With experts, the router's statistics ride along: [loss, *STATS], summed like the loss.
         values = loss.detach() if router is None else torch.cat([loss.detach().reshape(1), router[1:].detach()])
         p.loss_sum = values if p.loss_sum is None else p.loss_sum + values
@@ -279,6 +288,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * factor
         # max_norm=inf still returns the norm, which is worth logging when clipping is off.
+        self.faults.before_update(p.step + 1, self.model, self.backend.data.rank)
         grad_norm = self.backend.clip_grad_norm(self.model.parameters(), train.grad_clip or float("inf"))
         # Stacked inside the step's graph, so reading them later is one plain copy.
         mean = (p.loss_sum / p.micro_step).reshape(-1)  # the loss, then any router statistics
@@ -391,6 +401,14 @@ class Trainer:
         self.checkpointer.wait()
         return self.replicas.quarantine(mismatch, self.checkpointer.forget_after, self.hooks.emit)
 
+    def _judge_stragglers(self) -> int | None:
+        """Every process's forward time against the others' (engine.health.stragglers): the exit
+        code when a straggler is evicted, after a save of the step all reached."""
+        if (code := self.stragglers.eviction(self.stragglers.step_done(self.step))) is None:
+            return None
+        saved = self._save("evict", wait=True)
+        return code if saved is None else saved
+
     # --- healing (engine.health.healing) ---
 
     def rewind(self, at_most: int) -> Progress | None:
@@ -402,6 +420,7 @@ class Trainer:
             return None
         self.progress.__dict__.update(vars(restored))  # the loop holds this object
         self.reporter.rewound()
+        self.stragglers.reset()
         return self.progress
 
     def _keep_polling(self) -> None:

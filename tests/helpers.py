@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import textwrap
 import time
@@ -14,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.checkpoint import manifest as mf
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 from tpud.control import ControlClient, ControlError, DaemonUnreachable
 from tpud.paths import Paths
 
@@ -200,3 +201,27 @@ def read_records(proc, done, timeout: float = 120) -> list[dict]:
                 return records
     raise AssertionError(f"not seen before {'the end of output' if not line else 'the timeout'}; "
                          f"last records: {records[-5:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_parallel(state_dir: Path, world: int, *overrides: str, steps: int = 12) -> list[dict]:
+    """`world` data-parallel processes (gloo, DDP) training the tiny job (tests/replica_probe.py);
+    each rank's report: its exit code, its replica_mismatch and straggler events, its steps."""
+    port = free_port()
+    args = [PYTHON, str(REPO / "tests" / "replica_probe.py"), str(TINY_JOB), str(state_dir),
+            f"train.max_steps={steps}", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
+            "data.micro_batch_size=2", "data.corpus_bytes=400000", "device.mesh.data=-1", "device.mesh.fsdp=1",
+            "checkpoint.interval_steps=4", "health.replicas.interval_steps=2", *overrides]
+    procs = [subprocess.Popen(args, env=python_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                   OMP_NUM_THREADS="1"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode in (0, 77, 79), err[-3000:]
+    return [json.loads((state_dir / f"rank{r}.json").read_text()) for r in range(world)]

@@ -1,6 +1,6 @@
 """One rank of tests/test_replicas.py's data-parallel runs (spawned with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT): trains the job, writes STATE_DIR/rank<R>.json with its exit code and
-the replica_mismatch events it emitted, and exits with the trainer's exit code."""
+the replica_mismatch and straggler events it emitted, and exits with the trainer's exit code."""
 
 import json
 import sys
@@ -20,7 +20,9 @@ def main(job: str, state_dir: str, *overrides: str) -> int:
     code = trainer.run()
     rank = dist.get_rank()
     mismatches = [dict(e.to_json()) for e in hooks.of(events.ReplicaMismatch)]
+    stragglers = [dict(e.to_json()) for e in hooks.of(events.Straggler)]
     (Path(state_dir) / f"rank{rank}.json").write_text(json.dumps({"exit": code, "mismatches": mismatches,
+                                                                   "stragglers": stragglers,
                                                                    "steps": sorted(hooks.losses)}))
     return code
 

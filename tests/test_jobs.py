@@ -136,6 +136,23 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     assert job.state is State.FAILED and len(job.workers.made) == 1 and "attention.kernel" in job.error
 
 
+@pytest.mark.parametrize("line", [
+    '{"event": "replica mismatch: this process\'s state differs from the majority\'s; quarantined", "level": "error"}',
+    '{"event": "rank 0 is a straggler: its forwards over the last 20 steps took 1.62x the others\' median at step '
+    '40 (factor 1.5); evicted", "level": "error"}'])
+def test_a_quarantined_or_evicted_host_fails_there_with_the_reason_and_is_not_restarted(make_job, line):
+    make, now = make_job
+    job = make()
+    job.start()
+    job.current.output.tail.extend([line, '{"event": "checkpoint committed", "level": "info"}'])
+    job.worker_exited(79)
+    assert job.state is State.FAILED and len(job.workers.made) == 1
+    assert ("quarantined" in job.error or "evicted" in job.error) and "exit 79" in job.record.history[-1]["reason"]
+    now[0] += 3600
+    job.tick()
+    assert job.state is State.FAILED and len(job.workers.made) == 1
+
+
 def nonfinite(step_n, loss, policy):
     return events.NonFinite(step=step_n, loss=loss, grad_norm=None, policy=policy)
 

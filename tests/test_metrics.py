@@ -474,3 +474,25 @@ def test_rollbacks_reach_the_counters_and_status_with_the_skip_ledger(metrics, t
     assert value(s, "tpud_job_redone_steps_total", job="llm") == 3
     path.write_text("{not json")  # damaged: status says what this daemon saw, and never fails
     assert report.snapshot(100)["healing"]["skipped"] is None
+
+
+def test_a_straggler_reaches_its_gauge_and_a_status_line_until_cleared(metrics):
+    from engine import events
+    from tpud.job.report import WorkerReport
+    from tpud.view.status import lines
+
+    report = WorkerReport("llm", metrics, lambda: 0.0)
+    assert report.snapshot(100)["stragglers"] == []
+    reason = "rank 2 is a straggler: its forward took 1.62x the others' median at step 40 (20 steps at or over 1.5x)"
+    report.on_straggler(events.Straggler(step=40, straggler=2, rank=0, ratio=1.62, flagged=True, evicted=False,
+                                         reason=reason))
+    (flagged,) = report.snapshot(100)["stragglers"]
+    assert (flagged["host"], flagged["ratio"], flagged["flagged"]) == (2, 1.62, True)
+    assert value(scrape(metrics), "tpud_job_straggler_ratio", job="llm", host="2") == pytest.approx(1.62)
+    job = {"name": "llm", "state": "RUNNING", "stragglers": report.snapshot(100)["stragglers"]}
+    assert [x for x in lines([job]) if "straggler" in x] == [f"llm: straggler: {reason}"]
+    report.on_straggler(events.Straggler(step=60, straggler=2, rank=0, ratio=1.01, flagged=False, evicted=False,
+                                         reason="rank 2 is no longer a straggler"))
+    assert value(scrape(metrics), "tpud_job_straggler_ratio", job="llm", host="2") == 0
+    job["stragglers"] = report.snapshot(100)["stragglers"]
+    assert not [x for x in lines([job]) if "straggler" in x]  # cleared: the json keeps it, the table does not

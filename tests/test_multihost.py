@@ -355,3 +355,32 @@ def test_a_gang_resumes_a_checkpoint_only_with_the_spec_it_was_made_with(tmp_pat
         assert not h.records("step", every_run=False)
     assert run("train.max_steps=8") == [0, 0]  # training longer: a change the checkpoint survives
     assert [r["step"] for r in hosts[0].records("checkpoint restored", every_run=False)] == [4]
+
+
+def test_a_quarantined_host_is_left_out_the_others_go_on_and_it_rejoins_when_started(tmp_path, gcs_server):
+    """gang.min_hosts 2 of 3: a bit flipped in host 1's replica; it fails there (exit 79), hosts 0
+    and 2 restart from the last agreed state as a gang of two; `tpud run` on host 1 again (the host
+    replaced) brings the gang back to three, and all finish."""
+    port, hosts = free_port(), gang(tmp_path)
+    for h in hosts:
+        (h.home / "tpud.yaml").write_text(f"gang: {{host_index: {h.index}, host_count: 3, min_hosts: 2, "
+                                          f"coordinator: '127.0.0.1:{port}'}}\nallow_fault_injection: true\n")
+    run = ["train.max_steps=200", "health.replicas.interval_steps=2", "health.spikes=null", REMOTE]
+    for h in hosts:
+        h.start(*run, "debug.inject.bit_flips=[{step: 5, rank: 1}]")
+    assert hosts[1].wait() == 79  # quarantined: FAILED there, never restarted
+    (mismatch,) = [r for r in hosts[1].records() if r.get("event", "").startswith("replica mismatch: this process")]
+    assert (mismatch["odd"], mismatch["step"], mismatch["agreed_step"]) == ([1], 6, 4)
+    hosts[1].start(*run)  # replaced: it joins again (its first seconds import torch), and the gang grows back
+    formed = wait_until(lambda: [r for r in hosts[0].records("gang formed") if r["members"] == [0, 2]],
+                        "hosts 0 and 2 formed without host 1", timeout=120)
+    assert formed and [r for r in hosts[2].records("gang formed") if r["members"] == [0, 2]]
+    assert [r for r in hosts[0].records("gang") if r["state"] == "formed without host(s) 1 (quarantined or evicted)"]
+    resumed = [r["resumed_at"] for r in hosts[0].records("trainer ready")]
+    assert resumed[0] == 0 and resumed[1] <= 4  # the last state all agreed on, nothing after it
+    assert [h.wait() for h in hosts] == [0, 0, 0]
+    assert [r["num_devices"] for r in hosts[0].records("trainer ready")][:2] == [3, 2]
+    assert hosts[0].records("trainer ready")[-1]["num_devices"] == 3
+    assert hosts[1].records("gang formed")[-1]["members"] == [0, 1, 2]
+    _, _, manifest = committed_steps(hosts[0].home / "state" / "checkpoints" / "tiny-cpu")[-1]
+    assert manifest.step == 200

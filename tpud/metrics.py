@@ -19,7 +19,7 @@ tpud_checkpoint_save_cost_seconds{job,tier},
 tpud_checkpoint_expected_loss_seconds{job,tier}, tpud_job_assumed_disruptions_per_second{job},
 tpud_job_useful_mfu_ratio{job}, tpud_job_rollbacks_total{job,kind,verdict},
 tpud_job_skipped_samples_total{job}, tpud_job_redone_steps_total{job},
-tpud_job_replica_mismatches_total{job,odd}, tpud_job_quarantined{job},
+tpud_job_replica_mismatches_total{job,odd}, tpud_job_quarantined{job}, tpud_job_straggler_ratio{job,host},
 tpud_heartbeat_age_seconds{job},
 tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
 tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
@@ -193,6 +193,9 @@ class Metrics:
         self._quarantined = Gauge("tpud_job_quarantined", "1 when this host's replica of the job's state differed "
                                   "from the majority's: the job is failed here until the host is replaced.",
                                   ["job"], registry=r)
+        self._stragglers = Gauge("tpud_job_straggler_ratio", "A flagged straggler's forward time over the other "
+                                 "processes' median (host: its rank, its host in a gang); 0 once cleared.",
+                                 ["job", "host"], registry=r)
         self._preemptions = Counter("tpud_preemption_notices_total",
                                     "Preemption or maintenance notices received, by source.",
                                     ["source"], registry=r)
@@ -339,6 +342,10 @@ class Metrics:
         with self._change():
             self._child(self._mismatches, job, odd).inc()
             self._child(self._quarantined, job).set(1 if quarantined else 0)
+
+    def straggler(self, job: str, *, host: int, ratio: float, flagged: bool) -> None:
+        with self._change():
+            self._child(self._stragglers, job, str(host)).set(ratio if flagged else 0)
 
     def job_series(self, job: str, *, tiers: Iterable[str], restart_reasons: Iterable[str]) -> None:
         """Create the job's counters at 0, so that increase() sees the first restart or failure

@@ -20,6 +20,11 @@ class GangSettings(BaseModel):
 
     host_index: int = Field(ge=0, description="This host's index, 0 .. host_count - 1. Host 0 runs the coordinator.")
     host_count: int = Field(ge=1, description="Hosts every multi-host job spans.")
+    min_hosts: int | None = Field(
+        None, ge=1, description="The fewest hosts a gang goes on with when hosts were quarantined (a replica that "
+        "differed) or evicted (a straggler): those are left out until they start again, while the others restart "
+        "without them. Default host_count: the gang waits for their replacement. A host that is merely down is "
+        "always waited for.")
     coordinator: str = Field(
         pattern=r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):[0-9]{1,5}$",
         description="HOST:PORT where host 0's coordinator (torch.distributed's TCPStore) listens and every "
@@ -35,6 +40,8 @@ class GangSettings(BaseModel):
     def _index_in_range(self) -> GangSettings:
         if self.host_index >= self.host_count:
             raise ValueError(f"host_index {self.host_index} must be below host_count {self.host_count}")
+        if self.min_hosts is not None and self.min_hosts > self.host_count:
+            raise ValueError(f"min_hosts {self.min_hosts} must not be above host_count {self.host_count}")
         if not 1 <= int(self.coordinator.rpartition(":")[2]) <= 65535:
             raise ValueError(f"coordinator {self.coordinator!r}: the port must be 1 .. 65535")
         return self

@@ -228,6 +228,11 @@ class Checkpointer:
         if restored is None:
             return None
         progress = restored.progress
+        if self.hosts is not None:
+            # Steps the gang passed over (a host lacks them) would meet the next saves of those steps
+            # as already committed on some hosts only, which then skip the commit's collectives.
+            self._set_aside_after((progress.step, progress.micro_step),
+                                  [f"the gang restored step {progress.step}, which every host holds"])
         self.last_saved_step, self.restored, self.restored_loader = progress.step, restored.manifest, restored.loader
         self.schedule.restored(progress.step)
         self.emit(events.CheckpointRestored(progress.step, progress.micro_step, str(restored.path),
@@ -237,13 +242,15 @@ class Checkpointer:
     def forget_after(self, step: int) -> None:
         """A rollback undid the steps after `step` (engine.health.healing): the states that hold
         them, on disk (set aside in corrupt/) and in memory (dropped), are out of restore's way."""
-        why = [f"a rollback to step {step} undid it"]
+        self._set_aside_after((step, 0), [f"a rollback to step {step} undid it"])
+
+    def _set_aside_after(self, key: tuple[int, int], why: list[str]) -> None:
         for s, path, manifest in mf.committed_steps(self.job_dir):
-            if (s, manifest.micro_step) > (step, 0):
+            if (s, manifest.micro_step) > key:
                 retention.move_aside(self.job_dir, path, why, self.rank, "checkpoint rolled back, moved aside")
         if self.memory is not None:
             for s, path, manifest in mf.parts(self.memory.job_dir):
-                if (s, manifest.micro_step) > (step, 0):
+                if (s, manifest.micro_step) > key:
                     self.memory.discard(path, why, "memory checkpoint rolled back, discarded")
 
     def close(self) -> None:

@@ -11,9 +11,13 @@ Each looks like the real thing from outside the worker:
   after a rollback that skips those batches, step N trains on the next ones and is finite.
 - spike_at_step N: the same micro-batches' loss is multiplied by SPIKE (and so their gradients):
   a loss spike that comes back when the step is replayed, as bad data's does.
-- bit_flips [{step, rank, tensor, element, bit}]: right after `step`, the process of that rank
-  (with several hosts, the host) flips one bit of one element of one parameter: silent data
-  corruption, which the replicas' fingerprints find (engine.health.replicas).
+- bit_flips [{step, rank, tensor, element, bit, gradient}]: right after `step`, the process of
+  that rank (with several hosts, the host) flips one bit of one element of one parameter (with
+  `gradient`, of its gradient of step `step`, after the all-reduce and before the update): silent
+  data corruption, which the replicas' fingerprints find (engine.health.replicas).
+- slow_host {rank, factor, from_step}: that process's forward and backward passes take factor x
+  as long (it sleeps the difference) from that step on, every run: a straggler
+  (engine.health.stragglers).
 
 Transient faults fire once per job: a marker file `<state>/jobs/<job>/faults/<kind>-<step>`
 is made durable before the fault fires, and a worker started after it exists does not fire
@@ -39,7 +43,7 @@ from engine.layout import atomic_write
 
 log = structlog.get_logger()
 
-HANG, CRASH, NAN, SPIKE_KIND, FLIP = "hang", "crash", "nan", "spike", "flip"
+HANG, CRASH, NAN, SPIKE_KIND, FLIP, GRAD_FLIP = "hang", "crash", "nan", "spike", "flip", "gradflip"
 SPIKE = 10.0  # what spike_at_step multiplies the loss by
 
 
@@ -52,10 +56,18 @@ class NoFaults:
     def at_step_boundary(self, step: int, model=None, rank: int = 0) -> None:
         pass
 
+    def slow_down(self, step: int, rank: int, seconds: float) -> None:
+        pass
+
+    def before_update(self, step: int, model, rank: int) -> None:
+        pass
+
 
 class Faults:
     def __init__(self, cfg: InjectConfig, job_dir: Path, accum: AccumSchedule):
         self.cfg = cfg
+        # In a gang a fault names a host, whatever its rank (a gang without some hosts renumbers them).
+        self.host = int(os.environ["TPUD_GANG_HOST"]) if "TPUD_GANG_HOST" in os.environ else None
         self.dir = Path(job_dir) / "faults"
         self._fired_before = {p.name for p in self.dir.iterdir()} if self.dir.is_dir() else set()
         self._fired_now: set[str] = set()
@@ -85,11 +97,29 @@ class Faults:
         log.warning(f"injected {kind}", step=step, micro_batch=index)
         return float("nan") if kind == NAN else SPIKE
 
+    def _who(self, rank: int) -> int:
+        return rank if self.host is None else self.host
+
+    def slow_down(self, step: int, rank: int, seconds: float) -> None:
+        """After a forward or backward pass of `seconds` at `step` (steps done): slow_host's rank
+        sleeps (factor - 1) x as long, from its from_step on."""
+        slow = self.cfg.slow_host
+        if slow is not None and self._who(rank) == slow.rank and step >= slow.from_step:
+            time.sleep((slow.factor - 1) * seconds)
+
+    def before_update(self, step: int, model, rank: int) -> None:
+        """Step `step`'s gradients are ready (after the all-reduce) and about to be applied."""
+        for flip in self.cfg.bit_flips:
+            if (flip.gradient and (flip.step, flip.rank) == (step, self._who(rank))
+                    and self._fire(GRAD_FLIP, step * 1000 + flip.rank)):
+                flip_bit(model, flip)
+
     def at_step_boundary(self, step: int, model=None, rank: int = 0) -> None:
         """Called once after each step completes (`step` = steps done; `model` and this process's
         `rank` for bit flips), and at a fresh start with 0."""
         for flip in self.cfg.bit_flips:
-            if flip.step == step and flip.rank == rank and model is not None and self._fire(FLIP, step * 1000 + rank):
+            if (not flip.gradient and (flip.step, flip.rank) == (step, self._who(rank)) and model is not None
+                    and self._fire(FLIP, step * 1000 + flip.rank)):
                 flip_bit(model, flip)
         if step in self.cfg.crash_at_step and self._fire(CRASH, step):
             log.error("injected crash", step=step)
@@ -101,16 +131,20 @@ class Faults:
 
 
 def flip_bit(model, flip) -> None:
-    """Flip bit `flip.bit` of element `flip.element` of parameter `flip.tensor` (the first by default)."""
+    """Flip bit `flip.bit` of element `flip.element` of parameter `flip.tensor` (the first by
+    default), or of its gradient."""
     import torch
 
     params = dict(model.named_parameters())
     name = flip.tensor or next(iter(params))
     if name not in params:
         raise ValueError(f"debug.inject.bit_flips: the model has no parameter {name!r}")
+    target = params[name].grad if flip.gradient else params[name]
+    if target is None:
+        raise ValueError(f"debug.inject.bit_flips: parameter {name!r} has no gradient at this step")
     with torch.no_grad():
-        flat = params[name].detach().view(-1)
+        flat = target.detach().view(-1)
         i = flip.element % flat.numel()
         bits = flat[i:i + 1].view(torch.int32)  # 32-bit parameters: fp32
         bits ^= (1 << flip.bit) if flip.bit < 31 else -(1 << 31)  # the sign bit, as an int32
-    log.error("injected bit flip", parameter=name, element=i, bit=flip.bit)
+    log.error("injected bit flip", parameter=name, gradient=flip.gradient, element=i, bit=flip.bit)

@@ -9,7 +9,7 @@ the training thread's gloo group). When they differ:
 - with three replicas or more, the odd ones are those outside the majority: they exit 79
   (engine.exit_codes.QUARANTINED; the supervisor fails the job on that host, naming why) and
   the others exit 77 (GANG_RESTART): the gang starts again from the last state all agreed on,
-  and waits for the quarantined host's replacement;
+  without the quarantined host where gang.min_hosts allows, else waiting for its replacement;
 - with two (or no majority), no replica can be named: all exit 77 and start again from that
   state.
 

@@ -618,6 +618,19 @@ class ReplicaConfig(Section):
                                         "job with replicas (several processes or hosts, not sharded across them).")
 
 
+class StragglerConfig(Section):
+    """Stragglers (docs/architecture.md, "Healing"): every step each process's forward time against
+    the median of the others' (one float each, all-gathered)."""
+
+    factor: float = Field(1.5, gt=1, description="A process whose median forward pass takes this many times the "
+                          "others' (less 3 % for timing noise) ...")
+    steps: PositiveInt = Field(20, description="... over the last this many steps is flagged a straggler; under "
+                               "halfway to the factor it is cleared.")
+    evict: bool = Field(False, description="Evict a flagged straggler: every process saves, the straggler exits 79 "
+                        "(FAILED on its host, like a quarantined replica) and the others 77 (the gang goes on without "
+                        "it where tpud.yaml's gang.min_hosts allows, else waits for a replacement host).")
+
+
 class HealthConfig(Section):
     """How the supervisor judges a worker (docs/architecture.md, "Job lifecycle": hang, crash, non-finite loss)."""
 
@@ -638,6 +651,8 @@ class HealthConfig(Section):
     spikes: SpikeConfig | None = Field(SpikeConfig(), description="Loss-spike rollback; null disables it.")
     replicas: ReplicaConfig | None = Field(ReplicaConfig(), description="The replicas' fingerprint comparison; "
                                            "null disables it.")
+    stragglers: StragglerConfig | None = Field(StragglerConfig(), description="Straggler detection in a job of "
+                                               "several processes or hosts; null disables it.")
     max_rollbacks: NonNegativeInt = Field(3, description="Rollbacks (spikes and non-finite losses) allowed within "
                                           "rollback_window_steps steps; the next one fails the job (exit 76).")
     rollback_window_steps: PositiveInt = Field(1000, description="The window max_rollbacks counts in.")
@@ -671,6 +686,17 @@ class BitFlip(Section):
     element: NonNegativeInt = Field(0, description="Its element, in row-major order (modulo its size).")
     bit: int = Field(22, ge=0, le=31, description="The bit of the element's 32-bit pattern: 22, the mantissa's "
                      "highest, changes the value by up to half, silently; 23-30 (the exponent) may blow it up.")
+    gradient: bool = Field(False, description="Flip the parameter's gradient of step `step` instead (as the optimizer "
+                           "gets it: after the replicas' all-reduce), so that only this process's update is wrong.")
+
+
+class SlowHost(Section):
+    """One process (with several hosts: the host) made slower from a step on: a straggler."""
+
+    rank: NonNegativeInt = Field(1, description="The process (with several hosts: the host) slowed down.")
+    factor: float = Field(1.5, gt=1, description="Its forward and backward passes take this many times as long "
+                          "(it sleeps the difference).")
+    from_step: NonNegativeInt = Field(0, description="From this step on (steps done).")
 
 
 class InjectConfig(Section):
@@ -682,7 +708,9 @@ class InjectConfig(Section):
     nan_at_step: Steps = Field([], description="The loss of step N is NaN (its batch is poisoned).")
     spike_at_step: Steps = Field([], description="The loss of step N is 10x (its batch is poisoned): a spike that "
                                  "comes back on replay, as bad data's does.")
-    bit_flips: list[BitFlip] = Field([], description="Bits flipped in one process's parameters after a step.")
+    bit_flips: list[BitFlip] = Field([], description="Bits flipped in one process's parameters after a step, or in "
+                                     "its gradients before the update.")
+    slow_host: SlowHost | None = Field(None, description="One process slowed down by a factor: a straggler.")
     repeat: bool = Field(
         False, description="Fire every time the step is reached (a deterministic fault); by default each fault "
         "fires once per job, as transient faults do.")

@@ -26,6 +26,7 @@ class GangPlace:
     coordinator: str   # HOST:PORT of the TCPStore every worker meets in
     peer_timeout_s: float = 3.0
     restart_peers: bool = True  # false: no peer watch (tpud.settings.GangSettings.restart_peers)
+    min_hosts: int | None = None  # None: every host (tpud.settings.GangSettings.min_hosts)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -44,7 +45,8 @@ class GangPlace:
     def worker_env(self) -> dict[str, str]:
         env = {"TPUD_GANG_HOST": str(self.host), "TPUD_GANG_HOSTS": str(self.hosts),
                "TPUD_GANG_COORDINATOR": self.coordinator, "TPUD_GANG_PEER_TIMEOUT": str(self.peer_timeout_s),
-               "TPUD_GANG_RESTART_PEERS": "1" if self.restart_peers else "0"}
+               "TPUD_GANG_RESTART_PEERS": "1" if self.restart_peers else "0",
+               "TPUD_GANG_MIN_HOSTS": str(self.min_hosts or self.hosts)}
         if self.loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         return env
@@ -55,7 +57,8 @@ def discover(settings, env: dict[str, str] | None = None) -> GangPlace | None:
     env = os.environ if env is None else env
     if settings.gang is not None:
         g = settings.gang
-        place = GangPlace(g.host_index, g.host_count, g.coordinator, g.peer_timeout_seconds, g.restart_peers)
+        place = GangPlace(g.host_index, g.host_count, g.coordinator, g.peer_timeout_seconds, g.restart_peers,
+                          g.min_hosts)
     elif env.get("TPU_WORKER_ID") and env.get("TPU_WORKER_HOSTNAMES"):
         names = [n.strip() for n in env["TPU_WORKER_HOSTNAMES"].split(",") if n.strip()]
         try:

@@ -6,10 +6,12 @@ All of it goes through torch.distributed's TCPStore in host 0's coordinator, und
     gen                   the current generation: each generation is one gang of workers
     g<G>/spec/<host>      the fingerprint of its job spec (engine.spec.fingerprint), set before its seat
     g<G>/seat/<host>      a worker of this host joined generation G
+    g<G>/members          the hosts of the gang, fixed by the first worker to see it complete
     g<G>/started          every host was seated: the gang formed
     g<G>/beat/<host>      a counter each worker bumps every `interval`
     g<G>/arrivals/<host>  loop boundaries its training thread has reached
     g<G>/left/<host>      it exits on purpose (done, stopped, bad input): not a failure
+    out/<host>            its worker was quarantined or evicted (exit 79), until it joins again
 
 Once every host is seated, each compares every host's fingerprint: hosts whose job files
 differ (one host's jobs.d/ edited, not the others') all refuse the job alike, with exit 78 and a
@@ -24,6 +26,13 @@ again, and the new generation resumes from the newest global commit.
 
 With `restart_peers` off (a setting, for comparison) there is no watcher: a worker learns of a
 peer's failure only from a collective's error or its daemon's hang bound.
+
+A gang is complete when every host is seated, except, with `min_hosts` below the host count,
+hosts left out (`out/<host>`): the others form without them, as long as at least `min_hosts` are
+seated. The members' ranks are their order (host 2 of hosts 0 and 2 is rank 1), and the
+checkpoints' global commit spans the members. A host left out that starts again (an operator's
+`tpud start`, a replaced VM) clears its mark and takes a seat; finding the gang formed without it,
+it opens the next generation, which the others join: the gang grows back.
 
 A worker whose training thread is ahead of a peer's (more arrivals) is waiting for that
 peer: the watcher sends its daemon heartbeats, so that a hang is judged on the host whose
@@ -58,8 +67,10 @@ INTERVAL_S = 0.25
 
 class GangMember:
     def __init__(self, job: str, host: int, hosts: int, coordinator: str, peer_timeout_s: float,
-                 emit: Callable[[events.Event], None], restart_peers: bool = True):
+                 emit: Callable[[events.Event], None], restart_peers: bool = True, min_hosts: int | None = None):
         self.host, self.hosts, self.coordinator = host, hosts, coordinator
+        self.min_hosts = min_hosts or hosts
+        self.members = list(range(hosts))  # this generation's, once formed
         self.peer_timeout_s, self.emit, self.restart_peers = peer_timeout_s, emit, restart_peers
         self.prefix = f"tpud/{job}/"
         self.store = None
@@ -76,12 +87,19 @@ class GangMember:
         env = os.environ
         if "TPUD_GANG_HOSTS" not in env:
             return None
-        return cls(job, int(env["TPUD_GANG_HOST"]), int(env["TPUD_GANG_HOSTS"]), env["TPUD_GANG_COORDINATOR"],
-                   float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit, env.get("TPUD_GANG_RESTART_PEERS") != "0")
+        hosts = int(env["TPUD_GANG_HOSTS"])
+        return cls(job, int(env["TPUD_GANG_HOST"]), hosts, env["TPUD_GANG_COORDINATOR"],
+                   float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit, env.get("TPUD_GANG_RESTART_PEERS") != "0",
+                   int(env.get("TPUD_GANG_MIN_HOSTS", hosts)))
+
+    @property
+    def rank(self) -> int:
+        """This host's rank in the gang: its place among the members."""
+        return self.members.index(self.host)
 
     @property
     def place(self) -> Hosts:
-        return Hosts(self.host, self.hosts)
+        return Hosts(self.rank, len(self.members))
 
     def _key(self, name: str, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
@@ -100,6 +118,7 @@ class GangMember:
             if not self._connect():
                 return False
             try:
+                self.store.delete_key(self.prefix + f"out/{self.host}")  # this host is back
                 while not (seated := self._seated(spec)):
                     if seated is None:
                         self.leave()
@@ -114,15 +133,16 @@ class GangMember:
         except ConfigError:
             self.leave()  # every host finds the same: none is waited for
             raise
-        log.info("gang formed", host=self.host, hosts=self.hosts, generation=self.generation)
-        self.emit(events.Gang(self.host, self.hosts, self.hosts, self.generation))
+        log.info("gang formed", host=self.host, hosts=self.hosts, members=self.members, generation=self.generation)
+        self.emit(events.Gang(self.host, self.hosts, len(self.members), self.generation, self.members))
         if self.restart_peers:
             self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
             self._watcher.start()
         if backend != "xla":
             dist.init_process_group("nccl" if backend == "cuda" else "gloo",
                                     store=dist.PrefixStore(self._key("pg/"), self.store),
-                                    rank=self.host, world_size=self.hosts, timeout=datetime.timedelta(minutes=10))
+                                    rank=self.rank, world_size=len(self.members),
+                                    timeout=datetime.timedelta(minutes=10))
         return True
 
     def _connect(self) -> bool:
@@ -166,19 +186,32 @@ class GangMember:
         while True:
             if int(store.add(gen, 0)) != g:
                 return False
-            present = sum(store.check([self._key(f"seat/{h}")]) for h in range(self.hosts))
+            seated = [h for h in range(self.hosts) if store.check([self._key(f"seat/{h}")])]
+            out = [h for h in range(self.hosts) if h not in seated and store.check([self.prefix + f"out/{h}"])]
+            present = len(seated)
             if present != reported:
-                log.info("waiting for hosts", present=present, hosts=self.hosts, generation=g)
+                log.info("waiting for hosts", present=present, hosts=self.hosts, left_out=out, generation=g)
             if present != reported or time.monotonic() - told >= 1.0:  # the daemon's status, and its hang watch
                 self.emit(events.Gang(self.host, self.hosts, present, g))
                 reported, told = present, time.monotonic()
-            if present == self.hosts:
-                store.set(self._key("started"), "1")
-                return True
+            if present + len(out) == self.hosts and present >= self.min_hosts:
+                return self._form(seated)
             if self._stop_asked():
                 store.delete_key(self._key(f"seat/{self.host}"))
                 return None
             time.sleep(INTERVAL_S)
+
+    def _form(self, seated: list[int]) -> bool:
+        """Fix the members (the first worker to get here writes them, so all agree), or False when
+        this host took its seat after they were fixed: the next generation takes it."""
+        if self.store.add(self._key("forming"), 1) == 1:
+            self.store.set(self._key("members"), json.dumps(seated))
+        self.members = json.loads(self.store.get(self._key("members")))
+        if self.host not in self.members:
+            self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
+            return False
+        self.store.set(self._key("started"), "1")
+        return True
 
     def _same_spec(self) -> None:
         """Compare every seated host's fingerprint; a seat without one is a worker of an older tpud
@@ -195,7 +228,7 @@ class GangMember:
 
     def _watch(self) -> None:
         store, me = self.store, self.host
-        peers = [h for h in range(self.hosts) if h != me]
+        peers = [h for h in self.members if h != me]
         seen = {h: (-1, time.monotonic()) for h in peers}
         published, lost_since = 0, None
         while not self._stop.wait(INTERVAL_S):
@@ -253,6 +286,15 @@ class GangMember:
         self._stop.set()
         if self._watcher is not None:  # not inside a store call as the interpreter exits (that aborts)
             self._watcher.join(timeout=5)
+
+    def left_out(self, reason: str) -> None:
+        """This host's worker was quarantined or evicted and exits 79 next: with min_hosts the others
+        go on without it. From now on the others' restart is no disruption to this worker."""
+        self._leaving = True
+        try:
+            self.store.set(self.prefix + f"out/{self.host}", reason)
+        except Exception:  # noqa: BLE001  (the coordinator is gone: the others wait, as without min_hosts)
+            pass
 
     def crashed(self, error: BaseException) -> None:
         """The training thread raised. A collective whose peer's connection closed is a peer's

@@ -52,7 +52,10 @@ class GangView:
             return "not joined"
         if g.generation < 0:
             return f"waiting for the coordinator {self.place.coordinator}"
-        if g.present < g.hosts:
+        if g.members is not None and len(g.members) < g.hosts:
+            left_out = sorted(set(range(g.hosts)) - set(g.members))
+            return f"formed without host(s) {', '.join(map(str, left_out))} (quarantined or evicted)"
+        if g.present < g.hosts and g.members is None:
             return f"waiting for hosts ({g.present} of {g.hosts})"
         return "formed"
 

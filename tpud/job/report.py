@@ -21,6 +21,7 @@ class WorkerReport:
         self.nonfinite: events.NonFinite | None = None  # the current worker's, for its exit 76
         self.rollbacks: list[events.RolledBack] = []  # healed in place since this daemon started
         self.mismatch: events.ReplicaMismatch | None = None  # the replicas' last disagreement
+        self.stragglers: dict[int, events.Straggler] = {}  # by rank: the flagged, and the last cleared
 
     def new_worker(self) -> None:
         self.nonfinite = None
@@ -58,6 +59,10 @@ class WorkerReport:
         self.metrics.replica_mismatch(self.job, odd=",".join(map(str, event.odd)) or "none",
                                       quarantined=event.rank in event.odd)
 
+    def on_straggler(self, event: events.Straggler) -> None:
+        self.stragglers[event.straggler] = event
+        self.metrics.straggler(self.job, host=event.straggler, ratio=event.ratio, flagged=event.flagged)
+
     def snapshot(self, max_steps: int) -> dict:
         progress, evaluated = self.progress, self.evaluated
         return {
@@ -73,6 +78,8 @@ class WorkerReport:
             "replicas": None if self.mismatch is None else {
                 "step": self.mismatch.step, "agreed_step": self.mismatch.agreed_step, "odd": self.mismatch.odd,
                 "quarantined": self.mismatch.rank in self.mismatch.odd, "reason": self.mismatch.reason},
+            "stragglers": [{"host": e.straggler, "ratio": e.ratio, "step": e.step, "flagged": e.flagged,
+                            "evicted": e.evicted, "reason": e.reason} for _, e in sorted(self.stragglers.items())],
         }
 
     def healing(self) -> dict | None:

@@ -24,6 +24,7 @@ ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.NonFinite: ("report",),
     events.RolledBack: ("report", "ledger"),
     events.ReplicaMismatch: ("report",),
+    events.Straggler: ("report",),
     events.Gang: ("gang",),
 }
 

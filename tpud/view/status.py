@@ -91,6 +91,9 @@ def lines(jobs: list[dict]) -> list[str]:
         if replicas := job.get("replicas"):
             here = "; this host is quarantined" if replicas.get("quarantined") else ""
             out += ["", f"{name}: replicas: {replicas['reason']}; back to step {replicas['agreed_step']}{here}"]
+        for straggler in job.get("stragglers") or []:
+            if straggler.get("flagged") or straggler.get("evicted"):
+                out += ["", f"{name}: straggler: {straggler['reason']}"]
         if gang := job.get("gang"):
             generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
             out += ["", f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"

@@ -87,6 +87,10 @@ class ChannelHooks(SignalHooks):
             self._inbox.append(request)
 
     def emit(self, event: events.Event) -> None:
+        if self.gang is not None and _leaves_the_gang(event):
+            # At once, not at the exit: the others restart meanwhile, and this worker's gang watch
+            # must not take that for a disruption and exit 77 (restarted) instead of 79 (left out).
+            self.gang.left_out(event.reason)
         with self._lock:
             if self.connection is not None and not self.connection.send(event):
                 log.warning("lost the daemon channel; signals still work")
@@ -112,6 +116,13 @@ class ChannelHooks(SignalHooks):
         for heard in inbox:
             request = merge(request, heard)
         return request
+
+
+def _leaves_the_gang(event: events.Event) -> bool:
+    """A replica outside the majority, or an evicted straggler: this worker exits 79 next."""
+    if isinstance(event, events.ReplicaMismatch):
+        return event.rank in event.odd
+    return isinstance(event, events.Straggler) and event.evicted and event.straggler == event.rank
 
 
 def run_and_exit(run: Callable[[], int | None]) -> NoReturn:
@@ -169,6 +180,8 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
         log.info("stopping on request while waiting for the other hosts")
         return exit_codes.STOPPED
     hooks.gang = gang
+    # The gang's ranks: without hosts left out, the daemon's RANK and WORLD_SIZE already.
+    os.environ.update(RANK=str(gang.rank), WORLD_SIZE=str(len(gang.members)))
     try:
         code = train(spec, args.state_dir, hooks, gang.place)
     except BaseException as e:
