@@ -116,8 +116,10 @@ class TorchBackend(Backend):
             # regroups the buckets after a process's first step, and with three or more ranks
             # where an element sits in a bucket decides the order its sum is taken in: a gang
             # that restarted mid-run would round differently from one that never stopped.
+            # broadcast_buffers off: the only buffers (RoPE's tables) are made alike on every rank
+            # and never change, and the broadcast was a collective at the start of every forward.
             model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                            find_unused_parameters=True)
+                                            find_unused_parameters=True, broadcast_buffers=False)
         return model
 
     def compile(self, target):

@@ -6,7 +6,8 @@ process times its own forward passes (no collective waits inside them under DDP;
 other collectives are where the fast ones wait) and, after every step, the processes
 all-gather that figure (one float each, over the training thread's gloo group). A process
 whose median forward over the last `steps` steps is `factor` x the others' (less a 3 %
-tolerance for timing noise) is flagged; under halfway to the factor it is cleared. The
+tolerance for timing noise) for a quarter of `steps` steps in a row is flagged; under halfway to
+the factor it is cleared. The
 median of the *others*: with two processes a median that includes the slow one would halve its
 excess.
 
@@ -42,12 +43,16 @@ class StragglerJudge:
     """The rule alone, torch-free: each rank's median forward time over the last `steps` steps
     against the median of the other ranks' medians (a median, not each step: a few noisy or
     stalled steps neither make nor break a straggler; more than half of the window must be slow).
-    Flagged at TOLERANCE x factor or more; cleared under halfway between 1 and the factor, so that
-    a rank near the factor does not flap."""
+    Flagged at TOLERANCE x factor or more for a quarter window in a row; cleared under halfway
+    between 1 and the factor, so that a rank near the factor does not flap."""
 
     def __init__(self, factor: float, steps: int):
         self.factor, self.steps = factor, steps
+        # A window's median over the bar for a quarter window in a row: a few steps of a busy
+        # machine tipping a near-even window do not make a straggler.
+        self.persist = max(1, steps // 4)
         self.windows: dict[int, collections.deque] = {}
+        self.over: dict[int, int] = {}  # judgments in a row at or over the bar, by rank
         self.flagged: set[int] = set()
 
     def observe(self, times: list[float]) -> list[tuple[int, float, bool]]:
@@ -61,7 +66,8 @@ class StragglerJudge:
         for rank, mine in enumerate(typical):
             others = statistics.median(typical[:rank] + typical[rank + 1:])
             ratio = mine / others if others > 0 else 1.0
-            if rank not in self.flagged and ratio >= TOLERANCE * self.factor:
+            self.over[rank] = self.over.get(rank, 0) + 1 if ratio >= TOLERANCE * self.factor else 0
+            if rank not in self.flagged and self.over[rank] >= self.persist:
                 self.flagged.add(rank)
                 changes.append((rank, ratio, True))
             elif rank in self.flagged and ratio < (1 + self.factor) / 2:
@@ -72,6 +78,7 @@ class StragglerJudge:
     def reset(self) -> None:
         """A rollback or restore: the steps about to be redone are judged afresh."""
         self.windows.clear()
+        self.over.clear()
 
 
 class StragglerWatch:
