@@ -26,9 +26,8 @@ def test_a_rank_1_5x_slower_is_flagged_within_20_steps_and_cleared_within_20_aft
         assert judge.observe(noisy(rng, ranks)) == []
     changes = [judge.observe(noisy(rng, ranks, {1: 1.5})) for _ in range(40)]
     flagged = [i for i, c in enumerate(changes) if c]
-    # Once most of the window is slow, and for a quarter window after: with this 10 % jitter a step
-    # the median crosses late; bench/stragglers.py's real runs flag within 20 steps.
-    assert len(flagged) == 1 and 14 <= flagged[0] <= 24
+    # Once most of the window is slow, and for a tenth of a window after: within the 20 slow steps.
+    assert len(flagged) == 1 and 12 <= flagged[0] <= 19
     ((rank, ratio, flag),) = changes[flagged[0]]
     assert rank == 1 and flag and ratio == pytest.approx(1.5, rel=0.1)
     cleared = [judge.observe(noisy(rng, ranks)) for _ in range(40)]
@@ -47,8 +46,8 @@ def test_a_burst_of_slow_steps_shorter_than_the_window_is_no_straggler():
     judge = StragglerJudge(factor=1.5, steps=20)
     times = [[1.0, 9.0 if 30 <= i < 39 else 1.0] for i in range(100)]  # 9 stalled steps in a window of 20
     assert [c for t in times for c in judge.observe(t)] == []
-    judge.reset()  # a rollback: the redone steps are judged afresh, from a full window, for 5 steps
-    assert all(judge.observe([1.0, 2.0]) == [] for _ in range(23)) and judge.observe([1.0, 2.0])
+    judge.reset()  # a rollback: the redone steps are judged afresh, from a full window, for 2 steps
+    assert all(judge.observe([1.0, 2.0]) == [] for _ in range(20)) and judge.observe([1.0, 2.0])
 
 
 def test_the_slow_host_fault_slows_only_its_rank_from_its_step(tmp_path):
@@ -67,15 +66,15 @@ def test_the_slow_host_fault_slows_only_its_rank_from_its_step(tmp_path):
 
 @pytest.mark.slow
 def test_a_slowed_process_is_flagged_and_evicted_after_a_save(tmp_path):
-    # Rank 1 runs 4x slower from its 5th step; flagged once most of a 5-step window is slow (step 7)
-    # and still at step 8 (a quarter window, one judgment, in a row is one step here: at 7). Every
-    # rank saves step 7, then rank 1 exits 79 (evicted) and rank 0 77.
+    # Rank 1 runs 4x slower from its 5th step; flagged once most of a 5-step window is slow (step 7,
+    # or 8 if one of its first slow steps read fast). Every rank saves that step, then rank 1 exits
+    # 79 (evicted) and rank 0 77.
     ranks = data_parallel(tmp_path, 2, "debug.inject.slow_host={rank: 1, factor: 4, from_step: 4}",
                           "health.stragglers={steps: 5, evict: true}", steps=30)
     assert [r["exit"] for r in ranks] == [77, 79]
     for rank, report in enumerate(ranks):
         (event,) = report["stragglers"]
         assert (event["straggler"], event["rank"], event["flagged"], event["evicted"]) == (1, rank, True, True)
-        assert event["step"] == 7 and event["ratio"] >= 1.5
-        assert report["steps"][-1] == 7
-    assert committed(tmp_path / "checkpoints" / "tiny-cpu")[-1] == (7, 0)
+        assert event["step"] in (7, 8) and event["ratio"] >= 1.5
+        assert report["steps"][-1] == event["step"]
+    assert committed(tmp_path / "checkpoints" / "tiny-cpu")[-1] == (ranks[0]["stragglers"][0]["step"], 0)

@@ -4,10 +4,11 @@ Data-parallel processes wait for each other at every step's collectives, so one 
 holds the whole gang to its pace, and the step time alone cannot say which one it is. Each
 process times its own forward passes (no collective waits inside them under DDP; the step's
 other collectives are where the fast ones wait) and, after every step, the processes
-all-gather that figure (one float each, over the training thread's gloo group). A process
-whose median forward over the last `steps` steps is `factor` x the others' (less a 3 %
-tolerance for timing noise) for a quarter of `steps` steps in a row is flagged; under halfway to
-the factor it is cleared. The
+all-gather that figure (one float each, over the training thread's gloo group). Each step
+gives each process a ratio, its time over the median of the others' at that step; a process
+whose median ratio over the last `steps` steps is `factor` (less a 3 % tolerance for timing
+noise) for a tenth of `steps` steps in a row is flagged; under halfway to the factor it is
+cleared. The
 median of the *others*: with two processes a median that includes the slow one would halve its
 excess.
 
@@ -40,32 +41,31 @@ TOLERANCE = 0.97
 
 
 class StragglerJudge:
-    """The rule alone, torch-free: each rank's median forward time over the last `steps` steps
-    against the median of the other ranks' medians (a median, not each step: a few noisy or
-    stalled steps neither make nor break a straggler; more than half of the window must be slow).
-    Flagged at TOLERANCE x factor or more for a quarter window in a row; cleared under halfway
-    between 1 and the factor, so that a rank near the factor does not flap."""
+    """The rule alone, torch-free: each step, each rank's forward time over the median of the other
+    ranks' at that step (a ratio of the same moment: the machine's speed drifting moves both
+    sides); a rank whose median ratio over the last `steps` steps is TOLERANCE x factor or more,
+    for a few judgments in a row (`persist`), is flagged: more than half of the window slow, and
+    not a window tipped for a moment. Cleared under halfway between 1 and the factor, so that a
+    rank near the factor does not flap."""
 
     def __init__(self, factor: float, steps: int):
         self.factor, self.steps = factor, steps
-        # A window's median over the bar for a quarter window in a row: a few steps of a busy
-        # machine tipping a near-even window do not make a straggler.
-        self.persist = max(1, steps // 4)
+        self.persist = max(1, steps // 10)
         self.windows: dict[int, collections.deque] = {}
         self.over: dict[int, int] = {}  # judgments in a row at or over the bar, by rank
         self.flagged: set[int] = set()
 
     def observe(self, times: list[float]) -> list[tuple[int, float, bool]]:
         """One step's times by rank -> the (rank, ratio, flagged) whose flag changed at this step."""
-        for rank, seconds in enumerate(times):
-            self.windows.setdefault(rank, collections.deque(maxlen=self.steps)).append(seconds)
+        for rank, mine in enumerate(times):
+            others = statistics.median(times[:rank] + times[rank + 1:])
+            ratio = mine / others if others > 0 else 1.0
+            self.windows.setdefault(rank, collections.deque(maxlen=self.steps)).append(ratio)
         if len(self.windows[0]) < self.steps:
             return []
-        typical = [statistics.median(self.windows[rank]) for rank in range(len(times))]
         changes = []
-        for rank, mine in enumerate(typical):
-            others = statistics.median(typical[:rank] + typical[rank + 1:])
-            ratio = mine / others if others > 0 else 1.0
+        for rank in range(len(times)):
+            ratio = statistics.median(self.windows[rank])
             self.over[rank] = self.over.get(rank, 0) + 1 if ratio >= TOLERANCE * self.factor else 0
             if rank not in self.flagged and self.over[rank] >= self.persist:
                 self.flagged.add(rank)
@@ -119,8 +119,8 @@ class StragglerWatch:
         for rank, ratio, flagged in self.judge.observe([float(t) for t in times]):
             evicted = flagged and self.cfg.evict
             verb = "is a straggler" if flagged else "is no longer a straggler"
-            reason = (f"rank {rank} {verb}: its median forward over the last {self.cfg.steps} steps took {ratio:.2f}x "
-                      f"the others' at step {step} (factor {self.cfg.factor:g})" + ("; evicted" if evicted else ""))
+            reason = (f"rank {rank} {verb}: its forward took a median {ratio:.2f}x the others' over the last "
+                      f"{self.cfg.steps} steps, at step {step} (factor {self.cfg.factor:g})" + ("; evicted" if evicted else ""))
             event = events.Straggler(step=step, straggler=rank, rank=self.backend.data.rank, ratio=round(ratio, 3),
                                      flagged=flagged, evicted=evicted, reason=reason)
             # An eviction's line is an error: the supervisor names the failed job by its last one.
