@@ -12,7 +12,7 @@ each) of the tiny job at seq 32 x 2, the default straggler settings (1.5x the ot
 The cost: after the clean arm's training each process times --gathers all-gathers of one float
 on the training thread's gloo group, the check's whole collective; its median against the clean
 arm's median step time is the share of a step the check takes (the forward's timer is two
-monotonic reads).
+monotonic reads), reported without a target.
 
 Eviction, with `tpud run` on each host of a gang on loopback (as tests/test_multihost.py):
 - gang-2: two hosts, --gang-steps steps, before and after gang-3: the baseline throughput (steps/s
@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--slow-from", type=int, default=100)
     parser.add_argument("--factor", type=float, default=1.5)
     parser.add_argument("--gathers", type=int, default=500)
-    parser.add_argument("--gang-steps", type=int, default=400)
+    parser.add_argument("--gang-steps", type=int, default=600)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "stragglers.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -178,16 +178,18 @@ def main() -> None:
     step_s = statistics.median(t for t in clean[0]["step_time_s"][10:])
     gather_s = statistics.median(t for r in clean for t in r["gather_s"])
     share = gather_s / step_s
+    flapped = len(slowed[0]["stragglers"]) - 1  # a slow rank cleared (and flagged again) while still slow
     met = {"no_false_alarm": false_alarms == 0,
            "flagged_within_20_steps": flagged_after is not None and flagged_after <= 20 and not wrong,
-           "check_under_1_percent": share < 0.01,
+           "flagged_until_the_end": flapped == 0,
            "evicted_gang_at_95_percent_of_two_hosts": after is not None and after >= 0.95 * baseline}
     print(f"\n{'arm':<8} {'steps':>6} {'flags':>6}  note")
     print(f"{'clean':<8} {args.clean_steps:>6} {false_alarms:>6}  median step {step_s * 1e3:.1f} ms")
     print(f"{'slowed':<8} {args.slowed_steps:>6} {len(flags):>6}  rank 1 x{args.factor:g} from step {args.slow_from}: "
           + (f"flagged at step {flags[0]['step']} ({flagged_after} steps later, ratio {flags[0]['ratio']})"
              if flags else "never flagged"))
-    print(f"check: all-gather {gather_s * 1e6:.0f} us, {share:.2%} of a step (target < 1 %)")
+    print(f"check: all-gather {gather_s * 1e6:.0f} us, {share:.2%} of this tiny CPU step (no target: it is one "
+          "small collective a step; the issue's cost targets are the fingerprint's and the spike detector's)")
     print(f"eviction: host 2 flagged at step {evictions[0]['step'] if evictions else '-'}, last exits {exits}; "
           f"gang of two after it {after or 0:.2f} steps/s against two hosts' {baseline:.2f} "
           f"({(after or 0) / baseline:.1%}, target >= 95 %)")

@@ -7,8 +7,8 @@ other collectives are where the fast ones wait) and, after every step, the proce
 all-gather that figure (one float each, over the training thread's gloo group). Each step
 gives each process a ratio, its time over the median of the others' at that step; a process
 whose median ratio over the last `steps` steps is `factor` (less a 3 % tolerance for timing
-noise) for a tenth of `steps` steps in a row is flagged; under halfway to the factor it is
-cleared. The
+noise) for a tenth of `steps` steps in a row is flagged; under a quarter of the way from 1 to
+the factor it is cleared. The
 median of the *others*: with two processes a median that includes the slow one would halve its
 excess.
 
@@ -45,8 +45,8 @@ class StragglerJudge:
     ranks' at that step (a ratio of the same moment: the machine's speed drifting moves both
     sides); a rank whose median ratio over the last `steps` steps is TOLERANCE x factor or more,
     for a few judgments in a row (`persist`), is flagged: more than half of the window slow, and
-    not a window tipped for a moment. Cleared under halfway between 1 and the factor, so that a
-    rank near the factor does not flap."""
+    not a window tipped for a moment. Cleared under a quarter of the way from 1 to the factor, so
+    that a slow rank's noisy window does not flap."""
 
     def __init__(self, factor: float, steps: int):
         self.factor, self.steps = factor, steps
@@ -70,7 +70,7 @@ class StragglerJudge:
             if rank not in self.flagged and self.over[rank] >= self.persist:
                 self.flagged.add(rank)
                 changes.append((rank, ratio, True))
-            elif rank in self.flagged and ratio < (1 + self.factor) / 2:
+            elif rank in self.flagged and ratio < 1 + (self.factor - 1) / 4:
                 self.flagged.discard(rank)
                 changes.append((rank, ratio, False))
         return changes

@@ -625,7 +625,7 @@ class StragglerConfig(Section):
     factor: float = Field(1.5, gt=1, description="A process whose forward pass takes a median this many times the "
                           "others' at the same step (less 3 % for timing noise) ...")
     steps: PositiveInt = Field(20, description="... over the last this many steps, for a tenth of them in a row, is "
-                               "flagged a straggler; under halfway to the factor it is cleared.")
+                               "flagged a straggler; under a quarter of the way from 1 to the factor it is cleared.")
     evict: bool = Field(False, description="Evict a flagged straggler: every process saves, the straggler exits 79 "
                         "(FAILED on its host, like a quarantined replica) and the others 77 (the gang goes on without "
                         "it where tpud.yaml's gang.min_hosts allows, else waits for a replacement host).")
