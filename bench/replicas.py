@@ -17,11 +17,19 @@ Then a reference run of the same job with nothing injected, keeping every commit
 the drill is restored (every model and optimizer tensor) and compared bitwise with the
 reference's commit of the same step: a commit holding a corrupted state would differ.
 
+With --gang the replicas are hosts of a gang: a `tpud run` supervisor each (tests/test_multihost.py's
+setting: its own home and tpud.yaml, the coordinator on loopback). The odd host's job fails there
+(exit 79) and the others restart and wait for it; the drill starts its `tpud run` again (the host
+replaced), and the gang resumes from the last step all agreed on. Each host writes its own part of
+each commit: every host's part is compared with the reference's part of the same host and step,
+and the hosts' parts of a commit with each other.
+
 Targets: every flip detected within the interval (its mismatch at most --interval steps after
 it); the flipped rank named in at least 19 of 20; no commit different from the reference; the
 run reached --steps.
 
-    .venv/bin/python bench/replicas.py           # ~8 min on 2 idle cores
+    .venv/bin/python bench/replicas.py           # ~3 min on 2 idle cores
+    .venv/bin/python bench/replicas.py --gang --out bench/results/replicas-gang.json   # ~6 min
 Results: a table on stdout and bench/results/replicas.json (or --out).
 """
 
@@ -31,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -44,11 +53,13 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from engine.checkpoint import manifest as mf  # noqa: E402
+from goodput import kill_group, spawn  # noqa: E402
 from engine.models.llama import Transformer  # noqa: E402
 from engine.spec.loader import load_spec  # noqa: E402
 from machine import describe  # noqa: E402
 from tests.conftest import TINY_JOB  # noqa: E402
 from tests.helpers import data_parallel  # noqa: E402
+from tpud.paths import Paths  # noqa: E402
 
 
 def flips(count: int, ranks: int, first: int, spacing: int, seed: int) -> list[dict]:
@@ -89,6 +100,101 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
                   if k not in a or k not in b or not torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)))
 
 
+GANG_JOB = ["train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32", "data.micro_batch_size=2",
+            "data.corpus_bytes=400000"]
+
+
+class GangHost:
+    """One host: its home (tpud.yaml: its place in a gang of `count`, fault injection allowed) and
+    its `tpud run`."""
+
+    def __init__(self, root: Path, index: int, count: int, port: int, args: list[str]):
+        self.index, self.home, self.args, self.runs = index, root / f"host{index}", args, 0
+        self.home.mkdir(parents=True)
+        (self.home / "tpud.yaml").write_text(f"gang: {{host_index: {index}, host_count: {count}, "
+                                             f"coordinator: '127.0.0.1:{port}'}}\nallow_fault_injection: true\n")
+        self.proc = None
+
+    def start(self) -> None:
+        self.runs += 1
+        self.proc = spawn([sys.executable, "-m", "tpud", "run", str(TINY_JOB), *self.args, "--home", str(self.home)],
+                          self.home / f"run{self.runs}.log", OMP_NUM_THREADS="1")
+
+    def mismatch(self) -> dict:
+        """The replica_mismatch its last run logged."""
+        for line in (self.home / f"run{self.runs}.log").read_text().splitlines():
+            if '"replica mismatch' in line:
+                return json.loads(line)
+        raise SystemExit(f"host {self.index} exited without a replica mismatch: see {self.home}")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.home / "state" / "checkpoints" / "tiny-cpu"
+
+
+def gang_run(root: Path, ranks: int, args: list[str], planned: list[dict] | None) -> tuple[list[dict], bool]:
+    """A gang of `ranks` hosts to its end; the quarantined host restarted after each detection."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    hosts = [GangHost(root, i, ranks, port, args) for i in range(ranks)]
+    cycles, fired = [], set()
+    try:
+        for h in hosts:
+            h.start()
+        while True:
+            codes = [h.proc.poll() for h in hosts]
+            if all(code == 0 for code in codes):
+                return cycles, True
+            odd = [h for h, code in zip(hosts, codes) if code == 79]
+            if any(code not in (None, 0, 79) for code in codes) or len(cycles) > 2 * len(planned or []):
+                return cycles, False
+            for h in odd:
+                mismatch = h.mismatch()
+                markers = {f"{p.name}" for p in (h.home / "state" / "jobs" / "tiny-cpu" / "faults").glob("*flip-*")}
+                new = markers - fired
+                fired |= markers
+                flip = next((f for f in planned or [] if marker(f) in new), None)
+                cycles.append({"host": h.index, "mismatch_step": mismatch["step"], "agreed_step": mismatch["agreed_step"],
+                               "odd": mismatch["odd"], "flip": flip,
+                               "detected_after": None if flip is None else mismatch["step"] - flip["step"],
+                               "named_right": flip is not None and mismatch["odd"] == [flip["rank"]] == [h.index]})
+                print(f"  detection {len(cycles)}: flip {flip} -> mismatch after step {mismatch['step']}, host "
+                      f"{h.index} quarantined, back to {mismatch['agreed_step']}; starting it again", flush=True)
+                h.start()
+            time.sleep(0.2)
+    finally:
+        for h in hosts:
+            if h.proc is not None:
+                kill_group(h.proc.pid)
+            shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)  # the daemon's, in /dev/shm
+
+
+def compare_gang(drill: Path, reference: Path, ranks: int) -> tuple[list[int], dict]:
+    """Every commit of every drill host against the reference's same host and step, and the hosts'
+    parts of each commit against each other (model and optimizer tensors)."""
+    differing, steps = {}, []
+    for step, path, _ in mf.committed_steps(drill / "host0" / "state" / "checkpoints" / "tiny-cpu"):
+        steps.append(step)
+        parts = []
+        for h in range(ranks):
+            mine = {s: p for s, p, _ in mf.committed_steps(drill / f"host{h}" / "state" / "checkpoints" / "tiny-cpu")}
+            theirs = {s: p for s, p, _ in mf.committed_steps(reference / f"host{h}" / "state" / "checkpoints" /
+                                                                 "tiny-cpu")}
+            if step not in mine or step not in theirs:
+                differing.setdefault(step, []).append(f"host {h}: no commit of this step here or in the reference")
+                continue
+            parts.append(state_of(mine[step]))
+            if diff := same(parts[-1], state_of(theirs[step])):
+                differing.setdefault(step, []).append(f"host {h} differs from the reference: {diff[:3]}")
+        for h, part in enumerate(parts[1:], 1):
+            if diff := same(parts[0], part):
+                differing.setdefault(step, []).append(f"host {h}'s part differs from host 0's: {diff[:3]}")
+    return steps, differing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flips", type=int, default=20)
@@ -96,6 +202,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=5, help="health.replicas.interval_steps")
     parser.add_argument("--save-every", type=int, default=10, help="checkpoint.interval_steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gang", action="store_true", help="hosts of a gang under `tpud run`, not processes")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "replicas.json")
     args = parser.parse_args()
     load_before, began = os.getloadavg(), time.monotonic()
@@ -107,34 +214,44 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tpud-replicas-") as tmp:
         drill, reference = Path(tmp) / "drill", Path(tmp) / "reference"
-        cycles, fired = [], set()
-        while len(cycles) <= 2 * args.flips:
-            ranks = data_parallel(drill, args.ranks, *common, f"debug.inject.bit_flips={flow(planned)}", steps=steps)
-            markers = {p.name for p in (drill / "jobs" / "tiny-cpu" / "faults").glob("*flip-*")}
-            new, fired = markers - fired, markers
-            exits = [r["exit"] for r in ranks]
-            if all(code == 0 for code in exits):
-                print(f"  run {len(cycles) + 1}: reached step {steps}", flush=True)
-                break
-            mismatch = ranks[0]["mismatches"][0]
-            flip = next((f for f in planned if marker(f) in new), None)
-            cycle = {"exits": exits, "mismatch_step": mismatch["step"], "agreed_step": mismatch["agreed_step"],
-                     "odd": mismatch["odd"], "flip": flip,
-                     "detected_after": None if flip is None else mismatch["step"] - flip["step"],
-                     "named_right": flip is not None and mismatch["odd"] == [flip["rank"]]}
-            cycles.append(cycle)
-            print(f"  run {len(cycles)}: flip {flip} -> mismatch after step {mismatch['step']}, odd {mismatch['odd']}, "
-                  f"exits {exits}, back to {mismatch['agreed_step']}", flush=True)
-        finished = all(code == 0 for code in exits)
-        data_parallel(reference, args.ranks, *common, steps=steps)
-        commits = [step for step, _, _ in mf.committed_steps(drill / "checkpoints" / "tiny-cpu")]
-        reference_dirs = {step: path for step, path, _ in mf.committed_steps(reference / "checkpoints" / "tiny-cpu")}
-        differing = {}
-        for step, path, _ in mf.committed_steps(drill / "checkpoints" / "tiny-cpu"):
-            if step not in reference_dirs:
-                differing[step] = ["no reference commit at this step"]
-            elif diff := same(state_of(path), state_of(reference_dirs[step])):
-                differing[step] = diff[:5]
+        if args.gang:
+            args_of = [*GANG_JOB, *common, f"train.max_steps={steps}"]
+            cycles, finished = gang_run(drill, args.ranks, [*args_of, f"debug.inject.bit_flips={flow(planned)}"],
+                                        planned)
+            print(f"  drill {'reached' if finished else 'did NOT reach'} step {steps}; the reference run", flush=True)
+            _, ok = gang_run(reference, args.ranks, args_of, None)
+            if not ok:
+                raise SystemExit("the reference gang run failed")
+            commits, differing = compare_gang(drill, reference, args.ranks)
+        else:
+            cycles, fired = [], set()
+            while len(cycles) <= 2 * args.flips:
+                ranks = data_parallel(drill, args.ranks, *common, f"debug.inject.bit_flips={flow(planned)}", steps=steps)
+                markers = {p.name for p in (drill / "jobs" / "tiny-cpu" / "faults").glob("*flip-*")}
+                new, fired = markers - fired, markers
+                exits = [r["exit"] for r in ranks]
+                if all(code == 0 for code in exits):
+                    print(f"  run {len(cycles) + 1}: reached step {steps}", flush=True)
+                    break
+                mismatch = ranks[0]["mismatches"][0]
+                flip = next((f for f in planned if marker(f) in new), None)
+                cycle = {"exits": exits, "mismatch_step": mismatch["step"], "agreed_step": mismatch["agreed_step"],
+                         "odd": mismatch["odd"], "flip": flip,
+                         "detected_after": None if flip is None else mismatch["step"] - flip["step"],
+                         "named_right": flip is not None and mismatch["odd"] == [flip["rank"]]}
+                cycles.append(cycle)
+                print(f"  run {len(cycles)}: flip {flip} -> mismatch after step {mismatch['step']}, odd {mismatch['odd']}, "
+                      f"exits {exits}, back to {mismatch['agreed_step']}", flush=True)
+            finished = all(code == 0 for code in exits)
+            data_parallel(reference, args.ranks, *common, steps=steps)
+            commits = [step for step, _, _ in mf.committed_steps(drill / "checkpoints" / "tiny-cpu")]
+            reference_dirs = {step: path for step, path, _ in mf.committed_steps(reference / "checkpoints" / "tiny-cpu")}
+            differing = {}
+            for step, path, _ in mf.committed_steps(drill / "checkpoints" / "tiny-cpu"):
+                if step not in reference_dirs:
+                    differing[step] = ["no reference commit at this step"]
+                elif diff := same(state_of(path), state_of(reference_dirs[step])):
+                    differing[step] = diff[:5]
 
     detected = [c for c in cycles if c["flip"] is not None and c["detected_after"] <= args.interval]
     named = sum(c["named_right"] for c in cycles)
