@@ -121,9 +121,10 @@ class GangHost:
                           self.home / f"run{self.runs}.log", OMP_NUM_THREADS="1")
 
     def mismatch(self) -> dict:
-        """The replica_mismatch its last run logged."""
-        for line in (self.home / f"run{self.runs}.log").read_text().splitlines():
-            if '"replica mismatch' in line:
+        """The replica mismatch that quarantined its last run (the run's log also holds those of its
+        workers that restarted when another host was quarantined)."""
+        for line in reversed((self.home / f"run{self.runs}.log").read_text().splitlines()):
+            if '"replica mismatch: this process' in line:
                 return json.loads(line)
         raise SystemExit(f"host {self.index} exited without a replica mismatch: see {self.home}")
 
