@@ -3,7 +3,7 @@ count, where a host finds its place."""
 
 import pytest
 
-from engine.checkpoint.hosts import Holdings, choose
+from engine.checkpoint.hosts import Holdings, Hosts, choose
 from engine.data.loader import PackedLoader, batch_geometry
 from engine.backends.base import DataPosition
 from engine.errors import ConfigError
@@ -95,6 +95,13 @@ def test_the_worker_gets_its_place_and_whether_to_watch_its_peers(monkeypatch):
         member = GangMember.from_env("job", print)
         assert (member.host, member.hosts, member.coordinator, member.peer_timeout_s, member.restart_peers) == (
             1, 2, "[::1]:5000", 1.5, restart_peers)
+        assert member.min_hosts == 2 and member.place == Hosts(1, 2)  # every host, by default
+    settings = Settings.model_validate({"gang": {"host_index": 2, "host_count": 3, "coordinator": "h:1", "min_hosts": 2}})
+    for key, value in discover(settings, {}).worker_env().items():
+        monkeypatch.setenv(key, value)
+    member = GangMember.from_env("job", print)
+    member.members = [0, 2]  # host 1 left out: host 2 is rank 1 of 2
+    assert member.min_hosts == 2 and (member.rank, member.place) == (1, Hosts(1, 2))
 
 
 @pytest.mark.parametrize("worker_id, names", [("x", "a,b"), ("2", "a,b"), ("0", " , ")])
@@ -104,7 +111,9 @@ def test_a_garbled_tpu_environment_runs_as_one_host_instead_of_failing_to_start(
 
 @pytest.mark.parametrize("gang", [{"host_index": 3, "host_count": 3, "coordinator": "h:1"},
                                   {"host_index": 0, "host_count": 2, "coordinator": "no-port"},
-                                  {"host_index": 0, "host_count": 2, "coordinator": "h:99999"}])
+                                  {"host_index": 0, "host_count": 2, "coordinator": "h:99999"},
+                                  {"host_index": 0, "host_count": 2, "coordinator": "h:1", "min_hosts": 3},
+                                  {"host_index": 0, "host_count": 2, "coordinator": "h:1", "min_hosts": 0}])
 def test_bad_gang_settings_are_refused(gang):
     from pydantic import ValidationError
 

@@ -24,7 +24,7 @@ class GangSettings(BaseModel):
         None, ge=1, description="The fewest hosts a gang goes on with when hosts were quarantined (a replica that "
         "differed) or evicted (a straggler): those are left out until they start again, while the others restart "
         "without them. Default host_count: the gang waits for their replacement. A host that is merely down is "
-        "always waited for.")
+        "always waited for. For gangs over gloo or nccl: a TPU slice's runtime fixes its host count.")
     coordinator: str = Field(
         pattern=r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):[0-9]{1,5}$",
         description="HOST:PORT where host 0's coordinator (torch.distributed's TCPStore) listens and every "
