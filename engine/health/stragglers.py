@@ -8,9 +8,8 @@ all-gather that figure (one float each, over the training thread's gloo group). 
 gives each process a ratio, its time over the median of the others' at that step; a process
 whose median ratio over the last `steps` steps is `factor` (less a 3 % tolerance for timing
 noise) for a tenth of `steps` steps in a row is flagged; under a quarter of the way from 1 to
-the factor it is cleared. The
-median of the *others*: with two processes a median that includes the slow one would halve its
-excess.
+the factor it is cleared. The median of the *others*: with two processes a median that includes
+the slow one would halve its excess.
 
 Every process reaches the same judgement from the same figures, so with `evict` they act on it
 together: all save, the straggler exits 79 (QUARANTINED: its supervisor fails the job there)
