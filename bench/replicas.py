@@ -58,7 +58,7 @@ from engine.models.llama import Transformer  # noqa: E402
 from engine.spec.loader import load_spec  # noqa: E402
 from machine import describe  # noqa: E402
 from tests.conftest import TINY_JOB  # noqa: E402
-from tests.helpers import data_parallel  # noqa: E402
+from tests.helpers import data_parallel, free_port  # noqa: E402
 from tpud.paths import Paths  # noqa: E402
 
 
@@ -135,11 +135,7 @@ class GangHost:
 
 def gang_run(root: Path, ranks: int, args: list[str], planned: list[dict] | None) -> tuple[list[dict], bool]:
     """A gang of `ranks` hosts to its end; the quarantined host restarted after each detection."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     hosts = [GangHost(root, i, ranks, port, args) for i in range(ranks)]
     cycles, fired = [], set()
     try:

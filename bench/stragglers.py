@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from goodput import Tail, kill_group, spawn  # noqa: E402
 from machine import describe  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 TINY = ["train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32", "data.micro_batch_size=2",
         "data.corpus_bytes=400000", "device.mesh.data=-1", "device.mesh.fsdp=1", "checkpoint.interval_steps=0",
@@ -78,11 +79,7 @@ def rank_main(job: str, state_dir: str, out: str, gathers: int, *overrides: str)
 
 def run_arm(name: str, ranks: int, steps: int, gathers: int, *overrides: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix=f"tpud-stragglers-{name}-") as state:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         args = [sys.executable, __file__, "--rank-of", str(REPO / "configs" / "jobs" / "tiny-cpu.yaml"), state,
                 "{out}", str(gathers), *TINY, f"train.max_steps={steps}", *overrides]
         env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -107,11 +104,7 @@ GANG_JOB = ["data.corpus_bytes=400000", "data.seq_len=32", "data.micro_batch_siz
 def gang_arm(name: str, hosts: int, steps: int, *overrides: str, min_hosts: int | None = None) -> list[list[dict]]:
     """`tpud run` on `hosts` hosts of a gang (loopback) to `steps`; each host's JSON log records."""
     with tempfile.TemporaryDirectory(prefix=f"tpud-stragglers-{name}-") as root:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         procs, tails, began = [], [], time.monotonic()
         for index in range(hosts):
             home = Path(root) / f"host{index}"
