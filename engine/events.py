@@ -191,16 +191,19 @@ class RolledBack(Event):
 
 @dataclass(frozen=True, config=_CONFIG)
 class ReplicaMismatch(Event):
-    """The data-parallel replicas' states differ (engine.health.replicas); the worker exits 79
-    (this replica is odd: quarantined) or 77 (the gang starts again from `agreed_step`) next."""
+    """The data-parallel replicas' states differ (engine.health.replicas); unless `healed`, the
+    worker exits 79 (this replica is odd: quarantined) or 77 (the gang starts again from
+    `agreed_step`) next."""
 
     TYPE: ClassVar[str] = "replica_mismatch"
     step: int
     agreed_step: int                 # the last step all replicas held the same state at
     rank: int                        # this process's (its host's, in a gang)
-    odd: list[int]                   # the ranks outside the majority; [] when none is one
+    odd: list[int]                   # the ranks named (quarantined); [] when none is
     fingerprints: list[str]          # by rank, hex
     reason: str
+    found_by: str = ""               # "majority", "replay" (two replicas, or no majority), "" when none named
+    healed: bool = False             # none named and the replay agreed: training went on in place
 
 
 @dataclass(frozen=True, config=_CONFIG)

@@ -221,7 +221,9 @@ class Trainer:
                     self.micro_batch()
                     if p.micro_step < self.loader.accum.at(p.step):
                         continue
-                    self.reporter.record(self.optimizer_step())
+                    result = self.optimizer_step()
+                    self.replicas.record(result.step, result.values)
+                    self.reporter.record(result)
                     if (code := self._judge_stragglers()) is not None:
                         return code
                     if self.guard.found is not None:
@@ -385,21 +387,32 @@ class Trainer:
                 self.reporter.check_pending()
             else:
                 self.reporter.report_pending()
-            if clean := self.guard.state_is_clean(self.progress):
-                if memory_only:
-                    self.checkpointer.save_memory(self.progress)
-                elif (code := self._compare_replicas()) is not None:  # no commit of a state they differ on
-                    return code
-                else:
-                    self.checkpointer.save(self.progress, reason, wait=wait)
-        return None if clean else self.healer.heal(self)
+            clean = self.guard.state_is_clean(self.progress)
+        if not clean:
+            return self.healer.heal(self)
+        # No commit of a state the replicas differ on (a replay's time is not the checkpoint's).
+        if not memory_only and (code := self._compare_replicas()) is not None:
+            return code
+        with self.badput.timing("checkpoint"):
+            if memory_only:
+                self.checkpointer.save_memory(self.progress)
+            else:
+                self.checkpointer.save(self.progress, reason, wait=wait)
+        return None
 
     def _compare_replicas(self) -> int | None:
-        """The replicas' fingerprints (engine.health.replicas): None when they agree, else the exit code."""
+        """The replicas' fingerprints (engine.health.replicas): None when they agree or a replay
+        healed them in place, else the exit code."""
         if (mismatch := self.replicas.compare(self.step)) is None:
             return None
         self.checkpointer.wait()
-        return self.replicas.quarantine(mismatch, self.checkpointer.forget_after, self.hooks.emit)
+        self.checkpointer.forget_after(self.replicas.agreed)
+        if not mismatch.odd:
+            with self.badput.timing("rollback"):
+                mismatch = self.replicas.replay(mismatch, self)
+            self.guard.rewound(self.progress)
+            self.stragglers.reset()
+        return self.replicas.settle(mismatch, self.hooks.emit)
 
     def _judge_stragglers(self) -> int | None:
         """Every process's forward time against the others' (engine.health.stragglers): the exit
@@ -420,6 +433,7 @@ class Trainer:
             return None
         self.progress.__dict__.update(vars(restored))  # the loop holds this object
         self.reporter.rewound()
+        self.replicas.rewound(restored.step)
         self.stragglers.reset()
         return self.progress
 
@@ -429,14 +443,18 @@ class Trainer:
         p = self.progress
         self._deferred = merge(self._deferred, self.hooks.poll(Boundary(p.step, p.micro_step)))
 
-    def replay_step(self) -> list[float]:
-        """Train the current step to its end as the loop does, unreported: its values, read now."""
+    def replay_step(self, local: bool = False) -> list[float]:
+        """Train the current step to its end as the loop does, unreported: its values, read now
+        (the processes' mean, or with `local` this process's own)."""
         p = self.progress
         while p.micro_step < self.loader.accum.at(p.step):
             self._keep_polling()
             self.micro_batch()
-        values: list[list[float]] = []
-        self.backend.read_values([self.optimizer_step().values], values.extend)
+        result, values = self.optimizer_step(), []
+        if local:
+            values.append(result.values.tolist())
+        else:
+            self.backend.read_values([result.values], values.extend)
         self.backend.flush()
         return values[0]
 

@@ -23,7 +23,8 @@ def main(job: str, state_dir: str, *overrides: str) -> int:
     stragglers = [dict(e.to_json()) for e in hooks.of(events.Straggler)]
     (Path(state_dir) / f"rank{rank}.json").write_text(json.dumps({"exit": code, "mismatches": mismatches,
                                                                    "stragglers": stragglers,
-                                                                   "steps": sorted(hooks.losses)}))
+                                                                   "steps": sorted(hooks.losses),
+                                                                   "losses": hooks.losses}))
     return code
 
 

@@ -137,7 +137,7 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
 
 
 @pytest.mark.parametrize("line", [
-    '{"event": "replica mismatch: this process\'s state differs from the majority\'s; quarantined", "level": "error"}',
+    '{"event": "replica mismatch: this process\'s state is the odd one; quarantined", "level": "error"}',
     '{"event": "rank 0 is a straggler: its forwards over the last 20 steps took 1.62x the others\' median at step '
     '40 (factor 1.5); evicted", "level": "error"}'])
 def test_a_quarantined_or_evicted_host_fails_there_with_the_reason_and_is_not_restarted(make_job, line):

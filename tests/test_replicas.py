@@ -1,5 +1,5 @@
-"""Silent data corruption across replicas (health.replicas): the fingerprint, the majority, and
-real data-parallel processes in which one bit of one replica flips."""
+"""Silent data corruption across replicas (health.replicas): the fingerprint, the majority, the
+replay that names one of two, and real data-parallel processes in which one bit of one replica flips."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.health.faults import flip_bit
-from engine.health.replicas import fingerprint, odd_ones
+from engine.health.replicas import NEVER, Mismatch, departure, fingerprint, first_to_depart, odd_ones
 from engine.spec.schema import BitFlip
 from tests.helpers import committed, data_parallel
 
@@ -63,6 +63,32 @@ def test_the_odd_replicas_are_those_outside_a_majority():
     assert odd_ones([7, 9]) == [] and odd_ones([1, 1, 2, 2]) == []  # no majority: none can be named
 
 
+def test_a_replay_names_the_replica_whose_own_values_departed_first():
+    same = [2.5, 0.75]
+    assert departure(6, same, list(same)) == NEVER
+    loss, norm = departure(6, same, [2.5000002, 0.75]), departure(6, same, [2.5, 0.7500001])
+    assert loss < norm < departure(7, same, [2.6, 0.75])  # within a step, the local loss comes first
+    assert departure(6, [-0.0, 1.0], [0.0, 1.0]) != NEVER  # bitwise: a sign of zero counts
+    assert first_to_depart([loss, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
+    assert first_to_depart([NEVER, NEVER]) == [] and first_to_depart([loss, loss]) == []  # none, or all at once
+    assert first_to_depart([NEVER, 6 * 4 + 2]) == [1]  # only its fingerprint differs: a flip after the last step
+
+
+def test_status_says_how_the_odd_replica_was_found_and_a_healed_mismatch_goes_back_nowhere():
+    from tpud.view.status import lines
+
+    def status(mismatch: Mismatch, agreed: int, quarantined: bool) -> str:
+        return "\n".join(lines([{"name": "j", "replicas": {"agreed_step": agreed, "quarantined": quarantined,
+                                                           "healed": mismatch.healed, "reason": mismatch.describe()}}]))
+
+    named = status(Mismatch(6, [1, 2], [1], "replay"), 4, True)
+    assert ("j: replicas: the replicas' states differ after step 6 (2 replicas: ranks [1] departed first from their "
+            "own values when the steps were replayed); back to step 4; this host is quarantined") in named
+    healed = status(Mismatch(6, [1, 2], [], healed=True), 6, False)
+    assert "transient fault, healed in place)" in healed and "back to step" not in healed
+    assert "ranks [2] differ from the majority" in Mismatch(6, [1, 1, 2], [2], "majority").describe()
+
+
 @pytest.mark.slow
 def test_a_bit_flipped_in_one_of_three_replicas_is_found_and_that_replica_quarantined(tmp_path):
     # Step 5: rank 1 flips a mantissa bit. The comparison after step 6 finds it; the last agreed
@@ -79,8 +105,37 @@ def test_a_bit_flipped_in_one_of_three_replicas_is_found_and_that_replica_quaran
 
 
 @pytest.mark.slow
-def test_two_replicas_that_differ_name_neither_and_start_again_from_the_agreed_state(tmp_path):
-    ranks = data_parallel(tmp_path, 2, "debug.inject.bit_flips=[{step: 3, rank: 0}]")
+@pytest.mark.parametrize("flip, named", [("{step: 5, rank: 1}", 1), ("{step: 5, rank: 0, gradient: true}", 0)])
+def test_of_two_replicas_the_one_a_bit_flipped_in_is_named_by_replaying_the_steps(tmp_path, flip, named):
+    # The comparison after step 6 finds the flip; the steps after step 4 (saved, agreed) are
+    # replayed: the flipped replica's own values depart first, so it is quarantined.
+    ranks = data_parallel(tmp_path, 2, f"debug.inject.bit_flips=[{flip}]", steps=8)
+    assert [r["exit"] for r in ranks] == [79 if rank == named else 77 for rank in range(2)]
+    for report in ranks:
+        (mismatch,) = report["mismatches"]
+        assert (mismatch["step"], mismatch["agreed_step"], mismatch["odd"]) == (6, 4, [named])
+        assert (mismatch["found_by"], mismatch["healed"]) == ("replay", False)
+    assert committed(tmp_path / "checkpoints" / "tiny-cpu") == [(4, 0)]
+
+
+@pytest.mark.slow
+def test_a_transient_fault_no_replica_can_be_named_for_heals_in_place_and_the_run_ends_as_a_clean_one(tmp_path):
+    # Both replicas flip a bit of the same weight after step 5: both depart at step 6 at once, so
+    # neither is named; replayed, they agree, and training goes on from the replayed state.
+    flips = "debug.inject.bit_flips=[{step: 5, rank: 0, bit: 3}, {step: 5, rank: 1, bit: 9}]"
+    healed = data_parallel(tmp_path / "healed", 2, flips, steps=8)
+    assert [r["exit"] for r in healed] == [0, 0]
+    for report in healed:
+        (mismatch,) = report["mismatches"]
+        assert (mismatch["step"], mismatch["odd"], mismatch["found_by"], mismatch["healed"]) == (6, [], "", True)
+    clean = data_parallel(tmp_path / "clean", 2, steps=8)
+    assert healed[0]["losses"]["8"] == clean[0]["losses"]["8"]  # bitwise: the replay undid the flips
+    assert committed(tmp_path / "healed" / "checkpoints" / "tiny-cpu") == [(4, 0), (8, 0)]
+
+
+@pytest.mark.slow
+def test_two_replicas_that_differ_with_no_state_to_replay_from_start_again_from_the_agreed_one(tmp_path):
+    ranks = data_parallel(tmp_path, 2, "debug.inject.bit_flips=[{step: 3, rank: 0}]", steps=6)
     assert [r["exit"] for r in ranks] == [77, 77]
     assert [(r["mismatches"][0]["step"], r["mismatches"][0]["odd"]) for r in ranks] == [(4, []), (4, [])]
     assert committed(tmp_path / "checkpoints" / "tiny-cpu") == []  # the save at 4 came after the comparison

@@ -14,7 +14,8 @@ Each looks like the real thing from outside the worker:
 - bit_flips [{step, rank, tensor, element, bit, gradient}]: right after `step`, the process of
   that rank (with several hosts, the host) flips one bit of one element of one parameter (with
   `gradient`, of its gradient of step `step`, after the all-reduce and before the update): silent
-  data corruption, which the replicas' fingerprints find (engine.health.replicas).
+  data corruption, which the replicas' fingerprints find (engine.health.replicas). A flip is
+  transient: a replay of its step in the same worker does not meet it again.
 - slow_host {rank, factor, from_step}: that process's forward and backward passes take factor x
   as long (it sleeps the difference) from that step on, every run: a straggler
   (engine.health.stragglers).
@@ -80,7 +81,9 @@ class Faults:
         """Whether the fault fires in this process; records it durably before it does."""
         name = f"{kind}-{step}"
         if name in self._fired_now:
-            return True  # the same firing: the other micro-batches of a poisoned step
+            # Poisoned data stays poisoned: the step's other micro-batches, and a replay of it. A
+            # flipped bit is a transient fault: a replay of its step does not meet it again.
+            return kind in (NAN, SPIKE_KIND)
         if name in self._fired_before and not self.cfg.repeat:
             return False
         # Durably, directory entry included: a crash right after must not forget it fired.

@@ -48,8 +48,9 @@ class Rewindable(Protocol):
     def rewind(self, at_most: int) -> Progress | None:
         """Restore the newest state of step `at_most` or earlier in place; None if there is none."""
 
-    def replay_step(self) -> list[float]:
-        """Train the current step to its end as the loop does, unreported; its values [loss, grad norm, ...]."""
+    def replay_step(self, local: bool = False) -> list[float]:
+        """Train the current step to its end as the loop does, unreported; its values [loss, grad norm, ...]
+        (the processes' mean; with `local`, this process's own loss)."""
 
 
 def reproduced(bad: BadStep, values: list[float]) -> bool:

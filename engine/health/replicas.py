@@ -4,18 +4,25 @@ Replicas hold bitwise the same parameters and optimizer state after every step. 
 `interval_steps` steps, and before every disk save, each replica computes a fingerprint of its
 state, the wrapping 64-bit sum of every element's bit pattern (one flipped bit anywhere changes
 it; summation order does not), and the replicas compare them (8 bytes each, all-gathered over
-the training thread's gloo group). When they differ:
+the training thread's gloo group). When they differ, every replica first sets aside its states
+newer than the last agreed step (a bad replica's gradients reached every replica through the
+all-reduce), so no restore takes them; no disk save happens without a comparison first. Then:
 
 - with three replicas or more, the odd ones are those outside the majority: they exit 79
   (engine.exit_codes.QUARANTINED; the supervisor fails the job on that host, naming why) and
   the others exit 77 (GANG_RESTART): the gang starts again from the last state all agreed on,
   without the quarantined host where gang.min_hosts allows, else waiting for its replacement;
-- with two (or no majority), no replica can be named: all exit 77 and start again from that
-  state.
+- with two (or no majority), the steps since the last agreed state are replayed in place, and
+  each replica compares what it computes again with what it computed the first time: its own
+  loss (before the all-reduce), then the gradient norm (after it), step by step, and last its
+  fingerprint. A fault shows first on the replica it struck: a flipped weight changes that
+  replica's next loss and only then, through the all-reduce, the others' gradients; a flipped
+  gradient changes its own norm a step before the others'. The replica whose values departed
+  first is named and quarantined as above. With none named (all departed at once, or none
+  did) and the replay agreeing, the fault was transient: training goes on in place from the
+  replayed state; otherwise all exit 77.
 
-Before exiting, every replica sets aside its states newer than the last agreed step (a bad
-replica's gradients reached every replica through the all-reduce), so no restore takes them; no
-disk save happens without a comparison first. A `replica_mismatch` event says what was found.
+A `replica_mismatch` event says what was found (`replicas.json` keeps the last one).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import structlog
@@ -58,10 +66,19 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 class Mismatch:
     step: int
     fingerprints: list[int]  # by rank
-    odd: list[int]           # the ranks outside the majority; empty when none is one
+    odd: list[int]           # the ranks named: outside the majority, or the first to depart in a replay
+    found_by: str = ""       # "majority", "replay", or "" when none is named
+    healed: bool = False     # none named, and the replay agreed: training went on in place
 
     def describe(self) -> str:
-        who = f"ranks {self.odd} differ from the majority" if self.odd else "no majority among them"
+        if self.found_by == "majority":
+            who = f"ranks {self.odd} differ from the majority"
+        elif self.found_by == "replay":
+            who = f"ranks {self.odd} departed first from their own values when the steps were replayed"
+        elif self.healed:
+            who = "none could be named; replayed, they agree: a transient fault, healed in place"
+        else:
+            who = "no majority, and a replay named none"
         return f"the replicas' states differ after step {self.step} ({len(self.fingerprints)} replicas: {who})"
 
 
@@ -71,6 +88,26 @@ def odd_ones(prints: list[int]) -> list[int]:
     if count * 2 <= len(prints):
         return []
     return [rank for rank, p in enumerate(prints) if p != value]
+
+
+NEVER = 2**62  # a replica whose replayed values all matched its first ones
+
+
+def departure(step: int, before: list[float], again: list[float]) -> int:
+    """Where a replayed step's values first differ from the same step's first run, as an order
+    key (step, then the loss before the all-reduce, then the gradient norm after it); NEVER when
+    they are bitwise the same."""
+    for part in range(2):
+        if struct.pack("<d", before[part]) != struct.pack("<d", again[part]):
+            return step * 4 + part
+    return NEVER
+
+
+def first_to_depart(keys: list[int]) -> list[int]:
+    """The ranks whose values departed first; [] when none departed or all did at once."""
+    earliest = min(keys)
+    named = [rank for rank, key in enumerate(keys) if key == earliest]
+    return named if earliest != NEVER and len(named) < len(keys) else []
 
 
 class ReplicaCheck:
@@ -84,6 +121,9 @@ class ReplicaCheck:
         # background save's collectives, and two threads' collectives on one group mix their messages.
         self.group = backend.agreement_group if cfg is not None and replicated else None
         self.agreed = 0  # the last step every replica held the same state at
+        # This replica's step values since then, unread ([loss before the all-reduce, grad norm, ...]):
+        # a replay compares against them. Kept on the device; read only after a mismatch.
+        self._trace: dict[int, torch.Tensor] = {}
 
     @property
     def enabled(self) -> bool:
@@ -92,31 +132,73 @@ class ReplicaCheck:
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.interval_steps == 0
 
+    def record(self, step: int, values: torch.Tensor) -> None:
+        """A step the loop trained: its values, as this replica computed them."""
+        if self.enabled:
+            self._trace[step] = values
+
+    def rewound(self, step: int) -> None:
+        """The loop went back to `step`: what came after it never happened."""
+        self.agreed = min(self.agreed, step)
+        self._trace = {s: v for s, v in self._trace.items() if s <= step}
+
+    def _gather(self, value: int) -> list[int]:
+        mine = torch.tensor([value], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, mine, group=self.group)
+        return [int(v) for v in everyone]
+
     def compare(self, step: int) -> Mismatch | None:
         """Every replica's fingerprint of its state after `step` (a collective); None when they agree."""
         if not self.enabled:
             return None
-        mine = torch.tensor([fingerprint(self.model, self.optimizer)], dtype=torch.int64)
-        prints = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(prints, mine, group=self.group)
-        values = [int(p) for p in prints]
+        values = self._gather(fingerprint(self.model, self.optimizer))
         if len(set(values)) == 1:
             self.agreed = step
+            self._trace = {s: v for s, v in self._trace.items() if s > step}
             return None
-        return Mismatch(step, values, odd_ones(values))
+        odd = odd_ones(values)
+        return Mismatch(step, values, odd, "majority" if odd else "")
 
-    def quarantine(self, mismatch: Mismatch, forget_after, emit) -> int:
-        """Act on a mismatch: set aside the states after the last agreed step, say so, and the exit
-        code (79 for an odd replica, else 77)."""
-        forget_after(self.agreed)
+    def replay(self, mismatch: Mismatch, loop) -> Mismatch:
+        """No majority: replay the steps since the last agreed state in place (`loop`: the
+        engine.health.healing.Rewindable) and name the replicas whose values departed first.
+        Every replica calls it alike (collectives). With none named and the replay agreeing,
+        the mismatch comes back healed and the loop stands at its step again."""
+        agreed, first = self.agreed, {s: v.tolist() for s, v in self._trace.items()}
+        mine = fingerprint(self.model, self.optimizer)
+        if loop.rewind(agreed) is None:
+            log.warning("no state of the last agreed step or before to replay from", agreed_step=agreed)
+            return mismatch
+        departed = NEVER
+        while loop.progress.step < mismatch.step:
+            again = loop.replay_step(local=True)
+            if departed == NEVER and loop.progress.step in first:
+                departed = departure(loop.progress.step, first[loop.progress.step], again)
+        if departed == NEVER and fingerprint(self.model, self.optimizer) != mine:
+            departed = mismatch.step * 4 + 2
+        named = first_to_depart(self._gather(departed))
+        still = self.compare(mismatch.step)
+        self.agreed = agreed if named or still is not None else mismatch.step
+        if named:
+            return dataclasses.replace(mismatch, odd=named, found_by="replay")
+        return dataclasses.replace(mismatch, healed=still is None)
+
+    def settle(self, mismatch: Mismatch, emit) -> int | None:
+        """Say what was found; the exit code (79 for a named replica, else 77), None when healed in place."""
         rank = self.backend.data.rank
         odd = rank in mismatch.odd
         event = events.ReplicaMismatch(step=mismatch.step, agreed_step=self.agreed, rank=rank, odd=mismatch.odd,
                                        fingerprints=[f"{p & (2**64 - 1):016x}" for p in mismatch.fingerprints],
-                                       reason=mismatch.describe())
+                                       reason=mismatch.describe(), found_by=mismatch.found_by,
+                                       healed=mismatch.healed)
         atomic_write(self.path, json.dumps(dataclasses.asdict(event)))
+        if mismatch.healed:
+            log.warning("replica mismatch healed in place: " + mismatch.describe(), **dataclasses.asdict(event))
+            emit(event)
+            return None
         if odd:
-            log.error(f"replica mismatch: this process's state differs from the majority's; quarantined "
+            log.error(f"replica mismatch: this process's state is the odd one; quarantined "
                       f"({mismatch.describe()}; back to step {self.agreed})", **dataclasses.asdict(event))
         else:
             log.error("replica mismatch: starting again from the last state all replicas agreed on",

@@ -77,7 +77,8 @@ class WorkerReport:
             "healing": self.healing(),
             "replicas": None if self.mismatch is None else {
                 "step": self.mismatch.step, "agreed_step": self.mismatch.agreed_step, "odd": self.mismatch.odd,
-                "quarantined": self.mismatch.rank in self.mismatch.odd, "reason": self.mismatch.reason},
+                "quarantined": self.mismatch.rank in self.mismatch.odd, "found_by": self.mismatch.found_by,
+                "healed": self.mismatch.healed, "reason": self.mismatch.reason},
             "stragglers": [{"host": e.straggler, "ratio": e.ratio, "step": e.step, "flagged": e.flagged,
                             "evicted": e.evicted, "reason": e.reason} for _, e in sorted(self.stragglers.items())],
         }

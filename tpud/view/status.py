@@ -90,7 +90,8 @@ def lines(jobs: list[dict]) -> list[str]:
             out += ["", f"{name}: {healing_line(healing)}"]
         if replicas := job.get("replicas"):
             here = "; this host is quarantined" if replicas.get("quarantined") else ""
-            out += ["", f"{name}: replicas: {replicas['reason']}; back to step {replicas['agreed_step']}{here}"]
+            back = "" if replicas.get("healed") else f"; back to step {replicas['agreed_step']}"
+            out += ["", f"{name}: replicas: {replicas['reason']}{back}{here}"]
         for straggler in job.get("stragglers") or []:
             if straggler.get("flagged") or straggler.get("evicted"):
                 out += ["", f"{name}: straggler: {straggler['reason']}"]
