@@ -1,6 +1,6 @@
-"""Silent data corruption drill (health.replicas): 20 bits flipped on 3 data-parallel replicas.
+"""Silent data corruption drill (health.replicas): 20 bits flipped on 3 (or 2) data-parallel replicas.
 
-Three processes (gloo, DDP, one CPU thread each, tests/replica_probe.py) train the tiny job at
+Three processes (--ranks 3; gloo, DDP, one CPU thread each, tests/replica_probe.py) train the tiny job at
 seq 32 x 2 with the replicas compared every --interval steps and before every save (every
 --save-every steps), spike detection off (a flipped weight may spike the loss, and a rollback
 would heal the flip before the comparison sees it). debug.inject.bit_flips holds --flips flips,
@@ -9,8 +9,11 @@ the value changes by up to half, silently); every other one flips the parameter'
 the all-reduce, before the update) instead of the parameter. Each flip fires once per job
 (engine.health.faults).
 
-After each detection the three exit (79 for the odd one, 77 for the others) and the drill starts
-all three again, as a gang's restart with the quarantined host replaced would: they resume from
+With three the odd replica is the one outside the majority; with two (--ranks 2) the one whose
+own values depart first when the steps since the last agreed state are replayed in place, which
+needs a state at or before that step: give it --first past the first save (--save-every).
+After each detection they exit (79 for the odd one, 77 for the others) and the drill starts
+them all again, as a gang's restart with the quarantined host replaced would: they resume from
 the newest commit at or before the last step they agreed on. Until a run ends at --steps.
 
 Then a reference run of the same job with nothing injected, keeping every commit. Each commit of
@@ -30,6 +33,8 @@ run reached --steps.
 
     .venv/bin/python bench/replicas.py           # ~3 min on 2 idle cores
     .venv/bin/python bench/replicas.py --gang --out bench/results/replicas-gang.json   # ~6 min
+    .venv/bin/python bench/replicas.py --ranks 2 --first 12 --out bench/results/replicas-2.json
+    .venv/bin/python bench/replicas.py --ranks 2 --first 12 --gang --out bench/results/replicas-gang-2.json
 Results: a table on stdout and bench/results/replicas.json (or --out).
 """
 
@@ -77,6 +82,15 @@ def flips(count: int, ranks: int, first: int, spacing: int, seed: int) -> list[d
 def marker(flip: dict) -> str:
     """The fault's marker file (engine.health.faults): it fired."""
     return f"{'gradflip' if flip['gradient'] else 'flip'}-{flip['step'] * 1000 + flip['rank']}"
+
+
+def cycle(mismatch: dict, fired: list[dict], exits: list[int] | None = None) -> dict:
+    """A detection: the mismatch, and the flip that fired after the agreed step and by the mismatch's."""
+    flip = next((f for f in fired if mismatch["agreed_step"] < f["step"] <= mismatch["step"]), None)
+    return {"exits": exits, "mismatch_step": mismatch["step"], "agreed_step": mismatch["agreed_step"],
+            "odd": mismatch["odd"], "found_by": mismatch.get("found_by", ""), "healed": mismatch.get("healed", False),
+            "flip": flip, "detected_after": None if flip is None else mismatch["step"] - flip["step"],
+            "named_right": flip is not None and mismatch["odd"] == [flip["rank"]]}
 
 
 def flow(items: list[dict]) -> str:
@@ -128,6 +142,12 @@ class GangHost:
                 return json.loads(line)
         raise SystemExit(f"host {self.index} exited without a replica mismatch: see {self.home}")
 
+    def healed(self) -> list[dict]:
+        """The replica mismatches its workers healed in place (none named, the replay agreed)."""
+        return [json.loads(line) for run in range(1, self.runs + 1)
+                for line in (self.home / f"run{run}.log").read_text().splitlines()
+                if '"replica mismatch healed in place' in line]
+
     @property
     def checkpoints(self) -> Path:
         return self.home / "state" / "checkpoints" / "tiny-cpu"
@@ -144,7 +164,7 @@ def gang_run(root: Path, ranks: int, args: list[str], planned: list[dict] | None
         while True:
             codes = [h.proc.poll() for h in hosts]
             if all(code == 0 for code in codes):
-                return cycles, True
+                return cycles + [cycle(m, planned or []) for m in hosts[0].healed()], True
             odd = [h for h, code in zip(hosts, codes) if code == 79]
             if any(code not in (None, 0, 79) for code in codes) or len(cycles) > 2 * len(planned or []):
                 return cycles, False
@@ -153,13 +173,12 @@ def gang_run(root: Path, ranks: int, args: list[str], planned: list[dict] | None
                 markers = {f"{p.name}" for p in (h.home / "state" / "jobs" / "tiny-cpu" / "faults").glob("*flip-*")}
                 new = markers - fired
                 fired |= markers
-                flip = next((f for f in planned or [] if marker(f) in new), None)
-                cycles.append({"host": h.index, "mismatch_step": mismatch["step"], "agreed_step": mismatch["agreed_step"],
-                               "odd": mismatch["odd"], "flip": flip,
-                               "detected_after": None if flip is None else mismatch["step"] - flip["step"],
-                               "named_right": flip is not None and mismatch["odd"] == [flip["rank"]] == [h.index]})
-                print(f"  detection {len(cycles)}: flip {flip} -> mismatch after step {mismatch['step']}, host "
-                      f"{h.index} quarantined, back to {mismatch['agreed_step']}; starting it again", flush=True)
+                found = cycle(mismatch, [f for f in planned or [] if marker(f) in new])
+                cycles.append({"host": h.index, **found,
+                               "named_right": found["named_right"] and mismatch["odd"] == [h.index]})
+                print(f"  detection {len(cycles)}: flip {found['flip']} -> mismatch after step {mismatch['step']}, "
+                      f"host {h.index} quarantined ({found['found_by']}), back to {mismatch['agreed_step']}; "
+                      f"starting it again", flush=True)
                 h.start()
             time.sleep(0.2)
     finally:
@@ -199,11 +218,12 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=5, help="health.replicas.interval_steps")
     parser.add_argument("--save-every", type=int, default=10, help="checkpoint.interval_steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first", type=int, default=8, help="the earliest step a flip may come at")
     parser.add_argument("--gang", action="store_true", help="hosts of a gang under `tpud run`, not processes")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "replicas.json")
     args = parser.parse_args()
     load_before, began = os.getloadavg(), time.monotonic()
-    planned = flips(args.flips, args.ranks, first=8, spacing=7, seed=args.seed)
+    planned = flips(args.flips, args.ranks, first=args.first, spacing=7, seed=args.seed)
     steps = planned[-1]["step"] + 2 * args.save_every
     common = [f"health.replicas.interval_steps={args.interval}", f"checkpoint.interval_steps={args.save_every}",
               "checkpoint.keep=1000", "health.spikes=null"]
@@ -227,18 +247,15 @@ def main() -> None:
                 markers = {p.name for p in (drill / "jobs" / "tiny-cpu" / "faults").glob("*flip-*")}
                 new, fired = markers - fired, markers
                 exits = [r["exit"] for r in ranks]
+                for mismatch in ranks[0]["mismatches"]:  # healed ones in place, then the one it exited on
+                    cycles.append(cycle(mismatch, [f for f in planned if marker(f) in new], exits))
+                    print(f"  run: flip {cycles[-1]['flip']} -> mismatch after step {mismatch['step']}, odd "
+                          f"{mismatch['odd']} ({mismatch['found_by'] or 'none named'}), "
+                          f"{'healed in place' if mismatch['healed'] else f'exits {exits}'}, back to "
+                          f"{mismatch['agreed_step']}", flush=True)
                 if all(code == 0 for code in exits):
-                    print(f"  run {len(cycles) + 1}: reached step {steps}", flush=True)
+                    print(f"  reached step {steps}", flush=True)
                     break
-                mismatch = ranks[0]["mismatches"][0]
-                flip = next((f for f in planned if marker(f) in new), None)
-                cycle = {"exits": exits, "mismatch_step": mismatch["step"], "agreed_step": mismatch["agreed_step"],
-                         "odd": mismatch["odd"], "flip": flip,
-                         "detected_after": None if flip is None else mismatch["step"] - flip["step"],
-                         "named_right": flip is not None and mismatch["odd"] == [flip["rank"]]}
-                cycles.append(cycle)
-                print(f"  run {len(cycles)}: flip {flip} -> mismatch after step {mismatch['step']}, odd {mismatch['odd']}, "
-                      f"exits {exits}, back to {mismatch['agreed_step']}", flush=True)
             finished = all(code == 0 for code in exits)
             data_parallel(reference, args.ranks, *common, steps=steps)
             commits = [step for step, _, _ in mf.committed_steps(drill / "checkpoints" / "tiny-cpu")]
