@@ -171,7 +171,8 @@ class Trainer:
         self.guard = StepGuard(spec.health, self.backend, self.loader, self.ledger, self.hooks.emit, self.progress)
         self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
                              self.hooks.emit)
-        self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
+        self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.module, self.optimizer,
+                                     self.job_dir)
         self.replicas.agreed = self.progress.step  # restored states were compared before their commit
         self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
@@ -297,6 +298,7 @@ class Trainer:
         values = torch.cat([mean[:1], grad_norm.to(mean.dtype).reshape(1), mean[1:]])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.replicas.step_done()
         self.backend.step_end()
         p.step, p.micro_step, p.loss_sum = p.step + 1, 0, None
         self.badput.startup_ends()  # the first step is startup's last part; a no-op after it

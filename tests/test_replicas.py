@@ -64,14 +64,16 @@ def test_the_odd_replicas_are_those_outside_a_majority():
 
 
 def test_a_replay_names_the_replica_whose_own_values_departed_first():
-    same = [2.5, 0.75]
+    same = [2.5, 1234567, 0.75]  # [loss, its gradients' print, the gradient norm after the all-reduce]
     assert departure(6, same, list(same)) == NEVER
-    loss, norm = departure(6, same, [2.5000002, 0.75]), departure(6, same, [2.5, 0.7500001])
-    assert loss < norm < departure(7, same, [2.6, 0.75])  # within a step, the local loss comes first
-    assert departure(6, [-0.0, 1.0], [0.0, 1.0]) != NEVER  # bitwise: a sign of zero counts
-    assert first_to_depart([loss, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
-    assert first_to_depart([NEVER, NEVER]) == [] and first_to_depart([loss, loss]) == []  # none, or all at once
-    assert first_to_depart([NEVER, 6 * 4 + 2]) == [1]  # only its fingerprint differs: a flip after the last step
+    loss = departure(6, same, [2.5000002, 1234567, 0.75])
+    gradients = departure(6, same, [2.5, 1234568, 0.75])
+    norm = departure(6, same, [2.5, 1234567, 0.7500001])
+    assert loss < gradients < norm < departure(7, same, [2.6, 1234567, 0.75])  # in the order a step computes them
+    assert departure(6, [-0.0, 1, 1.0], [0.0, 1, 1.0]) != NEVER  # bitwise: a sign of zero counts
+    assert first_to_depart([gradients, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
+    assert first_to_depart([NEVER, NEVER]) == [] and first_to_depart([norm, norm]) == []  # none, or all at once
+    assert first_to_depart([NEVER, 6 * 4 + 3]) == [1]  # only its fingerprint differs: a flip after the last step
 
 
 def test_status_says_how_the_odd_replica_was_found_and_a_healed_mismatch_goes_back_nowhere():
@@ -120,14 +122,16 @@ def test_of_two_replicas_the_one_a_bit_flipped_in_is_named_by_replaying_the_step
 
 @pytest.mark.slow
 def test_a_transient_fault_no_replica_can_be_named_for_heals_in_place_and_the_run_ends_as_a_clean_one(tmp_path):
-    # Both replicas flip a bit of the same weight after step 5: both depart at step 6 at once, so
-    # neither is named; replayed, they agree, and training goes on from the replayed state.
-    flips = "debug.inject.bit_flips=[{step: 5, rank: 0, bit: 3}, {step: 5, rank: 1, bit: 9}]"
+    # Both replicas flip a bit of the same weight right after step 6, before its comparison: only
+    # their fingerprints depart, both at once, so neither is named; replayed from step 4 (saved,
+    # agreed), they agree, and training goes on from the replayed state.
+    flips = "debug.inject.bit_flips=[{step: 6, rank: 0, bit: 3}, {step: 6, rank: 1, bit: 9}]"
     healed = data_parallel(tmp_path / "healed", 2, flips, steps=8)
     assert [r["exit"] for r in healed] == [0, 0]
     for report in healed:
         (mismatch,) = report["mismatches"]
-        assert (mismatch["step"], mismatch["odd"], mismatch["found_by"], mismatch["healed"]) == (6, [], "", True)
+        assert (mismatch["step"], mismatch["agreed_step"], mismatch["odd"], mismatch["found_by"],
+                mismatch["healed"]) == (6, 4, [], "", True)
     clean = data_parallel(tmp_path / "clean", 2, steps=8)
     assert healed[0]["losses"]["8"] == clean[0]["losses"]["8"]  # bitwise: the replay undid the flips
     assert committed(tmp_path / "healed" / "checkpoints" / "tiny-cpu") == [(4, 0), (8, 0)]

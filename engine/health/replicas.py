@@ -13,12 +13,13 @@ all-reduce), so no restore takes them; no disk save happens without a comparison
   the others exit 77 (GANG_RESTART): the gang starts again from the last state all agreed on,
   without the quarantined host where gang.min_hosts allows, else waiting for its replacement;
 - with two (or no majority), the steps since the last agreed state are replayed in place, and
-  each replica compares what it computes again with what it computed the first time: its own
-  loss (before the all-reduce), then the gradient norm (after it), step by step, and last its
-  fingerprint. A fault shows first on the replica it struck: a flipped weight changes that
-  replica's next loss and only then, through the all-reduce, the others' gradients; a flipped
-  gradient changes its own norm a step before the others'. The replica whose values departed
-  first is named and quarantined as above. With none named (all departed at once, or none
+  each replica compares what it computes again with what it computed the first time, bitwise,
+  step by step: its own loss and its own gradients (a print of them as DDP's all-reduce, a hook
+  of ours, takes them), then the gradient norm after the all-reduce, and last its fingerprint.
+  A fault shows first on the replica it struck: a flipped weight changes that replica's next
+  gradients, and only then, through the all-reduce, the others' norm and weights; a flipped
+  gradient changes its own weights, a step before the others'. The replica whose values
+  departed first is named and quarantined as above. With none named (all departed at once, or none
   did) and the replay agreeing, the fault was transient: training goes on in place from the
   replayed state; otherwise all exit 77.
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from engine import events, exit_codes
 from engine.backends.base import Backend
@@ -91,15 +93,23 @@ def odd_ones(prints: list[int]) -> list[int]:
 
 
 NEVER = 2**62  # a replica whose replayed values all matched its first ones
+# What a replay compares, in the order a step computes it: this replica's own loss and gradients
+# (before the all-reduce), the gradient norm (after it), and after the last step the fingerprint.
+PARTS = ("loss", "gradients", "gradient norm", "fingerprint")
 
 
-def departure(step: int, before: list[float], again: list[float]) -> int:
-    """Where a replayed step's values first differ from the same step's first run, as an order
-    key (step, then the loss before the all-reduce, then the gradient norm after it); NEVER when
-    they are bitwise the same."""
-    for part in range(2):
-        if struct.pack("<d", before[part]) != struct.pack("<d", again[part]):
-            return step * 4 + part
+def bits(value: float | int) -> int:
+    """A step value as comparable bits: a float's bit pattern (so -0.0 is not 0.0), an int itself."""
+    return struct.unpack("<q", struct.pack("<d", value))[0] if isinstance(value, float) else int(value)
+
+
+def departure(step: int, before: list, again: list) -> int:
+    """Where a replayed step's values ([loss, gradients' print, gradient norm]) first differ,
+    bitwise, from the same step's first run, as an order key (step, then PARTS); NEVER when
+    they are the same."""
+    for part, (a, b) in enumerate(zip(before, again)):
+        if bits(a) != bits(b):
+            return step * len(PARTS) + part
     return NEVER
 
 
@@ -111,8 +121,10 @@ def first_to_depart(keys: list[int]) -> list[int]:
 
 
 class ReplicaCheck:
-    def __init__(self, cfg: ReplicaConfig | None, backend: Backend, model: nn.Module,
+    def __init__(self, cfg: ReplicaConfig | None, backend: Backend, model: nn.Module, module: nn.Module,
                  optimizer: torch.optim.Optimizer, job_dir: Path):
+        """model: the parameters; module: what the loop calls (DDP's wrapper, whose all-reduce a
+        hook of this class's does, to print this replica's own gradients on the way)."""
         self.cfg, self.backend, self.model, self.optimizer = cfg, backend, model, optimizer
         self.path = Path(job_dir) / "replicas.json"
         # Replicas: several processes that do not shard the state between them.
@@ -121,9 +133,14 @@ class ReplicaCheck:
         # background save's collectives, and two threads' collectives on one group mix their messages.
         self.group = backend.agreement_group if cfg is not None and replicated else None
         self.agreed = 0  # the last step every replica held the same state at
-        # This replica's step values since then, unread ([loss before the all-reduce, grad norm, ...]):
-        # a replay compares against them. Kept on the device; read only after a mismatch.
-        self._trace: dict[int, torch.Tensor] = {}
+        # This replica's step values since then, unread: its StepResult values (loss before the
+        # all-reduce, grad norm after it, ...) and its gradients' print. A replay compares against
+        # them. Kept on the device; read only after a mismatch.
+        self._trace: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._summing: torch.Tensor | None = None  # this step's gradients' print, bucket by bucket
+        self.gradients: torch.Tensor | None = None  # the last step's
+        if self.enabled and isinstance(module, DistributedDataParallel):
+            module.register_comm_hook(self, _printing_all_reduce)
 
     @property
     def enabled(self) -> bool:
@@ -132,10 +149,23 @@ class ReplicaCheck:
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.interval_steps == 0
 
+    def add_gradients(self, bucket: torch.Tensor) -> None:
+        """A bucket of this replica's gradients, about to be all-reduced."""
+        summed = bucket.view(_AS_INT[bucket.element_size()]).sum(dtype=torch.int64)
+        self._summing = summed if self._summing is None else self._summing + summed
+
+    def step_done(self) -> None:
+        """Every optimizer step (the loop's, and every replay's): its gradients' print is complete."""
+        self.gradients, self._summing = self._summing, None
+
     def record(self, step: int, values: torch.Tensor) -> None:
         """A step the loop trained: its values, as this replica computed them."""
         if self.enabled:
-            self._trace[step] = values
+            self._trace[step] = (values, self.gradients)
+
+    def _values(self, values: list[float]) -> list:
+        """[loss, gradients' print, gradient norm] of the last step."""
+        return [values[0], 0 if self.gradients is None else int(self.gradients), values[1]]
 
     def rewound(self, step: int) -> None:
         """The loop went back to `step`: what came after it never happened."""
@@ -165,21 +195,25 @@ class ReplicaCheck:
         engine.health.healing.Rewindable) and name the replicas whose values departed first.
         Every replica calls it alike (collectives). With none named and the replay agreeing,
         the mismatch comes back healed and the loop stands at its step again."""
-        agreed, first = self.agreed, {s: v.tolist() for s, v in self._trace.items()}
+        agreed = self.agreed
+        first = {s: [v[0].item(), 0 if g is None else int(g), v[1].item()] for s, (v, g) in self._trace.items()}
         mine = fingerprint(self.model, self.optimizer)
         if loop.rewind(agreed) is None:
             log.warning("no state of the last agreed step or before to replay from", agreed_step=agreed)
             return mismatch
         departed = NEVER
         while loop.progress.step < mismatch.step:
-            again = loop.replay_step(local=True)
+            again = self._values(loop.replay_step(local=True))
             if departed == NEVER and loop.progress.step in first:
                 departed = departure(loop.progress.step, first[loop.progress.step], again)
         if departed == NEVER and fingerprint(self.model, self.optimizer) != mine:
-            departed = mismatch.step * 4 + 2
-        named = first_to_depart(self._gather(departed))
+            departed = mismatch.step * len(PARTS) + PARTS.index("fingerprint")
+        keys = self._gather(departed)
+        log.info("replicas replayed", from_step=agreed, to_step=mismatch.step,
+                 departed=[None if k == NEVER else f"step {k // len(PARTS)} {PARTS[k % len(PARTS)]}" for k in keys])
+        named = first_to_depart(keys)
         still = self.compare(mismatch.step)
-        self.agreed = agreed if named or still is not None else mismatch.step
+        self.agreed = agreed  # what the event reports; once healed, settle() moves it on
         if named:
             return dataclasses.replace(mismatch, odd=named, found_by="replay")
         return dataclasses.replace(mismatch, healed=still is None)
@@ -196,6 +230,7 @@ class ReplicaCheck:
         if mismatch.healed:
             log.warning("replica mismatch healed in place: " + mismatch.describe(), **dataclasses.asdict(event))
             emit(event)
+            self.agreed = mismatch.step
             return None
         if odd:
             log.error(f"replica mismatch: this process's state is the odd one; quarantined "
@@ -205,3 +240,12 @@ class ReplicaCheck:
                       **dataclasses.asdict(event))
         emit(event)
         return exit_codes.QUARANTINED if odd else exit_codes.GANG_RESTART
+
+
+def _printing_all_reduce(check, bucket):  # no annotations: DDP checks them, and these would be strings
+    """DDP's own all-reduce (divide by the process count, then sum, so the results are bitwise
+    the same as without a hook), with this replica's gradients printed on the way."""
+    buffer = bucket.buffer()
+    check.add_gradients(buffer)
+    buffer.div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
