@@ -104,6 +104,22 @@ def test_the_worker_gets_its_place_and_whether_to_watch_its_peers(monkeypatch):
     assert member.min_hosts == 2 and (member.rank, member.place) == (1, Hosts(1, 2))
 
 
+
+def test_gang_evict_stragglers_evicts_in_every_job_of_the_gang_as_the_jobs_own_setting_does(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.health.stragglers import StragglerWatch
+    from engine.spec.schema import StragglerConfig
+
+    backend = SimpleNamespace(data=SimpleNamespace(world=2), agreement_group=object())
+    gang = {"host_index": 0, "host_count": 2, "coordinator": "h:1"}
+    for evict_stragglers, job_evicts, evicts in ((False, False, False), (True, False, True), (False, True, True)):
+        env = discover(Settings.model_validate({"gang": {**gang, "evict_stragglers": evict_stragglers}}), {}).worker_env()
+        monkeypatch.setenv("TPUD_GANG_EVICT_STRAGGLERS", env["TPUD_GANG_EVICT_STRAGGLERS"])
+        assert StragglerWatch(StragglerConfig(evict=job_evicts), backend, print).evict is evicts
+    assert StragglerWatch(None, backend, print).evict is False  # health.stragglers null: never judged
+
+
 @pytest.mark.parametrize("worker_id, names", [("x", "a,b"), ("2", "a,b"), ("0", " , ")])
 def test_a_garbled_tpu_environment_runs_as_one_host_instead_of_failing_to_start(worker_id, names):
     assert discover(Settings(), {"TPU_WORKER_ID": worker_id, "TPU_WORKER_HOSTNAMES": names}) is None

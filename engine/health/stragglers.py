@@ -11,7 +11,8 @@ noise) for a tenth of `steps` steps in a row is flagged; under a quarter of the 
 the factor it is cleared. The median of the *others*: with two processes a median that includes
 the slow one would halve its excess.
 
-Every process reaches the same judgement from the same figures, so with `evict` they act on it
+Every process reaches the same judgement from the same figures, so with `evict` (or tpud.yaml's
+gang.evict_stragglers, passed as TPUD_GANG_EVICT_STRAGGLERS) they act on it
 together: all save, the straggler exits 79 (QUARANTINED: its supervisor fails the job there)
 and the others 77 (GANG_RESTART: the gang goes on without it where gang.min_hosts allows).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import statistics
 
 import structlog
@@ -89,6 +91,8 @@ class StragglerWatch:
         multi = backend.data.world > 1 and backend.agreement_group is not None
         self.judge = StragglerJudge(cfg.factor, cfg.steps) if cfg is not None and multi else None
         self.seconds = 0.0  # this step's forward time so far
+        # The job's setting, or its gang's (tpud.yaml's gang.evict_stragglers, for every job there).
+        self.evict = cfg is not None and (cfg.evict or os.environ.get("TPUD_GANG_EVICT_STRAGGLERS") == "1")
 
     @property
     def enabled(self) -> bool:
@@ -116,7 +120,7 @@ class StragglerWatch:
         dist.all_gather(times, mine, group=group)
         found = []
         for rank, ratio, flagged in self.judge.observe([float(t) for t in times]):
-            evicted = flagged and self.cfg.evict
+            evicted = flagged and self.evict
             verb = "is a straggler" if flagged else "is no longer a straggler"
             reason = (f"rank {rank} {verb}: its forward took a median {ratio:.2f}x the others' over the last "
                       f"{self.cfg.steps} steps, at step {step} (factor {self.cfg.factor:g})" + ("; evicted" if evicted else ""))
