@@ -171,8 +171,7 @@ class Trainer:
         self.guard = StepGuard(spec.health, self.backend, self.loader, self.ledger, self.hooks.emit, self.progress)
         self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
                              self.hooks.emit)
-        self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.module, self.optimizer,
-                                     self.job_dir)
+        self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
         self.replicas.agreed = self.progress.step  # restored states were compared before their commit
         self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
@@ -430,6 +429,9 @@ class Trainer:
         """Restore the newest state of step `at_most` or earlier in place; None if there is none."""
         self._keep_polling()
         self.checkpointer.wait()
+        # A save's last act is rank 0's commit (its rename), after the others' waits return: once
+        # every rank has waited, each finds the same committed steps.
+        self.backend.agree(None)
         restored = self.checkpointer.restore(at_most=at_most)
         if restored is None:
             return None

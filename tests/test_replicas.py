@@ -64,14 +64,14 @@ def test_the_odd_replicas_are_those_outside_a_majority():
 
 
 def test_a_replay_names_the_replica_whose_own_values_departed_first():
-    same = [2.5, 1234567, 0.75]  # [loss, its gradients' print, the gradient norm after the all-reduce]
+    same = [1234567, 2.5, 0.75]  # [its output's print, its loss, the gradient norm after the all-reduce]
     assert departure(6, same, list(same)) == NEVER
-    loss = departure(6, same, [2.5000002, 1234567, 0.75])
-    gradients = departure(6, same, [2.5, 1234568, 0.75])
-    norm = departure(6, same, [2.5, 1234567, 0.7500001])
-    assert loss < gradients < norm < departure(7, same, [2.6, 1234567, 0.75])  # in the order a step computes them
-    assert departure(6, [-0.0, 1, 1.0], [0.0, 1, 1.0]) != NEVER  # bitwise: a sign of zero counts
-    assert first_to_depart([gradients, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
+    output = departure(6, same, [1234568, 2.5, 0.75])
+    loss = departure(6, same, [1234567, 2.5000002, 0.75])
+    norm = departure(6, same, [1234567, 2.5, 0.7500001])
+    assert output < loss < norm < departure(7, same, [1234568, 2.5, 0.75])  # in the order a step computes them
+    assert departure(6, [1, -0.0, 1.0], [1, 0.0, 1.0]) != NEVER  # bitwise: a sign of zero counts
+    assert first_to_depart([output, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
     assert first_to_depart([NEVER, NEVER]) == [] and first_to_depart([norm, norm]) == []  # none, or all at once
     assert first_to_depart([NEVER, 6 * 4 + 3]) == [1]  # only its fingerprint differs: a flip after the last step
 

@@ -14,12 +14,13 @@ all-reduce), so no restore takes them; no disk save happens without a comparison
   without the quarantined host where gang.min_hosts allows, else waiting for its replacement;
 - with two (or no majority), the steps since the last agreed state are replayed in place, and
   each replica compares what it computes again with what it computed the first time, bitwise,
-  step by step: its own loss and its own gradients (a print of them as DDP's all-reduce, a hook
-  of ours, takes them), then the gradient norm after the all-reduce, and last its fingerprint.
-  A fault shows first on the replica it struck: a flipped weight changes that replica's next
-  gradients, and only then, through the all-reduce, the others' norm and weights; a flipped
-  gradient changes its own weights, a step before the others'. The replica whose values
-  departed first is named and quarantined as above. With none named (all departed at once, or none
+  step by step: its own forward's output (a print of the final norm's, taken by a forward hook:
+  the bits of every token's hidden state, which a loss's rounding would hide) and its own loss,
+  then the gradient norm after the all-reduce, and last its fingerprint. A fault shows first on
+  the replica it struck: a flipped weight changes that replica's next output, and only then,
+  through the all-reduce, the others' norm and weights; a flipped gradient changes its own
+  weights a step before the others', so its next output, or at least its fingerprint. The
+  replica whose values departed first is named and quarantined as above. With none named (all departed at once, or none
   did) and the replay agreeing, the fault was transient: training goes on in place from the
   replayed state; otherwise all exit 77.
 
@@ -39,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from engine import events, exit_codes
 from engine.backends.base import Backend
@@ -93,9 +93,9 @@ def odd_ones(prints: list[int]) -> list[int]:
 
 
 NEVER = 2**62  # a replica whose replayed values all matched its first ones
-# What a replay compares, in the order a step computes it: this replica's own loss and gradients
-# (before the all-reduce), the gradient norm (after it), and after the last step the fingerprint.
-PARTS = ("loss", "gradients", "gradient norm", "fingerprint")
+# What a replay compares, in the order a step computes it: this replica's own forward output and
+# loss (before the all-reduce), the gradient norm (after it), and after the last step the fingerprint.
+PARTS = ("output", "loss", "gradient norm", "fingerprint")
 
 
 def bits(value: float | int) -> int:
@@ -104,7 +104,7 @@ def bits(value: float | int) -> int:
 
 
 def departure(step: int, before: list, again: list) -> int:
-    """Where a replayed step's values ([loss, gradients' print, gradient norm]) first differ,
+    """Where a replayed step's values ([output's print, loss, gradient norm]) first differ,
     bitwise, from the same step's first run, as an order key (step, then PARTS); NEVER when
     they are the same."""
     for part, (a, b) in enumerate(zip(before, again)):
@@ -121,10 +121,8 @@ def first_to_depart(keys: list[int]) -> list[int]:
 
 
 class ReplicaCheck:
-    def __init__(self, cfg: ReplicaConfig | None, backend: Backend, model: nn.Module, module: nn.Module,
+    def __init__(self, cfg: ReplicaConfig | None, backend: Backend, model: nn.Module,
                  optimizer: torch.optim.Optimizer, job_dir: Path):
-        """model: the parameters; module: what the loop calls (DDP's wrapper, whose all-reduce a
-        hook of this class's does, to print this replica's own gradients on the way)."""
         self.cfg, self.backend, self.model, self.optimizer = cfg, backend, model, optimizer
         self.path = Path(job_dir) / "replicas.json"
         # Replicas: several processes that do not shard the state between them.
@@ -134,13 +132,13 @@ class ReplicaCheck:
         self.group = backend.agreement_group if cfg is not None and replicated else None
         self.agreed = 0  # the last step every replica held the same state at
         # This replica's step values since then, unread: its StepResult values (loss before the
-        # all-reduce, grad norm after it, ...) and its gradients' print. A replay compares against
+        # all-reduce, grad norm after it, ...) and its output's print. A replay compares against
         # them. Kept on the device; read only after a mismatch.
         self._trace: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._summing: torch.Tensor | None = None  # this step's gradients' print, bucket by bucket
-        self.gradients: torch.Tensor | None = None  # the last step's
-        if self.enabled and isinstance(module, DistributedDataParallel):
-            module.register_comm_hook(self, _printing_all_reduce)
+        self._summing: torch.Tensor | None = None  # this step's output print, micro-batch by micro-batch
+        self.output: torch.Tensor | None = None  # the last step's
+        if self.enabled:
+            model.norm.register_forward_hook(self._print_output)
 
     @property
     def enabled(self) -> bool:
@@ -149,23 +147,25 @@ class ReplicaCheck:
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.interval_steps == 0
 
-    def add_gradients(self, bucket: torch.Tensor) -> None:
-        """A bucket of this replica's gradients, about to be all-reduced."""
-        summed = bucket.view(_AS_INT[bucket.element_size()]).sum(dtype=torch.int64)
-        self._summing = summed if self._summing is None else self._summing + summed
+    def _print_output(self, module, args, output: torch.Tensor) -> None:
+        """The final norm's output, of a training forward (not an evaluation's, without gradients)."""
+        if torch.is_grad_enabled():
+            output = output.detach()
+            summed = output.contiguous().view(_AS_INT[output.element_size()]).sum(dtype=torch.int64)
+            self._summing = summed if self._summing is None else self._summing + summed
 
     def step_done(self) -> None:
-        """Every optimizer step (the loop's, and every replay's): its gradients' print is complete."""
-        self.gradients, self._summing = self._summing, None
+        """Every optimizer step (the loop's, and every replay's): its output's print is complete."""
+        self.output, self._summing = self._summing, None
 
     def record(self, step: int, values: torch.Tensor) -> None:
         """A step the loop trained: its values, as this replica computed them."""
         if self.enabled:
-            self._trace[step] = (values, self.gradients)
+            self._trace[step] = (values, self.output)
 
     def _values(self, values: list[float]) -> list:
-        """[loss, gradients' print, gradient norm] of the last step."""
-        return [values[0], 0 if self.gradients is None else int(self.gradients), values[1]]
+        """[output's print, loss, gradient norm] of the last step."""
+        return [0 if self.output is None else int(self.output), values[0], values[1]]
 
     def rewound(self, step: int) -> None:
         """The loop went back to `step`: what came after it never happened."""
@@ -196,7 +196,7 @@ class ReplicaCheck:
         Every replica calls it alike (collectives). With none named and the replay agreeing,
         the mismatch comes back healed and the loop stands at its step again."""
         agreed = self.agreed
-        first = {s: [v[0].item(), 0 if g is None else int(g), v[1].item()] for s, (v, g) in self._trace.items()}
+        first = {s: [0 if o is None else int(o), v[0].item(), v[1].item()] for s, (v, o) in self._trace.items()}
         mine = fingerprint(self.model, self.optimizer)
         if loop.rewind(agreed) is None:
             log.warning("no state of the last agreed step or before to replay from", agreed_step=agreed)
@@ -241,11 +241,3 @@ class ReplicaCheck:
         emit(event)
         return exit_codes.QUARANTINED if odd else exit_codes.GANG_RESTART
 
-
-def _printing_all_reduce(check, bucket):  # no annotations: DDP checks them, and these would be strings
-    """DDP's own all-reduce (divide by the process count, then sum, so the results are bitwise
-    the same as without a hook), with this replica's gradients printed on the way."""
-    buffer = bucket.buffer()
-    check.add_gradients(buffer)
-    buffer.div_(dist.get_world_size())
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
