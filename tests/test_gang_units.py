@@ -152,3 +152,38 @@ def test_a_tpu_vm_reads_its_worker_number_and_peers_from_the_metadata_server(met
         if endpoints:
             metadata_server.set(key + "worker-network-endpoints", endpoints)
         assert _from_metadata(metadata_server.host, 8476) is None, (number, endpoints)
+
+
+def test_the_gangs_first_member_uploads_to_gcs_and_logs_to_wandb_host_0_unless_the_gang_formed_without_it(
+        tmp_path, tiny_spec):
+    from structlog.testing import capture_logs
+
+    from engine import events
+    from tpud.checkpoints.tiers import CheckpointTiers
+    from tpud.gang.discovery import GangPlace
+    from tpud.job.gang import GangView
+    from tpud.metrics import Metrics
+    from tpud.paths import Paths
+    from tpud.tracking import JobTracker
+
+    metrics = Metrics()
+    views = [GangView(GangPlace(host, 3, "127.0.0.1:1", min_hosts=2), "j", metrics) for host in range(3)]
+    assert [v.uploads() for v in views] == [True, False, False]  # before a gang forms: host 0, as ever
+    for members in ([0, 1, 2], [1, 2], [0, 2]):
+        trackers = [JobTracker(None, job="j", directory=tmp_path, saved={}, newest_run_id=lambda: None)
+                    for _ in views]
+        for host, (view, tracker) in enumerate(zip(views, trackers)):
+            formed = events.Gang(host=host, hosts=3, present=len(members), generation=1, members=members)
+            view.on_gang(formed)
+            tracker.on_gang(formed)
+        first = min(members)
+        assert [v.uploads() for v in views] == [h == first for h in range(3)], members
+        assert [t.rank == 0 for t in trackers] == [h == first for h in range(3)], members
+
+    # The GCS tier asks at each commit: a host that does not upload leaves the step alone.
+    spec = tiny_spec("checkpoint.remote=gs://bucket/ckpt")
+    for uploads in (False, True):
+        tiers = CheckpointTiers(spec, Paths.resolve(tmp_path), lambda *a: None, uploads=lambda: uploads)
+        with capture_logs() as logs:
+            tiers.on_checkpoint_committed(events.CheckpointCommitted(3, 0, "interval", str(tmp_path / "nowhere")))
+        assert any("not a committed step directory" in e["event"] for e in logs) is uploads

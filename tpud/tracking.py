@@ -308,6 +308,11 @@ class JobTracker:
     def on_hello(self, event: events.Hello) -> None:
         self.rank = event.rank
 
+    def on_gang(self, event: events.Gang) -> None:
+        """A gang formed: its first member logs (host 0, unless the gang formed without it)."""
+        if event.members:
+            self.rank = event.members.index(event.host) if event.host in event.members else -1
+
     def on_step(self, event: events.Step) -> None:
         if self.rank == 0:
             self.log(event, self.config)

@@ -24,13 +24,15 @@ class CheckpointTiers:
     """The GCS tier of one job, when it has one: its uploader, and the download before a start."""
 
     def __init__(self, spec: JobSpec, paths: Paths,
-                 on_upload: Callable[[Key, Transfer | None, str | None, Interval | None], None], *, uploads: bool = True):
+                 on_upload: Callable[[Key, Transfer | None, str | None, Interval | None], None], *,
+                 uploads: Callable[[], bool] = lambda: True):
         """on_upload(key, transfer, error, policy) after each upload attempt, from the uploader's
         thread: transfer None and the uploader's error when the attempt failed; policy, the auto
         interval now in force (None unless remote_interval_seconds is auto).
 
-        `uploads` False: a host of a multi-host job other than host 0. Every host's part restores
-        the whole replicated state, so one host uploads it; every host downloads.
+        `uploads()`, asked at each commit: whether this host uploads it. Every host's part of a
+        multi-host job restores the whole replicated state, so one host uploads it (the gang's
+        first member: tpud.job.gang.GangView.uploads); every host downloads.
         """
         self.paths, self.on_upload, self.uploads = paths, on_upload, uploads
         self.local_job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
@@ -39,7 +41,7 @@ class CheckpointTiers:
         self.uploader = (Uploader(self.tier, self.local_job_dir, spec.checkpoint.keep, interval=self._interval(spec),
                                   on_result=lambda key, transfer: on_upload(key, transfer, self._error(transfer),
                                                                            self.policy()))
-                         if self.tier and uploads else None)
+                         if self.tier else None)
 
     @staticmethod
     def _interval(spec: JobSpec, old: float | SecondsPolicy | None = None) -> float | SecondsPolicy:
@@ -83,7 +85,8 @@ class CheckpointTiers:
         return None if transfer is not None else self.uploader.stats.last_error or "upload failed"
 
     def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
-        if event.tier != "memory" and self.uploader is not None:  # the memory tier stays on this host
+        # The memory tier stays on this host; another host of the gang may be the one uploading.
+        if event.tier != "memory" and self.uploader is not None and self.uploads():
             self.uploader.submit(Path(event.path), urgent=event.reason != "interval")
 
     def newest_run_id(self) -> str | None:

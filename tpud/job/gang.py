@@ -27,10 +27,14 @@ class GangView:
         return {**self.place.worker_env(), "RANK": str(self.place.host), "WORLD_SIZE": str(self.place.hosts),
                 "LOCAL_RANK": "0"}
 
-    @property
     def uploads(self) -> bool:
-        """One host uploads a multi-host job's steps: every host's part holds the whole state."""
-        return self.place is None or self.place.host == 0
+        """Whether this host uploads the job's steps to GCS now. One host of a gang does (every
+        host's part holds the whole state): its first member, host 0 unless the gang formed
+        without it (gang.min_hosts, host 0 quarantined or evicted), so the run stays durable."""
+        if self.place is None:
+            return True
+        members = self.latest.members if self.latest is not None and self.latest.members else [0]
+        return self.place.host == min(members)
 
     def new_worker(self) -> None:
         self.latest = None

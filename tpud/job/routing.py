@@ -25,7 +25,7 @@ ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.RolledBack: ("report", "ledger"),
     events.ReplicaMismatch: ("report",),
     events.Straggler: ("report",),
-    events.Gang: ("gang",),
+    events.Gang: ("gang", "tracker"),
 }
 
 
