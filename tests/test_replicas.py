@@ -89,6 +89,8 @@ def test_status_says_how_the_odd_replica_was_found_and_a_healed_mismatch_goes_ba
     healed = status(Mismatch(6, [1, 2], [], healed=True), 6, False)
     assert "transient fault, healed in place)" in healed and "back to step" not in healed
     assert "ranks [2] differ from the majority" in Mismatch(6, [1, 1, 2], [2], "majority").describe()
+    assert "a replay named none" in Mismatch(6, [1, 2], [], replayed=True).describe()
+    assert "no state to replay from" in Mismatch(6, [1, 2], []).describe()
 
 
 @pytest.mark.slow
@@ -142,4 +144,5 @@ def test_two_replicas_that_differ_with_no_state_to_replay_from_start_again_from_
     ranks = data_parallel(tmp_path, 2, "debug.inject.bit_flips=[{step: 3, rank: 0}]", steps=6)
     assert [r["exit"] for r in ranks] == [77, 77]
     assert [(r["mismatches"][0]["step"], r["mismatches"][0]["odd"]) for r in ranks] == [(4, []), (4, [])]
+    assert "no state to replay from" in ranks[0]["mismatches"][0]["reason"]
     assert committed(tmp_path / "checkpoints" / "tiny-cpu") == []  # the save at 4 came after the comparison

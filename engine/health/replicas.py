@@ -20,9 +20,10 @@ all-reduce), so no restore takes them; no disk save happens without a comparison
   the replica it struck: a flipped weight changes that replica's next output, and only then,
   through the all-reduce, the others' norm and weights; a flipped gradient changes its own
   weights a step before the others', so its next output, or at least its fingerprint. The
-  replica whose values departed first is named and quarantined as above. With none named (all departed at once, or none
-  did) and the replay agreeing, the fault was transient: training goes on in place from the
-  replayed state; otherwise all exit 77.
+  replica whose values departed first is named and quarantined as above. With none named (all
+  departed at once, or none did) and the replay agreeing, the fault was transient: training
+  goes on in place from the replayed state; otherwise, or with no state to replay from, all
+  exit 77.
 
 A `replica_mismatch` event says what was found (`replicas.json` keeps the last one).
 """
@@ -71,6 +72,7 @@ class Mismatch:
     odd: list[int]           # the ranks named: outside the majority, or the first to depart in a replay
     found_by: str = ""       # "majority", "replay", or "" when none is named
     healed: bool = False     # none named, and the replay agreed: training went on in place
+    replayed: bool = False   # the steps since the last agreed state were replayed
 
     def describe(self) -> str:
         if self.found_by == "majority":
@@ -79,8 +81,10 @@ class Mismatch:
             who = f"ranks {self.odd} departed first from their own values when the steps were replayed"
         elif self.healed:
             who = "none could be named; replayed, they agree: a transient fault, healed in place"
-        else:
+        elif self.replayed:
             who = "no majority, and a replay named none"
+        else:
+            who = "no majority, and no state to replay from"
         return f"the replicas' states differ after step {self.step} ({len(self.fingerprints)} replicas: {who})"
 
 
@@ -215,8 +219,8 @@ class ReplicaCheck:
         still = self.compare(mismatch.step)
         self.agreed = agreed  # what the event reports; once healed, settle() moves it on
         if named:
-            return dataclasses.replace(mismatch, odd=named, found_by="replay")
-        return dataclasses.replace(mismatch, healed=still is None)
+            return dataclasses.replace(mismatch, odd=named, found_by="replay", replayed=True)
+        return dataclasses.replace(mismatch, healed=still is None, replayed=True)
 
     def settle(self, mismatch: Mismatch, emit) -> int | None:
         """Say what was found; the exit code (79 for a named replica, else 77), None when healed in place."""
