@@ -172,6 +172,7 @@ class Trainer:
         self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
                              self.hooks.emit)
         self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
+        self.replicas.restored(self.progress)
         self.replicas.agreed = self.progress.step  # restored states were compared before their commit
         self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
@@ -391,8 +392,10 @@ class Trainer:
             clean = self.guard.state_is_clean(self.progress)
         if not clean:
             return self.healer.heal(self)
-        # No commit of a state the replicas differ on (a replay's time is not the checkpoint's).
-        if not memory_only and (code := self._compare_replicas()) is not None:
+        # No commit of a state the replicas differ on (a replay's time is not the checkpoint's; a
+        # save before exiting has a deadline near, and no time for one).
+        exiting = reason == "request" and wait
+        if not memory_only and (code := self._compare_replicas(replay=not exiting)) is not None:
             return code
         with self.badput.timing("checkpoint"):
             if memory_only:
@@ -401,14 +404,14 @@ class Trainer:
                 self.checkpointer.save(self.progress, reason, wait=wait)
         return None
 
-    def _compare_replicas(self) -> int | None:
+    def _compare_replicas(self, replay: bool = True) -> int | None:
         """The replicas' fingerprints (engine.health.replicas): None when they agree or a replay
         healed them in place, else the exit code."""
         if (mismatch := self.replicas.compare(self.step)) is None:
             return None
         self.checkpointer.wait()
         self.checkpointer.forget_after(self.replicas.agreed)
-        if not mismatch.odd:
+        if not mismatch.odd and replay:
             with self.badput.timing("rollback"):
                 mismatch = self.replicas.replay(mismatch, self)
             self.guard.rewound(self.progress)
@@ -432,12 +435,15 @@ class Trainer:
         # A save's last act is rank 0's commit (its rename), after the others' waits return: once
         # every rank has waited, each finds the same committed steps.
         self.backend.agree(None)
+        # Mid-step (a request served before the step's end) the gradients hold part of a step the
+        # restored state never took; a boundary state's restore leaves them as they are.
+        self.optimizer.zero_grad(set_to_none=True)
         restored = self.checkpointer.restore(at_most=at_most)
         if restored is None:
             return None
         self.progress.__dict__.update(vars(restored))  # the loop holds this object
         self.reporter.rewound()
-        self.replicas.rewound(restored.step)
+        self.replicas.restored(restored)
         self.stragglers.reset()
         return self.progress
 

@@ -104,7 +104,6 @@ def test_the_worker_gets_its_place_and_whether_to_watch_its_peers(monkeypatch):
     assert member.min_hosts == 2 and (member.rank, member.place) == (1, Hosts(1, 2))
 
 
-
 def test_gang_evict_stragglers_evicts_in_every_job_of_the_gang_as_the_jobs_own_setting_does(monkeypatch):
     from types import SimpleNamespace
 

@@ -4,12 +4,14 @@ replay that names one of two, and real data-parallel processes in which one bit 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine.health.faults import flip_bit
-from engine.health.replicas import NEVER, Mismatch, departure, fingerprint, first_to_depart, odd_ones
+from engine.health.replicas import (NEVER, Mismatch, ReplicaCheck, departure, fingerprint, first_to_depart,
+                                    odd_ones)
 from engine.spec.schema import BitFlip
 from tests.helpers import committed, data_parallel
 
@@ -74,6 +76,26 @@ def test_a_replay_names_the_replica_whose_own_values_departed_first():
     assert first_to_depart([output, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
     assert first_to_depart([NEVER, NEVER]) == [] and first_to_depart([norm, norm]) == []  # none, or all at once
     assert first_to_depart([NEVER, 6 * 4 + 3]) == [1]  # only its fingerprint differs: a flip after the last step
+
+
+def test_a_step_begun_before_a_partial_step_restore_has_no_output_print_to_compare():
+    from types import SimpleNamespace
+
+    from engine.checkpoint.state import Progress
+    from engine.spec.schema import ReplicaConfig
+
+    model, optimizer = model_and_optimizer()
+    check = ReplicaCheck(ReplicaConfig(), SimpleNamespace(data=SimpleNamespace(world=1, rank=0)), model, optimizer,
+                         Path("unused"))
+    output = torch.randn(4, 8)
+    check.restored(Progress(step=3, micro_step=1))  # step 4's first micro-batch ran before this state
+    check._print_output(None, (), output)
+    check.step_done()
+    assert check.output_print is None and check._values([2.0, 1.0])[0] is None
+    check._print_output(None, (), output)  # step 5: all of it here
+    check.step_done()
+    assert int(check.output_print) == int(output.view(torch.int32).sum(dtype=torch.int64))
+    assert departure(4, [None, 2.5, 0.75], [123, 2.5, 0.75]) == NEVER  # a print either lacks is not compared
 
 
 def test_status_says_how_the_odd_replica_was_found_and_a_healed_mismatch_goes_back_nowhere():

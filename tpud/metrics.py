@@ -188,10 +188,12 @@ class Metrics:
         self._redone = Counter("tpud_job_redone_steps_total", "Steps trained again after a rollback (their first "
                                "training was lost).", ["job"], registry=r)
         self._mismatches = Counter("tpud_job_replica_mismatches_total", "Times the data-parallel replicas' states "
-                                   "differed, by the ranks (hosts) outside the majority (none: no majority).",
+                                   "differed, by the ranks (hosts) named: outside the majority, or by a replay (none: none named, "
+                                   "healed in place or all restarted).",
                                    ["job", "odd"], registry=r)
-        self._quarantined = Gauge("tpud_job_quarantined", "1 when this host's replica of the job's state differed "
-                                  "from the majority's: the job is failed here until the host is replaced.",
+        self._quarantined = Gauge("tpud_job_quarantined", "1 when this host's replica of the job's state was named "
+                                  "the odd one (by the majority or a replay): the job is failed here until the host is "
+                                  "replaced.",
                                   ["job"], registry=r)
         self._stragglers = Gauge("tpud_job_straggler_ratio", "A flagged straggler's forward time over the other "
                                  "processes' median (host: its rank, its host in a gang); 0 once cleared.",

@@ -26,9 +26,10 @@ class GangSettings(BaseModel):
         "without them. Default host_count: the gang waits for their replacement. A host that is merely down is "
         "always waited for. For gangs over gloo or nccl: a TPU slice's runtime fixes its host count.")
     evict_stragglers: bool = Field(
-        False, description="Evict a host flagged as a straggler from every multi-host job here, as a job's "
-        "health.stragglers.evict does (which a job may also set alone): it fails on that host (exit 79) and the gang "
-        "goes on without it where min_hosts allows, else waits for its replacement.")
+        False, description="Evict a host flagged as a straggler from every multi-host job here that watches for "
+        "stragglers (health.stragglers, on by default), as a job's health.stragglers.evict does (which a job may also "
+        "set alone): it fails on that host (exit 79) and the gang goes on without it where min_hosts allows, else "
+        "waits for its replacement.")
     coordinator: str = Field(
         pattern=r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):[0-9]{1,5}$",
         description="HOST:PORT where host 0's coordinator (torch.distributed's TCPStore) listens and every "

@@ -84,7 +84,7 @@ class Mismatch:
         elif self.replayed:
             who = "no majority, and a replay named none"
         else:
-            who = "no majority, and no state to replay from"
+            who = "no majority, and no replay (no state to replay from, or stopping)"
         return f"the replicas' states differ after step {self.step} ({len(self.fingerprints)} replicas: {who})"
 
 
@@ -110,9 +110,9 @@ def bits(value: float | int) -> int:
 def departure(step: int, before: list, again: list) -> int:
     """Where a replayed step's values ([output's print, loss, gradient norm]) first differ,
     bitwise, from the same step's first run, as an order key (step, then PARTS); NEVER when
-    they are the same."""
+    they are the same. A print that either run lacks (None: not whole) is not compared."""
     for part, (a, b) in enumerate(zip(before, again)):
-        if bits(a) != bits(b):
+        if a is not None and b is not None and bits(a) != bits(b):
             return step * len(PARTS) + part
     return NEVER
 
@@ -140,7 +140,8 @@ class ReplicaCheck:
         # them. Kept on the device; read only after a mismatch.
         self._trace: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._summing: torch.Tensor | None = None  # this step's output print, micro-batch by micro-batch
-        self.output: torch.Tensor | None = None  # the last step's
+        self.output_print: torch.Tensor | None = None  # the last step's; None when not all of it ran here
+        self._partial = False  # the step under way began before this process's state (a partial-step restore)
         if self.enabled:
             model.norm.register_forward_hook(self._print_output)
 
@@ -159,22 +160,26 @@ class ReplicaCheck:
             self._summing = summed if self._summing is None else self._summing + summed
 
     def step_done(self) -> None:
-        """Every optimizer step (the loop's, and every replay's): its output's print is complete."""
-        self.output, self._summing = self._summing, None
+        """Every optimizer step (the loop's, and every replay's): its output's print is complete,
+        unless some of the step's micro-batches ran before a partial-step state was restored."""
+        self.output_print = None if self._partial else self._summing
+        self._summing, self._partial = None, False
 
     def record(self, step: int, values: torch.Tensor) -> None:
         """A step the loop trained: its values, as this replica computed them."""
         if self.enabled:
-            self._trace[step] = (values, self.output)
+            self._trace[step] = (values, self.output_print)
 
     def _values(self, values: list[float]) -> list:
-        """[output's print, loss, gradient norm] of the last step."""
-        return [0 if self.output is None else int(self.output), values[0], values[1]]
+        """[output's print (None: not whole), loss, gradient norm] of the last step."""
+        return [None if self.output_print is None else int(self.output_print), values[0], values[1]]
 
-    def rewound(self, step: int) -> None:
-        """The loop went back to `step`: what came after it never happened."""
-        self.agreed = min(self.agreed, step)
-        self._trace = {s: v for s, v in self._trace.items() if s <= step}
+    def restored(self, progress) -> None:
+        """The loop's state was restored (at start-up, or a rewind to an earlier one): what came
+        after it never happened, and a partial step's print cannot be whole."""
+        self.agreed = min(self.agreed, progress.step)
+        self._trace = {s: v for s, v in self._trace.items() if s <= progress.step}
+        self._summing, self._partial = None, progress.micro_step > 0
 
     def _gather(self, value: int) -> list[int]:
         mine = torch.tensor([value], dtype=torch.int64)
@@ -200,7 +205,7 @@ class ReplicaCheck:
         Every replica calls it alike (collectives). With none named and the replay agreeing,
         the mismatch comes back healed and the loop stands at its step again."""
         agreed = self.agreed
-        first = {s: [0 if o is None else int(o), v[0].item(), v[1].item()] for s, (v, o) in self._trace.items()}
+        first = {s: [None if o is None else int(o), v[0].item(), v[1].item()] for s, (v, o) in self._trace.items()}
         mine = fingerprint(self.model, self.optimizer)
         if loop.rewind(agreed) is None:
             log.warning("no state of the last agreed step or before to replay from", agreed_step=agreed)
@@ -244,4 +249,3 @@ class ReplicaCheck:
                       **dataclasses.asdict(event))
         emit(event)
         return exit_codes.QUARANTINED if odd else exit_codes.GANG_RESTART
-

@@ -712,8 +712,9 @@ class InjectConfig(Section):
                                      "its gradients before the update.")
     slow_host: SlowHost | None = Field(None, description="One process slowed down by a factor: a straggler.")
     repeat: bool = Field(
-        False, description="Fire every time the step is reached (a deterministic fault); by default each fault "
-        "fires once per job, as transient faults do.")
+        False, description="Fire in every worker that reaches the step (a deterministic fault); by default each "
+        "fault fires once per job, as transient faults do. A bit flip never fires again in an in-place replay of its "
+        "step (a replica check's).")
 
 
 class DebugConfig(Section):

@@ -119,7 +119,8 @@ class ChannelHooks(SignalHooks):
 
 
 def _leaves_the_gang(event: events.Event) -> bool:
-    """A replica outside the majority, or an evicted straggler: this worker exits 79 next."""
+    """A replica named the odd one (by the majority or a replay), or an evicted straggler: this
+    worker exits 79 next."""
     if isinstance(event, events.ReplicaMismatch):
         return event.rank in event.odd
     return isinstance(event, events.Straggler) and event.evicted and event.straggler == event.rank
