@@ -169,11 +169,11 @@ class Trainer:
             self.loader.skips = merge_skips(self.loader.skips, restored.data_skips)
         self.checkpointer.data_skips = self.loader.skips
         self.guard = StepGuard(spec.health, self.backend, self.loader, self.ledger, self.hooks.emit, self.progress)
-        self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
-                             self.hooks.emit)
         self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
         self.replicas.restored(self.progress)
         self.replicas.agreed = self.progress.step  # restored states were compared before their commit
+        self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
+                             self.hooks.emit, self.replicas)
         self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.guard, self.badput, self.hooks.emit, router_stats=moe is not None,
@@ -269,7 +269,8 @@ class Trainer:
                 loss = loss * weight
             self.faults.slow_down(p.step, rank, time.monotonic() - began)
             self.stragglers.forward_took(time.monotonic() - began)  # no collective waits inside (stragglers.py)
-            if (factor := self.faults.poison(self.loader.index(p.step, p.micro_step))) != 1.0:
+            factor = self.faults.poison(self.loader.index(p.step, p.micro_step)) * self.faults.glitch(p.step + 1, rank)
+            if factor != 1.0:
                 loss = loss * factor  # NaN: NaN gradients and weights, a real blow-up; else a spike
             began = time.monotonic()
             with record_function("tpud.backward"):
@@ -461,6 +462,7 @@ class Trainer:
             self._keep_polling()
             self.micro_batch()
         result, values = self.optimizer_step(), []
+        self.replicas.replayed(result.step, result.values)
         if local:
             values.append(result.values.tolist())
         else:

@@ -145,6 +145,20 @@ def test_of_two_replicas_the_one_a_bit_flipped_in_is_named_by_replaying_the_step
 
 
 @pytest.mark.slow
+def test_a_spike_of_one_replica_that_its_replay_does_not_reproduce_names_that_replica(tmp_path):
+    # Rank 1's loss of step 10 is 10x, once (a hardware fault): the spike is caught at its step,
+    # rolled back to step 8 (saved) and replayed; the replay does not spike (verdict: hardware),
+    # and rank 1's own loss of step 10 is the one that departed from its first run.
+    ranks = data_parallel(tmp_path, 2, "debug.inject.host_spikes=[{step: 10, rank: 1}]",
+                          "health.spikes={warmup_steps: 4, window_steps: 8}", steps=14)
+    assert [r["exit"] for r in ranks] == [77, 79]
+    for report in ranks:
+        (mismatch,) = report["mismatches"]
+        assert (mismatch["step"], mismatch["odd"], mismatch["found_by"]) == (10, [1], "replay")
+        assert "spiked and its replay did not" in mismatch["reason"]
+
+
+@pytest.mark.slow
 def test_a_transient_fault_no_replica_can_be_named_for_heals_in_place_and_the_run_ends_as_a_clean_one(tmp_path):
     # Both replicas flip a bit of the same weight right after step 6, before its comparison: only
     # their fingerprints depart, both at once, so neither is named; replayed from step 4 (saved,

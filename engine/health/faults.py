@@ -16,6 +16,9 @@ Each looks like the real thing from outside the worker:
   `gradient`, of its gradient of step `step`, after the all-reduce and before the update): silent
   data corruption, which the replicas' fingerprints find (engine.health.replicas). A flip is
   transient: a replay of its step in the same worker does not meet it again.
+- host_spikes [{step, rank}]: that process's loss of that step is multiplied by SPIKE, once:
+  a transient hardware fault. Its replay does not meet it, so the healer's verdict is the
+  hardware's, and with replicas the replay names that process (engine.health.replicas).
 - slow_host {rank, factor, from_step}: that process's forward and backward passes take factor x
   as long (it sleeps the difference) from that step on, every run: a straggler
   (engine.health.stragglers).
@@ -44,7 +47,7 @@ from engine.layout import atomic_write
 
 log = structlog.get_logger()
 
-HANG, CRASH, NAN, SPIKE_KIND, FLIP, GRAD_FLIP = "hang", "crash", "nan", "spike", "flip", "gradflip"
+HANG, CRASH, NAN, SPIKE_KIND, FLIP, GRAD_FLIP, HOST_SPIKE = "hang", "crash", "nan", "spike", "flip", "gradflip", "hostspike"
 SPIKE = 10.0  # what spike_at_step multiplies the loss by
 
 
@@ -59,6 +62,9 @@ class NoFaults:
 
     def slow_down(self, step: int, rank: int, seconds: float) -> None:
         pass
+
+    def glitch(self, step: int, rank: int) -> float:
+        return 1.0
 
     def before_update(self, step: int, model, rank: int) -> None:
         pass
@@ -102,6 +108,15 @@ class Faults:
 
     def _who(self, rank: int) -> int:
         return rank if self.host is None else self.host
+
+    def glitch(self, step: int, rank: int) -> float:
+        """What this process's loss of a micro-batch of `step` (the step being trained) is
+        multiplied by: SPIKE once where a host spike strikes, else 1."""
+        for spike in self.cfg.host_spikes:
+            if (spike.step, spike.rank) == (step, self._who(rank)) and self._fire(HOST_SPIKE, step * 1000 + spike.rank):
+                log.warning("injected host spike", step=step, rank=spike.rank)
+                return SPIKE
+        return 1.0
 
     def slow_down(self, step: int, rank: int, seconds: float) -> None:
         """After a forward or backward pass of `seconds` at `step` (steps done): slow_host's rank

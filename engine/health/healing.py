@@ -10,7 +10,8 @@ a spike. With K = health.spikes.skip_steps (1 for a non-finite step without spik
    and its restart skips the bad step's batches (the guard's `exit`).
 3. Replay (health.spikes.replay): train the steps up to S again on the same batches and read
    step S's values. Bad again, it was the data. Clean, it was the hardware: the replayed state
-   is kept, nothing is skipped, and the event says so.
+   is kept, nothing is skipped, and the event says so; with replicas, the ones whose own values
+   of step S departed from their first run's are named and quarantined (engine.health.replicas).
 4. The data's: restore the same state again, skip the micro-batches of steps S - K + 1 .. S
    (engine.health.ledger), set aside any newer state (it holds the skipped batches' updates),
    and train on. Each later checkpoint carries the skips.
@@ -35,6 +36,7 @@ from engine.checkpoint.state import Progress
 from engine.data.loader import PackedLoader
 from engine.health.guard import BadStep, StepGuard
 from engine.health.ledger import SkipLedger
+from engine.health.replicas import ReplicaCheck
 from engine.spec.schema import HealthConfig
 
 log = structlog.get_logger()
@@ -64,8 +66,8 @@ def reproduced(bad: BadStep, values: list[float]) -> bool:
 
 class Healer:
     def __init__(self, cfg: HealthConfig, guard: StepGuard, ledger: SkipLedger, loader: PackedLoader,
-                 checkpointer: Checkpointer, badput: Badput, emit):
-        self.cfg, self.guard, self.ledger, self.loader = cfg, guard, ledger, loader
+                 checkpointer: Checkpointer, badput: Badput, emit, replicas: ReplicaCheck):
+        self.cfg, self.guard, self.ledger, self.loader, self.replicas = cfg, guard, ledger, loader, replicas
         self.checkpointer, self.badput, self.emit = checkpointer, badput, emit
         self.hardware: list[int] = []  # steps of the hardware verdicts, which the ledger does not record
 
@@ -84,6 +86,7 @@ class Healer:
             return self.guard.exit(f"{recent} rollbacks within {self.cfg.rollback_window_steps} steps "
                                    f"(health.max_rollbacks); then {bad.describe()}")
         started, target = time.monotonic(), bad.step - self.skip_steps
+        first_run = self.replicas.recorded(bad.step)  # the replay records over it
         with self.badput.timing("rollback"):
             restored = loop.rewind(target)
             if restored is None:
@@ -115,4 +118,6 @@ class Healer:
             seconds=round(time.monotonic() - started, 3))
         (log.warning if verdict == "data" else log.error)(event.TYPE.replace("_", " "), **dataclasses.asdict(event))
         self.emit(event)
+        if verdict == "hardware" and (named := self.replicas.name_after_spike(bad.step, first_run)) is not None:
+            return self.replicas.settle(named, self.emit)  # quarantined (79), or the others restart (77)
         return None

@@ -71,10 +71,14 @@ class Mismatch:
     fingerprints: list[int]  # by rank
     odd: list[int]           # the ranks named: outside the majority, or the first to depart in a replay
     found_by: str = ""       # "majority", "replay", or "" when none is named
+    spike: bool = False      # found by the healer: a spike its replay did not reproduce
     healed: bool = False     # none named, and the replay agreed: training went on in place
     replayed: bool = False   # the steps since the last agreed state were replayed
 
     def describe(self) -> str:
+        if self.spike:
+            return (f"step {self.step}'s loss spiked and its replay did not: ranks {self.odd} computed it differently "
+                    "the first time (a hardware fault)")
         if self.found_by == "majority":
             who = f"ranks {self.odd} differ from the majority"
         elif self.found_by == "replay":
@@ -97,6 +101,7 @@ def odd_ones(prints: list[int]) -> list[int]:
 
 
 NEVER = 2**62  # a replica whose replayed values all matched its first ones
+KEEP_STEPS = 256  # the step values kept before the last agreed step
 # What a replay compares, in the order a step computes it: this replica's own forward output and
 # loss (before the all-reduce), the gradient norm (after it), and after the last step the fingerprint.
 PARTS = ("output", "loss", "gradient norm", "fingerprint")
@@ -142,6 +147,7 @@ class ReplicaCheck:
         self._summing: torch.Tensor | None = None  # this step's output print, micro-batch by micro-batch
         self.output_print: torch.Tensor | None = None  # the last step's; None when not all of it ran here
         self._partial = False  # the step under way began before this process's state (a partial-step restore)
+        self._replayed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the last replayed step's
         if self.enabled:
             model.norm.register_forward_hook(self._print_output)
 
@@ -170,15 +176,44 @@ class ReplicaCheck:
         if self.enabled:
             self._trace[step] = (values, self.output_print)
 
+    def replayed(self, step: int, values: torch.Tensor) -> None:
+        """A step a replay trained (the healer's, or a replica check's): from now on its values are
+        those a later replay compares with (the callers kept the first run's they need)."""
+        self._replayed = (values, self.output_print)
+        self.record(step, values)
+
+    def recorded(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return self._trace.get(step)
+
+    @staticmethod
+    def _read(recorded: tuple[torch.Tensor, torch.Tensor | None]) -> list:
+        """A recorded step's [output's print (None: not whole), loss, gradient norm]."""
+        values, output_print = recorded
+        return [None if output_print is None else int(output_print), values[0].item(), values[1].item()]
+
+    def name_after_spike(self, step: int, first) -> Mismatch | None:
+        """The healer's replay of a spiked `step` did not reproduce it (its verdict: the hardware).
+        Every replica (a collective; all reach the same verdict) compares its first run of the
+        step (`first`, as recorded() gave it before the rewind) with the replay's: the ones whose
+        own values departed are named, as in replay()."""
+        if not self.enabled:
+            return None
+        departed = NEVER if first is None else departure(step, self._read(first), self._read(self._replayed))
+        keys = self._gather(departed)
+        log.info("spike replayed", step=step,
+                 departed=[None if k == NEVER else f"step {k // len(PARTS)} {PARTS[k % len(PARTS)]}" for k in keys])
+        named = first_to_depart(keys)
+        return Mismatch(step, [], named, "replay", spike=True, replayed=True) if named else None
+
     def _values(self, values: list[float]) -> list:
         """[output's print (None: not whole), loss, gradient norm] of the last step."""
         return [None if self.output_print is None else int(self.output_print), values[0], values[1]]
 
     def restored(self, progress) -> None:
-        """The loop's state was restored (at start-up, or a rewind to an earlier one): what came
-        after it never happened, and a partial step's print cannot be whole."""
+        """The loop's state was restored (at start-up, or a rewind to an earlier one); a partial
+        step's print cannot be whole. The later steps' values stay until they are trained again
+        (a replay compares only steps trained since its state)."""
         self.agreed = min(self.agreed, progress.step)
-        self._trace = {s: v for s, v in self._trace.items() if s <= progress.step}
         self._summing, self._partial = None, progress.micro_step > 0
 
     def _gather(self, value: int) -> list[int]:
@@ -194,7 +229,8 @@ class ReplicaCheck:
         values = self._gather(fingerprint(self.model, self.optimizer))
         if len(set(values)) == 1:
             self.agreed = step
-            self._trace = {s: v for s, v in self._trace.items() if s > step}
+            # Kept a while after: the guard finds a spike at its next report, which may come later.
+            self._trace = {s: v for s, v in self._trace.items() if s > step - KEEP_STEPS}
             return None
         odd = odd_ones(values)
         return Mismatch(step, values, odd, "majority" if odd else "")
@@ -205,7 +241,7 @@ class ReplicaCheck:
         Every replica calls it alike (collectives). With none named and the replay agreeing,
         the mismatch comes back healed and the loop stands at its step again."""
         agreed = self.agreed
-        first = {s: [None if o is None else int(o), v[0].item(), v[1].item()] for s, (v, o) in self._trace.items()}
+        first = {s: self._read(recorded) for s, recorded in self._trace.items()}
         mine = fingerprint(self.model, self.optimizer)
         if loop.rewind(agreed) is None:
             log.warning("no state of the last agreed step or before to replay from", agreed_step=agreed)

@@ -690,6 +690,14 @@ class BitFlip(Section):
                            "gets it: after the replicas' all-reduce), so that only this process's update is wrong.")
 
 
+class HostSpike(Section):
+    """One process's (with several hosts: the host's) loss of one step made 10x, once: a transient
+    hardware fault, which a replay of the step does not meet again."""
+
+    step: PositiveInt = Field(description="The step (as logged: the N-th optimizer step).")
+    rank: NonNegativeInt = Field(description="The process (with several hosts: the host).")
+
+
 class SlowHost(Section):
     """One process (with several hosts: the host) made slower from a step on: a straggler."""
 
@@ -711,6 +719,8 @@ class InjectConfig(Section):
     bit_flips: list[BitFlip] = Field([], description="Bits flipped in one process's parameters after a step, or in "
                                      "its gradients before the update.")
     slow_host: SlowHost | None = Field(None, description="One process slowed down by a factor: a straggler.")
+    host_spikes: list[HostSpike] = Field([], description="One process's loss of a step made 10x once, not on its "
+                                         "replay: a hardware fault the spike detector finds and, with replicas, names.")
     repeat: bool = Field(
         False, description="Fire in every worker that reaches the step (a deterministic fault); by default each "
         "fault fires once per job, as transient faults do. A bit flip never fires again in an in-place replay of its "
