@@ -11,7 +11,7 @@ import torch
 
 from engine.health.faults import flip_bit
 from engine.health.replicas import (NEVER, Mismatch, ReplicaCheck, departure, fingerprint, first_to_depart,
-                                    odd_ones)
+                                    odd_ones, where)
 from engine.spec.schema import BitFlip
 from tests.helpers import committed, data_parallel
 
@@ -76,6 +76,7 @@ def test_a_replay_names_the_replica_whose_own_values_departed_first():
     assert first_to_depart([output, norm]) == [0] and first_to_depart([norm, loss, norm]) == [1]
     assert first_to_depart([NEVER, NEVER]) == [] and first_to_depart([norm, norm]) == []  # none, or all at once
     assert first_to_depart([NEVER, 6 * 4 + 3]) == [1]  # only its fingerprint differs: a flip after the last step
+    assert where([NEVER, 6 * 4 + 3, output]) == [None, "step 6 fingerprint", "step 6 output"]
 
 
 def test_a_step_begun_before_a_partial_step_restore_has_no_output_print_to_compare():
@@ -96,6 +97,20 @@ def test_a_step_begun_before_a_partial_step_restore_has_no_output_print_to_compa
     check.step_done()
     assert int(check.output_print) == int(output.view(torch.int32).sum(dtype=torch.int64))
     assert departure(4, [None, 2.5, 0.75], [123, 2.5, 0.75]) == NEVER  # a print either lacks is not compared
+
+
+def test_a_mismatch_that_cannot_be_recorded_still_quarantines_and_restarts(tmp_path):
+    from types import SimpleNamespace
+
+    from engine.spec.schema import ReplicaConfig
+
+    (tmp_path / "job").write_text("a file where the job's directory should be")  # replicas.json cannot be written
+    emitted = []
+    for rank, code in ((0, 79), (1, 77)):
+        check = ReplicaCheck(ReplicaConfig(), SimpleNamespace(data=SimpleNamespace(world=1, rank=rank)),
+                             *model_and_optimizer(), tmp_path / "job")
+        assert check.settle(Mismatch(6, [1, 2], [0], "replay"), emitted.append) == code
+    assert [e.odd for e in emitted] == [[0], [0]]
 
 
 def test_status_says_how_the_odd_replica_was_found_and_a_healed_mismatch_goes_back_nowhere():

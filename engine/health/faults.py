@@ -47,7 +47,8 @@ from engine.layout import atomic_write
 
 log = structlog.get_logger()
 
-HANG, CRASH, NAN, SPIKE_KIND, FLIP, GRAD_FLIP, HOST_SPIKE = "hang", "crash", "nan", "spike", "flip", "gradflip", "hostspike"
+HANG, CRASH, NAN, SPIKE_KIND = "hang", "crash", "nan", "spike"
+FLIP, GRAD_FLIP, HOST_SPIKE = "flip", "gradflip", "hostspike"
 SPIKE = 10.0  # what spike_at_step multiplies the loss by
 
 

@@ -122,6 +122,11 @@ def departure(step: int, before: list, again: list) -> int:
     return NEVER
 
 
+def where(keys: list[int]) -> list[str | None]:
+    """Departure keys as words, for the log: `step 12 output`, or None where none departed."""
+    return [None if k == NEVER else f"step {k // len(PARTS)} {PARTS[k % len(PARTS)]}" for k in keys]
+
+
 def first_to_depart(keys: list[int]) -> list[int]:
     """The ranks whose values departed first; [] when none departed or all did at once."""
     earliest = min(keys)
@@ -201,7 +206,7 @@ class ReplicaCheck:
         departed = NEVER if first is None else departure(step, self._read(first), self._read(self._replayed))
         keys = self._gather(departed)
         log.info("spike replayed", step=step,
-                 departed=[None if k == NEVER else f"step {k // len(PARTS)} {PARTS[k % len(PARTS)]}" for k in keys])
+                 departed=where(keys))
         named = first_to_depart(keys)
         return Mismatch(step, [], named, "replay", spike=True, replayed=True) if named else None
 
@@ -255,7 +260,7 @@ class ReplicaCheck:
             departed = mismatch.step * len(PARTS) + PARTS.index("fingerprint")
         keys = self._gather(departed)
         log.info("replicas replayed", from_step=agreed, to_step=mismatch.step,
-                 departed=[None if k == NEVER else f"step {k // len(PARTS)} {PARTS[k % len(PARTS)]}" for k in keys])
+                 departed=where(keys))
         named = first_to_depart(keys)
         still = self.compare(mismatch.step)
         self.agreed = agreed  # what the event reports; once healed, settle() moves it on
@@ -271,7 +276,10 @@ class ReplicaCheck:
                                        fingerprints=[f"{p & (2**64 - 1):016x}" for p in mismatch.fingerprints],
                                        reason=mismatch.describe(), found_by=mismatch.found_by,
                                        healed=mismatch.healed)
-        atomic_write(self.path, json.dumps(dataclasses.asdict(event)))
+        try:
+            atomic_write(self.path, json.dumps(dataclasses.asdict(event)))
+        except OSError as e:  # a full disk must not turn a quarantine (79) or restart (77) into a crash
+            log.warning("could not record the replica mismatch", path=str(self.path), error=str(e))
         if mismatch.healed:
             log.warning("replica mismatch healed in place: " + mismatch.describe(), **dataclasses.asdict(event))
             emit(event)
