@@ -234,6 +234,8 @@ class Gang(Event):
     present: int
     generation: int
     members: list[int] | None = None  # once formed: the hosts in it (fewer than hosts: some left out)
+    missing: list[int] | None = None  # while waiting: the hosts it waits for (neither seated nor excused)
+    coordinator: str | None = None  # the coordinator it meets in (HOST:PORT)
 
 
 @dataclass(frozen=True, config=_CONFIG)

@@ -33,6 +33,10 @@ class StateLayout:
     def job_dir(self, job: str) -> Path:
         return self.state / "jobs" / job
 
+    def gang_file(self, job: str) -> Path:
+        """The newest gang this host's workers formed for the job (tpud/gang/stores.py: Known)."""
+        return self.job_dir(job) / "gang.json"
+
     def record_file(self, job: str) -> Path:
         return self.job_dir(job) / "job.json"
 

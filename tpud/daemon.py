@@ -72,7 +72,8 @@ class Daemon:
         self._reader_settings = self.settings  # the settings scans use: the reader thread's own copy
         # Several hosts: this one's place, fixed for the daemon's life (a TPU slice does not change shape).
         self.gang, self._gang_settings = discover(self.settings), self.settings.gang
-        self.coordinator = Coordinator(self.gang.coordinator, self) if self.gang and self.gang.host == 0 else None
+        own = self.gang.own_coordinator if self.gang else None
+        self.coordinator = Coordinator(own, self) if own is not None else None
         self.metrics_addr = metrics_addr or self.settings.metrics_addr
         self.selector = selectors.DefaultSelector()
         self.jobs: dict[str, Job] = {}
@@ -379,7 +380,7 @@ class Daemon:
         log.info("tpud started", version=__version__, jobs_dir=None if self.single else str(self.paths.jobs_dir),
                  metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"),
                  gang=None if self.gang is None else f"host {self.gang.host} of {self.gang.hosts}, coordinator "
-                 f"{self.gang.coordinator}")
+                 f"{','.join(self.gang.addresses)}")
         try:
             if self.coordinator is not None:  # before any job: the workers meet there
                 self.coordinator.ensure()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -11,6 +12,7 @@ from engine.spec.loader import SpecError, load_mapping
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9477"
 DEFAULT_GANG_PORT = 8476
+ADDRESS = r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):[0-9]{1,5}$"  # HOST:PORT, an IPv6 host in brackets
 
 
 class GangSettings(BaseModel):
@@ -18,24 +20,32 @@ class GangSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host_index: int = Field(ge=0, description="This host's index, 0 .. host_count - 1. Host 0 runs the coordinator.")
+    host_index: int = Field(ge=0, description="This host's index, 0 .. host_count - 1.")
     host_count: int = Field(ge=1, description="Hosts every multi-host job spans.")
     min_hosts: int | None = Field(
-        None, ge=1, description="The fewest hosts a gang goes on with when hosts were quarantined (a replica that "
-        "differed) or evicted (a straggler): those are left out until they start again, while the others restart "
-        "without them. Default host_count: the gang waits for their replacement. A host that is merely down is "
-        "always waited for. For gangs over gloo or nccl: a TPU slice's runtime fixes its host count.")
+        None, ge=1, description="The fewest hosts a gang goes on with. Below host_count, a host that is lost (its "
+        "worker's beat stood still for peer_timeout_seconds, its coordinator gone), stopped or preempted, "
+        "quarantined (a replica that differed) or evicted (a straggler) is left out while the others go on without "
+        "it, as long as they are a majority of the gang they were (half of it with its lowest host), and joins "
+        "again when it comes back. Default host_count: the gang waits for every host. For gangs over gloo or nccl: "
+        "a TPU slice's runtime fixes its host count.")
     evict_stragglers: bool = Field(
         False, description="Evict a host flagged as a straggler from every multi-host job here that watches for "
         "stragglers (health.stragglers, on by default), as a job's health.stragglers.evict does (which a job may also "
         "set alone): it fails on that host (exit 79) and the gang goes on without it where min_hosts allows, else "
         "waits for its replacement.")
-    coordinator: str = Field(
-        pattern=r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):[0-9]{1,5}$",
+    coordinator: str | None = Field(
+        None, pattern=ADDRESS,
         description="HOST:PORT where host 0's coordinator (torch.distributed's TCPStore) listens and every "
-        "host's workers meet; host 0 binds exactly this address.")
+        "host's workers meet; host 0 binds exactly this address. Give it, or coordinators (then their first).")
+    coordinators: list[str] | None = Field(
+        None, description="Every host's coordinator address, HOST:PORT in host order: each host runs one on its "
+        "own, and the workers meet in the lowest live one holding the newest generation, so losing any one host, "
+        "host 0 included, leaves the gang a coordinator. Without it only host 0 runs one, and a gang loses host 0 "
+        "only by waiting for it.")
     peer_timeout_seconds: float = Field(
-        3.0, gt=0, description="A worker that stops beating for this long counts as failed: the gang restarts.")
+        3.0, gt=0, description="A worker that stops beating for this long counts as failed: the gang restarts, "
+        "without that host where min_hosts allows.")
     restart_peers: bool = Field(
         True, description="false: when a worker fails, the other hosts' workers are not stopped; each finds out "
         "through a collective's error or its hang bound, like a plain torch.distributed job (bench/multihost.py "
@@ -47,9 +57,28 @@ class GangSettings(BaseModel):
             raise ValueError(f"host_index {self.host_index} must be below host_count {self.host_count}")
         if self.min_hosts is not None and self.min_hosts > self.host_count:
             raise ValueError(f"min_hosts {self.min_hosts} must not be above host_count {self.host_count}")
-        if not 1 <= int(self.coordinator.rpartition(":")[2]) <= 65535:
-            raise ValueError(f"coordinator {self.coordinator!r}: the port must be 1 .. 65535")
+        if self.coordinators is not None:
+            if len(self.coordinators) != self.host_count:
+                raise ValueError(f"coordinators lists {len(self.coordinators)} addresses: give one per host "
+                                 f"({self.host_count})")
+            if len(set(self.coordinators)) != len(self.coordinators):
+                raise ValueError("coordinators: each host's address must differ")
+            if self.coordinator is not None and self.coordinator != self.coordinators[0]:
+                raise ValueError(f"coordinator {self.coordinator!r} is not host 0's of coordinators "
+                                 f"({self.coordinators[0]!r}): give one of them")
+        elif self.coordinator is None:
+            raise ValueError("give coordinator (host 0's HOST:PORT) or coordinators (every host's)")
+        for address in self.addresses:
+            if not re.match(ADDRESS, address):
+                raise ValueError(f"coordinators: {address!r} is not HOST:PORT")
+            if not 1 <= int(address.rpartition(":")[2]) <= 65535:
+                raise ValueError(f"coordinator {address!r}: the port must be 1 .. 65535")
         return self
+
+    @property
+    def addresses(self) -> list[str]:
+        """The coordinators' addresses in host order: every host's, or host 0's alone."""
+        return list(self.coordinators) if self.coordinators is not None else [self.coordinator]
 
 
 class Settings(BaseModel):
@@ -74,7 +103,7 @@ class Settings(BaseModel):
         None, description="Multi-host jobs off TPU: this host's index, the host count and the coordinator. On a "
         "TPU VM they come from TPU_WORKER_ID / TPU_WORKER_HOSTNAMES or the VM's metadata.")
     gang_port: int = Field(DEFAULT_GANG_PORT, ge=1, le=65535,
-                           description="The coordinator's port on TPU VMs (host 0's first address).")
+                           description="The coordinators' port on TPU VMs (every host's first address).")
     memory_tier_max_share: float = Field(
         0.25, ge=0, le=0.9, description="The most of this host's RAM every job's memory tier together may take "
         "(two training states per job, in shared memory). A job that sets checkpoint.memory and does not fit is "

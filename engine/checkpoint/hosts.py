@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,13 @@ Key = tuple[int, int]  # (step, micro_step)
 @dataclass(frozen=True)
 class Hosts:
     """This worker's place among the job's hosts: one worker per host, its rank the host's index.
-    The commit and the agreement run on the backend's checkpoint group (gloo, one rank per host)."""
+    The commit and the agreement run on the backend's checkpoint group (gloo, one rank per host).
+    `fence`, when given, says why this host may not write a global marker now (its gang moved on
+    without it), or None."""
 
     index: int
     count: int
+    fence: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,8 @@ class DiskWriter:
         failed = {host: outcome for host, (outcome, _) in enumerate(outcomes) if outcome is not None}
         if failed:
             return "; ".join(f"host {host} could not write its part: {why}" for host, why in failed.items())
+        if self.hosts.fence is not None and (why := self.hosts.fence()) is not None:
+            return f"fenced: {why}"
         try:
             mf.write_global(final, manifest)
         except OSError as e:  # the peers' markers stand; restore's agreement covers this host's lack of one

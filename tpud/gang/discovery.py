@@ -21,17 +21,29 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class GangPlace:
-    host: int          # this host's index, 0 .. hosts - 1; host 0 runs the coordinator
+    host: int          # this host's index, 0 .. hosts - 1
     hosts: int
-    coordinator: str   # HOST:PORT of the TCPStore every worker meets in
+    coordinator: str   # HOST:PORT of host 0's coordinator (a TCPStore), where the workers meet first
     peer_timeout_s: float = 3.0
     restart_peers: bool = True  # false: no peer watch (tpud.settings.GangSettings.restart_peers)
     min_hosts: int | None = None  # None: every host (tpud.settings.GangSettings.min_hosts)
     evict_stragglers: bool = False  # tpud.settings.GangSettings.evict_stragglers
+    # Every host's coordinator, host order (tpud.settings.GangSettings.coordinators); () for host 0's alone.
+    coordinators: tuple[str, ...] = ()
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The coordinators the workers may meet in, host order."""
+        return self.coordinators or (self.coordinator,)
+
+    @property
+    def own_coordinator(self) -> str | None:
+        """The coordinator this host's daemon runs, if any."""
+        return self.addresses[self.host] if self.host < len(self.addresses) else None
 
     @property
     def address(self) -> tuple[str, int]:
-        host, _, port = self.coordinator.rpartition(":")
+        host, _, port = self.addresses[0].rpartition(":")
         return host.strip("[]"), int(port)
 
     @property
@@ -45,7 +57,7 @@ class GangPlace:
 
     def worker_env(self) -> dict[str, str]:
         env = {"TPUD_GANG_HOST": str(self.host), "TPUD_GANG_HOSTS": str(self.hosts),
-               "TPUD_GANG_COORDINATOR": self.coordinator, "TPUD_GANG_PEER_TIMEOUT": str(self.peer_timeout_s),
+               "TPUD_GANG_COORDINATOR": ",".join(self.addresses), "TPUD_GANG_PEER_TIMEOUT": str(self.peer_timeout_s),
                "TPUD_GANG_RESTART_PEERS": "1" if self.restart_peers else "0",
                "TPUD_GANG_MIN_HOSTS": str(self.min_hosts or self.hosts),
                "TPUD_GANG_EVICT_STRAGGLERS": "1" if self.evict_stragglers else "0"}
@@ -59,8 +71,8 @@ def discover(settings, env: dict[str, str] | None = None) -> GangPlace | None:
     env = os.environ if env is None else env
     if settings.gang is not None:
         g = settings.gang
-        place = GangPlace(g.host_index, g.host_count, g.coordinator, g.peer_timeout_seconds, g.restart_peers,
-                          g.min_hosts, g.evict_stragglers)
+        place = GangPlace(g.host_index, g.host_count, g.addresses[0], g.peer_timeout_seconds, g.restart_peers,
+                          g.min_hosts, g.evict_stragglers, tuple(g.coordinators or ()))
     elif env.get("TPU_WORKER_ID") and env.get("TPU_WORKER_HOSTNAMES"):
         names = [n.strip() for n in env["TPU_WORKER_HOSTNAMES"].split(",") if n.strip()]
         try:
@@ -71,7 +83,8 @@ def discover(settings, env: dict[str, str] | None = None) -> GangPlace | None:
             log.error("TPU_WORKER_ID / TPU_WORKER_HOSTNAMES do not name this host's place; running as one host",
                       worker_id=env["TPU_WORKER_ID"], hostnames=env["TPU_WORKER_HOSTNAMES"][:200])
             return None
-        place = GangPlace(host, len(names), f"{names[0]}:{settings.gang_port}")
+        addresses = tuple(f"{name}:{settings.gang_port}" for name in names)
+        place = GangPlace(host, len(names), addresses[0], coordinators=addresses)
     elif any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0")):
         place = _from_metadata(resolve_host(settings.metadata_host), settings.gang_port)
     else:
@@ -85,7 +98,9 @@ def _from_metadata(host: str, port: int) -> GangPlace | None:
         number = _get(host, "instance/attributes/agent-worker-number")
         endpoints = _get(host, "instance/attributes/worker-network-endpoints")
         ips = [e.split(":")[2] for e in endpoints.split(",") if e.count(":") >= 2]
-        return GangPlace(int(number), len(ips), f"{ips[0]}:{port}") if 0 <= int(number) < len(ips) else None
+        addresses = tuple(f"{ip}:{port}" for ip in ips)
+        return GangPlace(int(number), len(ips), addresses[0], coordinators=addresses) if 0 <= int(number) < len(ips) \
+            else None
     except (OSError, ValueError, IndexError) as e:
         log.warning("could not read this TPU VM's worker number and peers from its metadata", error=str(e))
         return None

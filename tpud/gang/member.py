@@ -1,21 +1,22 @@
 """The worker's side of a gang: meet the other hosts' workers, watch them, leave together.
 
-All of it goes through torch.distributed's TCPStore in host 0's coordinator, under
-`tpud/<job>/`:
+All of it goes through torch.distributed's TCPStore in a coordinator (tpud/gang/stores.py says
+which, when every host runs one), under `tpud/<job>/`:
 
     gen                   the current generation: each generation is one gang of workers
+    last                  the newest gang formed: {"generation", "members"}
+    alive/<host>          a counter the host's worker bumps while it waits or trains
+    mark/<host>           "" | "out: why" (quarantined or evicted, exit 79) | "lost: why" (another
+                          worker judged it lost) | "rejoin" (its worker restarts): until it joins again
     g<G>/spec/<host>      the fingerprint of its job spec (engine.spec.fingerprint), set before its seat
-    g<G>/seat/<host>      a worker of this host joined generation G
+    g<G>/roster           the hosts seated in generation G, appended "H," as each takes its seat
+    g<G>/unseated         seats given up (a stop asked while waiting), appended alike
+    g<G>/checked          hosts that compared every member's fingerprint, appended alike
     g<G>/members          the hosts of the gang, fixed by the first worker to see it complete
-    g<G>/started          every host was seated: the gang formed
+    g<G>/started          the gang formed
     g<G>/beat/<host>      a counter each worker bumps every `interval`
     g<G>/arrivals/<host>  loop boundaries its training thread has reached
     g<G>/left/<host>      it exits on purpose (done, stopped, bad input): not a failure
-    out/<host>            its worker was quarantined or evicted (exit 79), until it joins again
-
-Once every host is seated, each compares every host's fingerprint: hosts whose job files
-differ (one host's jobs.d/ edited, not the others') all refuse the job alike, with exit 78 and a
-message naming the differing keys and each host's value, before training a step.
 
 A worker that starts finds the current generation; if that gang already formed, one of its
 workers is gone (this host's own, being replaced), so it opens the next generation. The
@@ -24,15 +25,21 @@ others see `gen` move, or a peer's beat stand still for `peer_timeout_s`, and ex
 thread waits in a collective that would never finish. Every host's daemon starts its worker
 again, and the new generation resumes from the newest global commit.
 
+A generation forms when every host is seated or excused (tpud/gang/formation.py: with
+`min_hosts` below the host count, hosts left out, lost, or unseen for the peer timeout, as long
+as the seated hold a majority of the last gang). So a gang shrinks instead of waiting for a
+host that does not come back, and grows again when it does: a host that takes a seat in a
+generation that formed without it opens the next one, which the others join. The members'
+ranks are their order (host 2 of hosts 0 and 2 is rank 1), and the checkpoints' global commit
+spans the members, fenced by the generation (`fence`).
+
+Once every member is seated, each compares every member's fingerprint: hosts whose job files
+differ all refuse the job alike, with exit 78 and a message naming the differing keys and each
+host's value, before training a step. A refusing worker waits (briefly) until every member has
+compared, so that none is left waiting for a coordinator that exits with it.
+
 With `restart_peers` off (a setting, for comparison) there is no watcher: a worker learns of a
 peer's failure only from a collective's error or its daemon's hang bound.
-
-A gang is complete when every host is seated, except, with `min_hosts` below the host count,
-hosts left out (`out/<host>`): the others form without them, as long as at least `min_hosts` are
-seated. The members' ranks are their order (host 2 of hosts 0 and 2 is rank 1), and the
-checkpoints' global commit spans the members. A host left out that starts again (an operator's
-`tpud start`, a replaced VM) clears its mark and takes a seat; finding the gang formed without it,
-it opens the next generation, which the others join: the gang grows back.
 
 A worker whose training thread is ahead of a peer's (more arrivals) is waiting for that
 peer: the watcher sends its daemon heartbeats, so that a hang is judged on the host whose
@@ -44,11 +51,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -56,24 +63,33 @@ from engine import events, exit_codes
 from engine.checkpoint.hosts import Hosts
 from engine.errors import ConfigError
 from engine.spec import fingerprint
+from tpud.gang import stores
+from tpud.gang.formation import Seats
 
 log = structlog.get_logger()
 
-CONNECT_TIMEOUT_S = 2.0
 # What gloo says when a peer's process died under a collective (its kernel closed its sockets).
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 INTERVAL_S = 0.25
+REPROBE_S = 2.0     # how often a waiting worker looks for a coordinator with a newer gang
+REJOIN_S = 30.0     # how long a host whose worker said it restarts is waited for
+CHECKED_S = 10.0    # how long a refusing worker waits for every member to have compared
 
 
 class GangMember:
     def __init__(self, job: str, host: int, hosts: int, coordinator: str, peer_timeout_s: float,
-                 emit: Callable[[events.Event], None], restart_peers: bool = True, min_hosts: int | None = None):
+                 emit: Callable[[events.Event], None], restart_peers: bool = True, min_hosts: int | None = None,
+                 addresses: list[str] | None = None, record: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.host, self.hosts, self.coordinator = host, hosts, coordinator
+        self.addresses = addresses or [coordinator]
         self.min_hosts = min_hosts or hosts
         self.members = list(range(hosts))  # this generation's, once formed
         self.peer_timeout_s, self.emit, self.restart_peers = peer_timeout_s, emit, restart_peers
+        self.record, self.clock = record, clock  # the job's gang.json: what this host knew, across restarts
         self.prefix = f"tpud/{job}/"
         self.store = None
+        self.at = 0  # the index of the host whose coordinator this worker meets in
         self.generation = -1
         self._at = events.Heartbeat(0)  # the training thread's latest boundary
         self._arrivals = 0
@@ -83,14 +99,15 @@ class GangMember:
         self._watcher: threading.Thread | None = None
 
     @classmethod
-    def from_env(cls, job: str, emit: Callable[[events.Event], None]) -> GangMember | None:
+    def from_env(cls, job: str, emit: Callable[[events.Event], None], record: Path | None = None) -> GangMember | None:
         env = os.environ
         if "TPUD_GANG_HOSTS" not in env:
             return None
         hosts = int(env["TPUD_GANG_HOSTS"])
-        return cls(job, int(env["TPUD_GANG_HOST"]), hosts, env["TPUD_GANG_COORDINATOR"],
+        addresses = env["TPUD_GANG_COORDINATOR"].split(",")
+        return cls(job, int(env["TPUD_GANG_HOST"]), hosts, addresses[0],
                    float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit, env.get("TPUD_GANG_RESTART_PEERS") != "0",
-                   int(env.get("TPUD_GANG_MIN_HOSTS", hosts)))
+                   int(env.get("TPUD_GANG_MIN_HOSTS", hosts)), addresses, record)
 
     @property
     def rank(self) -> int:
@@ -99,18 +116,21 @@ class GangMember:
 
     @property
     def place(self) -> Hosts:
-        return Hosts(self.rank, len(self.members))
+        return Hosts(self.rank, len(self.members), fence=self.fence if self.restart_peers else None)
 
     def _key(self, name: str, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
         return f"{self.prefix}g{g}/{name}"
 
+    def _host_key(self, name: str, host: int) -> str:
+        return f"{self.prefix}{name}/{host}"
+
     # --- joining ---
 
     def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict) -> bool:
-        """Wait until every host's worker is here, then form the process group (not under xla,
-        whose xla:// initialisation finds its peers through the TPU runtime). False when a stop
-        was asked meanwhile; ConfigError when the hosts' job specs (their fingerprints) differ."""
+        """Wait until the gang is complete, then form the process group (not under xla, whose
+        xla:// initialisation finds its peers through the TPU runtime). False when a stop was asked
+        meanwhile; ConfigError when the members' job specs (their fingerprints) differ."""
         import torch.distributed as dist
 
         self._stop_asked = stop_asked
@@ -118,23 +138,26 @@ class GangMember:
             if not self._connect():
                 return False
             try:
-                self.store.delete_key(self.prefix + f"out/{self.host}")  # this host is back
-                while not (seated := self._seated(spec)):
-                    if seated is None:
-                        self.leave()
-                        return False
-                break
+                seated = self._seated(spec)
+                if seated is None:
+                    self.leave()
+                    return False
+                if seated:
+                    break
             except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
-                # Host 0's daemon stopped or restarted under this wait: wait for its next coordinator.
-                log.warning("lost the gang's coordinator while waiting for the hosts; waiting for it again",
-                            coordinator=self.coordinator, error=str(e).splitlines()[0][:200])
+                # The coordinator stopped or restarted under this wait: find the next one.
+                log.warning("lost the gang's coordinator while waiting for the hosts; looking for it again",
+                            coordinator=self.addresses[self.at], error=str(e).splitlines()[0][:200])
         try:
             self._same_spec()
         except ConfigError:
+            self._wait_checked()
             self.leave()  # every host finds the same: none is waited for
             raise
-        log.info("gang formed", host=self.host, hosts=self.hosts, members=self.members, generation=self.generation)
-        self.emit(events.Gang(self.host, self.hosts, len(self.members), self.generation, self.members))
+        log.info("gang formed", host=self.host, hosts=self.hosts, members=self.members, generation=self.generation,
+                 coordinator=self.addresses[self.at])
+        self.emit(events.Gang(self.host, self.hosts, len(self.members), self.generation, self.members,
+                              coordinator=self.addresses[self.at]))
         if self.restart_peers:
             self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
             self._watcher.start()
@@ -146,34 +169,73 @@ class GangMember:
         return True
 
     def _connect(self) -> bool:
-        """Connect to the coordinator, waiting for it (host 0's daemon may be down); False on a stop.
-
-        A plain TCP probe first: TCPStore's own failed attempts each log a C++ stack trace.
-        """
-        import torch.distributed as dist
-
-        host, port = self.coordinator.rpartition(":")[0].strip("[]"), int(self.coordinator.rpartition(":")[2])
-        waited = time.monotonic()
-        while True:
-            try:
-                socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-                self.store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
-                                           timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
-                break
-            except (RuntimeError, OSError) as e:  # not listening yet
-                self.emit(events.Gang(self.host, self.hosts, 0, -1))
-                if self._stop_asked():
-                    return False
-                if time.monotonic() - waited > 30:
-                    log.warning("waiting for the gang's coordinator", coordinator=self.coordinator, error=str(e))
-                    waited = time.monotonic()
-                time.sleep(INTERVAL_S)
-        self.store.set_timeout(datetime.timedelta(seconds=30))
+        """Meet in the best coordinator that answers (tpud/gang/stores.py), waiting while none does
+        (every host's daemon may be down, or starting); False on a stop. Moving to another
+        coordinator than the one the last gang met in opens a generation above it there, and marks
+        the host whose coordinator vanished as lost."""
+        waited = self.clock()
+        while (found := stores.best(self.addresses, self.prefix)) is None:
+            self.emit(events.Gang(self.host, self.hosts, 0, -1))
+            if self._stop_asked():
+                return False
+            if self.clock() - waited > 30:
+                log.warning("no gang coordinator answers; waiting for one", coordinators=self.addresses)
+                waited = self.clock()
+            time.sleep(INTERVAL_S)
+        self.store, self.at = found.store, found.index
+        known = stores.Known.read(self.record)
+        store = self.store
+        store.set(self._host_key("mark", self.host), "")  # this host is back
+        if known.generation >= 0 and found.index != known.coordinator:
+            stores.raise_generation(store, self.prefix + "gen", known.generation + 1)
+            if known.coordinator != self.host and known.coordinator in known.members:
+                if stores.open_store(self.addresses[known.coordinator]) is None:
+                    store.set(self._host_key("mark", known.coordinator), "lost: its coordinator vanished")
+            log.warning("meeting in another host's coordinator", coordinator=self.addresses[found.index],
+                        before=self.addresses[known.coordinator] if known.coordinator < len(self.addresses) else None)
+        last = self._last()
+        if known.generation > last[0]:
+            store.set(self.prefix + "last", json.dumps({"generation": known.generation,
+                                                        "members": list(known.members)}))
+        for h in range(self.hosts):  # exist, so that one multi_get reads them all
+            store.add(self._host_key("alive", h), 0)
+            store.compare_set(self._host_key("mark", h), "", "")
         return True
+
+    def _last(self) -> tuple[int, tuple[int, ...]]:
+        try:
+            if not self.store.check([self.prefix + "last"]):
+                return -1, ()
+            record = json.loads(self.store.get(self.prefix + "last"))
+            return int(record["generation"]), tuple(record["members"])
+        except (ValueError, KeyError, TypeError):
+            return -1, ()
+
+    def _seats(self, g: int, observed: dict[int, tuple[int, float]]) -> Seats:
+        """One look at generation g: who is seated, and who is excused (formation.py)."""
+        store = self.store
+        roster = stores.hosts_in(store, self._key("roster", g)) - stores.hosts_in(store, self._key("unseated", g))
+        alive = [int(v) for v in store.multi_get([self._host_key("alive", h) for h in range(self.hosts)])]
+        marks = [v.decode() for v in store.multi_get([self._host_key("mark", h) for h in range(self.hosts)])]
+        now, last = self.clock(), self._last()[1]
+        lost = set()
+        for h in range(self.hosts):
+            before = observed.get(h)
+            if before is None or before[0] != alive[h]:
+                observed[h] = (alive[h], now)
+            waited = now - observed[h][1]
+            if marks[h].startswith("lost"):
+                lost.add(h)
+            elif h in last and waited > (REJOIN_S if marks[h] == "rejoin" else self.peer_timeout_s):
+                lost.add(h)
+        return Seats(self.hosts, self.min_hosts, frozenset(roster),
+                     frozenset(h for h in range(self.hosts) if marks[h].startswith("out")),
+                     frozenset(lost), last)
 
     def _seated(self, spec: dict) -> bool | None:
         """Take this host's seat in the current generation and wait for the others; False when the
-        generation moved on meanwhile (try the next one), None when a stop was asked."""
+        generation moved on meanwhile, or a coordinator with a newer gang turned up (try again),
+        None when a stop was asked."""
         store, gen = self.store, self.prefix + "gen"
         g = int(store.add(gen, 0))
         if store.check([self._key("started", g)]):  # that gang formed and lost a worker: open the next one
@@ -181,44 +243,84 @@ class GangMember:
             return False
         self.generation = g
         store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
-        store.set(self._key(f"seat/{self.host}"), str(os.getpid()))
-        reported, told = None, 0.0
+        store.append(self._key("roster"), f"{self.host},")
+        reported, told, probed, observed = None, 0.0, self.clock(), {}
         while True:
             if int(store.add(gen, 0)) != g:
                 return False
-            seated = [h for h in range(self.hosts) if store.check([self._key(f"seat/{h}")])]
-            out = [h for h in range(self.hosts) if h not in seated and store.check([self.prefix + f"out/{h}"])]
-            present = len(seated)
+            store.add(self._host_key("alive", self.host), 1)
+            seats = self._seats(g, observed)
+            present = len(seats.seated)
             if present != reported:
-                log.info("waiting for hosts", present=present, hosts=self.hosts, left_out=out, generation=g)
-            if present != reported or time.monotonic() - told >= 1.0:  # the daemon's status, and its hang watch
-                self.emit(events.Gang(self.host, self.hosts, present, g))
-                reported, told = present, time.monotonic()
-            if present + len(out) == self.hosts and present >= self.min_hosts:
-                return self._form(seated)
+                log.info("waiting for hosts", present=present, hosts=self.hosts, waiting_for=seats.waiting_for(),
+                         excused=sorted(seats.excused), generation=g, coordinator=self.addresses[self.at])
+                if seats.short_of_quorum():
+                    log.warning("the hosts here are no majority of the last gang: waiting for the others",
+                                seated=sorted(seats.seated), last=list(seats.last))
+            if present != reported or self.clock() - told >= 1.0:  # the daemon's status, and its hang watch
+                self.emit(events.Gang(self.host, self.hosts, present, g, missing=seats.waiting_for(),
+                                      coordinator=self.addresses[self.at]))
+                reported, told = present, self.clock()
+            if seats.complete():
+                return self._form(sorted(seats.seated), seats.last)
             if self._stop_asked():
-                store.delete_key(self._key(f"seat/{self.host}"))
+                store.append(self._key("unseated"), f"{self.host},")
                 return None
+            if len(self.addresses) > 1 and self.clock() - probed >= REPROBE_S:
+                probed = self.clock()
+                if self._better_elsewhere(g, present):
+                    store.append(self._key("unseated"), f"{self.host},")
+                    return False
             time.sleep(INTERVAL_S)
 
-    def _form(self, seated: list[int]) -> bool:
+    def _better_elsewhere(self, g: int, seats: int) -> bool:
+        """Whether another coordinator holds a newer gang than this one (this host was cut off)."""
+        here = (g, seats, -self.at)
+        found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at}))
+        if found is None or found.rank <= here:
+            return False
+        log.warning("another coordinator holds a newer gang: moving there", coordinator=self.addresses[found.index],
+                    generation=found.generation, here=g)
+        return True
+
+    def _form(self, seated: list[int], last: tuple[int, ...]) -> bool:
         """Fix the members (the first worker to get here writes them, so all agree), or False when
         this host took its seat after they were fixed: the next generation takes it."""
-        if self.store.add(self._key("forming"), 1) == 1:
-            self.store.set(self._key("members"), json.dumps(seated))
-        self.members = json.loads(self.store.get(self._key("members")))
+        store = self.store
+        if store.add(self._key("forming"), 1) == 1:
+            store.set(self._key("members"), json.dumps(seated))
+        self.members = json.loads(store.get(self._key("members")))
         if self.host not in self.members:
-            self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
+            store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
             return False
-        self.store.set(self._key("started"), "1")
+        for h in self.members:  # exist, so that one multi_get reads them all
+            store.add(self._key(f"beat/{h}"), 0)
+            store.add(self._key(f"arrivals/{h}"), 0)
+        store.set(self.prefix + "last", json.dumps({"generation": self.generation, "members": self.members}))
+        store.set(self._key("started"), "1")
+        stores.Known(self.generation, tuple(self.members), self.at).write(self.record)
+        if last and tuple(self.members) != tuple(last):
+            grew, shrank = sorted(set(self.members) - set(last)), sorted(set(last) - set(self.members))
+            log.warning("the gang changed", members=self.members, joined=grew, left=shrank, generation=self.generation)
         return True
 
     def _same_spec(self) -> None:
-        """Compare every seated host's fingerprint; a seat without one is a worker of an older tpud
+        """Compare every member's fingerprint; a seat without one is a worker of an older tpud
         (a rolling upgrade), which is not compared."""
-        keys = {h: self._key(f"spec/{h}") for h in range(self.hosts)}
-        fingerprint.check_hosts({h: json.loads(self.store.get(key)) for h, key in keys.items()
-                                 if self.store.check([key])})
+        keys = {h: self._key(f"spec/{h}") for h in self.members}
+        found = {h: json.loads(self.store.get(key)) for h, key in keys.items() if self.store.check([key])}
+        self.store.append(self._key("checked"), f"{self.host},")
+        fingerprint.check_hosts(found)
+
+    def _wait_checked(self) -> None:
+        """Before a refusing worker exits: every member has compared, so none waits on a coordinator
+        that goes away with this host (a `tpud run`'s); bounded, the others may be gone."""
+        deadline = self.clock() + CHECKED_S
+        try:
+            while not set(self.members) <= stores.hosts_in(self.store, self._key("checked")) and self.clock() < deadline:
+                time.sleep(INTERVAL_S / 5)
+        except (RuntimeError, OSError):
+            pass
 
     # --- while training ---
 
@@ -229,46 +331,95 @@ class GangMember:
     def _watch(self) -> None:
         store, me = self.store, self.host
         peers = [h for h in self.members if h != me]
-        seen = {h: (-1, time.monotonic()) for h in peers}
+        beats = [self._key(f"beat/{h}") for h in peers]
+        arrivals = [self._key(f"arrivals/{h}") for h in peers]
+        seen = {h: (-1, self.clock()) for h in peers}
         published, lost_since = 0, None
         while not self._stop.wait(INTERVAL_S):
             try:
                 store.add(self._key(f"beat/{me}"), 1)
-                arrivals = self._arrivals
-                store.add(self._key(f"arrivals/{me}"), arrivals - published)
-                published = arrivals
+                store.add(self._host_key("alive", me), 1)
+                arrived = self._arrivals
+                store.add(self._key(f"arrivals/{me}"), arrived - published)
+                published = arrived
                 if (g := int(store.add(self.prefix + "gen", 0))) != self.generation:
                     self._disrupted(f"another host's worker restarted (generation {self.generation} -> {g})")
-                now, behind = time.monotonic(), False
-                for h in peers:
-                    beat = int(store.add(self._key(f"beat/{h}"), 0))
-                    if beat != seen[h][0]:
-                        seen[h] = (beat, now)
-                    elif now - seen[h][1] > self.peer_timeout_s and not store.check([self._key(f"left/{h}")]):
-                        self._disrupted(f"host {h}'s worker stopped responding for {self.peer_timeout_s:g}s")
-                    behind = behind or int(store.add(self._key(f"arrivals/{h}"), 0)) < published
-                if behind:  # waiting for a slower host in a collective: alive, and not the one to blame
+                now = self.clock()
+                for h, beat in zip(peers, store.multi_get(beats) if peers else []):
+                    if int(beat) != seen[h][0]:
+                        seen[h] = (int(beat), now)
+                stale = [h for h in peers if now - seen[h][1] > self.peer_timeout_s
+                         and not store.check([self._key(f"left/{h}")])]
+                if stale:
+                    self._lost(stale)
+                if peers and any(int(a) < published for a in store.multi_get(arrivals)):
+                    # Waiting for a slower host in a collective: alive, and not the one to blame.
                     self.emit(self._at)
                 lost_since = None
             except Exception as e:  # noqa: BLE001
-                # The coordinator is gone, and so is the gang: unless host 0 has just finished the job
-                # and this worker is about to, which the grace lets it do.
-                lost_since = lost_since or time.monotonic()
-                if time.monotonic() - lost_since > self.peer_timeout_s:
-                    self._disrupted(f"lost the gang's coordinator {self.coordinator}: {e}")
+                # The coordinator is gone, and so is the gang: unless the coordinator's host has just
+                # finished the job and this worker is about to, which the grace lets it do.
+                lost_since = lost_since or self.clock()
+                if self.clock() - lost_since > self.peer_timeout_s:
+                    self._disrupted(f"lost the gang's coordinator {self.addresses[self.at]}: {e}", reachable=False)
 
-    def _disrupted(self, reason: str) -> None:
+    def _lost(self, stale: list[int]) -> None:
+        """Peers whose beat stood still. When every peer did, this host is more likely the one that
+        was cut off (paused, partitioned): it blames none and does not move the generation."""
+        if len(stale) == len(self.members) - 1 and len(stale) > 1:
+            self._disrupted(f"no other host's worker beat for {self.peer_timeout_s:g}s: this host was cut off",
+                            bump=False)
+        for h in stale:
+            self.store.set(self._host_key("mark", h), f"lost: its worker stopped beating in generation "
+                                                      f"{self.generation}")
+        self._disrupted(f"host(s) {', '.join(map(str, stale))}'s worker stopped responding for "
+                        f"{self.peer_timeout_s:g}s")
+
+    def fence(self) -> str | None:
+        """Before a global commit: why this worker may not commit for its generation, or None.
+
+        The generation must still be current at the coordinator, and every other member must be
+        seen beating in it after this call: a host paused or cut off (its coordinator with it)
+        comes back with an old view, and commits nothing for a generation the others left."""
+        if self.generation < 0 or self.store is None:
+            return None
+        peers = [h for h in self.members if h != self.host]
+        keys = [self._key(f"beat/{h}") for h in peers]
+        try:
+            first = [int(b) for b in self.store.multi_get(keys)] if peers else []
+            deadline = self.clock() + self.peer_timeout_s
+            waiting = set(peers)
+            while waiting:
+                if self.clock() > deadline:
+                    return (f"host(s) {', '.join(map(str, sorted(waiting)))} did not beat in generation "
+                            f"{self.generation} within {self.peer_timeout_s:g}s")
+                time.sleep(INTERVAL_S / 5)
+                now = [int(b) for b in self.store.multi_get(keys)]
+                waiting = {h for h, a, b in zip(peers, first, now) if a == b
+                           and not self.store.check([self._key(f"left/{h}")])}
+            current = int(self.store.add(self.prefix + "gen", 0))
+        except Exception as e:  # noqa: BLE001
+            return f"the gang's coordinator did not answer: {str(e)[:200]}"
+        if current != self.generation:
+            return f"generation {self.generation} is over (the gang is at {current})"
+        return None
+
+    def _disrupted(self, reason: str, reachable: bool = True, bump: bool = True) -> None:
         if self._leaving:
             return
         log.error("the gang is broken; exiting so that every host restarts together", reason=reason,
                   host=self.host, generation=self.generation)
-        self._end_generation()
+        if reachable:
+            self._restarting(bump)
         sys.stdout.flush()
         os._exit(exit_codes.GANG_RESTART)
 
-    def _end_generation(self) -> None:
+    def _restarting(self, bump: bool = True) -> None:
+        """This worker exits and its daemon starts another: the next gang waits for it (REJOIN_S)."""
         try:
-            self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
+            self.store.set(self._host_key("mark", self.host), "rejoin")
+            if bump:
+                self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
         except Exception:  # noqa: BLE001  (unreachable: the others find out by themselves)
             pass
 
@@ -292,7 +443,7 @@ class GangMember:
         go on without it. From now on the others' restart is no disruption to this worker."""
         self._leaving = True
         try:
-            self.store.set(self.prefix + f"out/{self.host}", reason)
+            self.store.set(self._host_key("mark", self.host), f"out: {reason}")
         except Exception:  # noqa: BLE001  (the coordinator is gone: the others wait, as without min_hosts)
             pass
 
@@ -310,7 +461,7 @@ class GangMember:
                 self._disrupted(f"a peer's connection closed in a collective: {str(error)[:200]}")
             time.sleep(self.peer_timeout_s + 2 * INTERVAL_S)
         self._leaving = True
-        self._end_generation()
+        self._restarting()
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)

@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     from engine.backends import resolve_backend_name
     from engine.train import train  # torch is imported here, after argument checks
 
-    gang = GangMember.from_env(spec.name, hooks.emit)
+    from engine.layout import StateLayout
+
+    gang = GangMember.from_env(spec.name, hooks.emit, StateLayout(args.state_dir).gang_file(spec.name))
     if gang is None:
         return train(spec, args.state_dir, hooks)
     try:

@@ -1,0 +1,94 @@
+"""The elastic gang end to end: `tpud run` hosts on loopback, each running its own coordinator
+(gang.coordinators), so losing any host, host 0 included, leaves the others a place to meet; with
+gang.min_hosts below the host count they go on without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine.checkpoint.manifest import committed_steps
+from tests.helpers import free_port, wait_until
+from tests.test_multihost import STARTED, Host, wait_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _end_supervisors():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def elastic(root, count: int, min_hosts: int | None = None) -> list[Host]:
+    ports = [free_port() for _ in range(count)]
+    hosts = [Host(root, i, count, ports[0]) for i in range(count)]
+    listed = ", ".join(f"'127.0.0.1:{p}'" for p in ports)
+    for h in hosts:
+        h.coordinator = f"127.0.0.1:{ports[h.index]}"
+        (h.home / "tpud.yaml").write_text(
+            f"gang: {{host_index: {h.index}, host_count: {count}, coordinators: [{listed}]"
+            + (f", min_hosts: {min_hosts}" if min_hosts else "") + "}\n")
+    return hosts
+
+
+def final_state(h: Host, steps: int, tmp_path) -> dict:
+    """The newest global commit's whole state, flat, less the data loader's rank (each host's own)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _, path, manifest = committed_steps(h.home / "state" / "checkpoints" / "tiny-cpu")[-1]
+    assert manifest.step == steps and (path / "global.json").exists()
+    dcp_to_torch_save(path, tmp_path / f"host{h.index}.pt")
+    flat = {}
+
+    def walk(tree, prefix=""):
+        for key, value in tree.items():
+            walk(value, f"{prefix}{key}.") if isinstance(value, dict) else flat.__setitem__(prefix + key, value)
+
+    walk(torch.load(tmp_path / f"host{h.index}.pt", weights_only=False))
+    del flat["loader.rank"]
+    return {k: v.numpy().tobytes() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+
+
+def test_a_gang_of_three_whose_host_0_vanishes_finishes_on_the_other_two(tmp_path):
+    """Host 0's daemon, worker and coordinator killed at once (its VM gone): hosts 1 and 2 meet in
+    host 1's coordinator, form without host 0 and finish the job (exit 0), bitwise alike. Before
+    gang.coordinators they lost their only coordinator and waited for host 0 for ever."""
+    steps = 24
+    hosts = elastic(tmp_path, 3, min_hosts=2)
+    for h in hosts:
+        h.start(f"train.max_steps={steps}")
+    wait_step(hosts[1], 6)
+    os.kill(hosts[0].worker(), signal.SIGKILL)
+    hosts[0].proc.kill()  # its coordinator dies with it (parent-death signal)
+    killed = time.monotonic()
+    assert [hosts[1].wait(), hosts[2].wait()] == [0, 0]
+    for h in hosts[1:]:
+        formed = h.records("gang formed")[-1]
+        assert (formed["members"], formed["coordinator"]) == ([1, 2], hosts[1].coordinator)
+    assert final_state(hosts[1], steps, tmp_path) == final_state(hosts[2], steps, tmp_path)  # bitwise
+    assert time.monotonic() - killed < 120
+
+
+def test_hosts_whose_job_files_differ_both_refuse_under_tpud_run(tmp_path):
+    """`tpud run` on two hosts whose optimizer.lr differ: both exit 78 naming the key, every time.
+    Before, host 0's refusal ended its `tpud run` and the coordinator with it, and host 1 could be
+    left waiting for a coordinator for ever."""
+    for attempt in range(3):
+        hosts = [Host(tmp_path / str(attempt), i, 2, port) for port in [free_port()] for i in range(2)]
+        started = time.monotonic()
+        for h, lr in zip(hosts, ("0.001", "0.01")):
+            h.start(f"optimizer.lr={lr}")
+        assert [h.wait(timeout=60) for h in hosts] == [78, 78], attempt
+        assert time.monotonic() - started < 30
+        for h in hosts:
+            (refusal,) = h.records("job cannot run here")
+            assert refusal["key"] == "optimizer.lr"

@@ -1,0 +1,138 @@
+"""The elastic gang's rules without training: who may form without whom, which coordinator the
+workers meet in, and the fence that keeps a host with an old view from committing. Real
+TCPStores on loopback; no worker process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tpud.gang import stores
+from tpud.gang.formation import Seats, quorum
+from tpud.gang.member import GangMember
+from tests.helpers import free_port
+
+
+def seats(seated, hosts=4, min_hosts=2, out=(), lost=(), last=(0, 1, 2, 3)) -> Seats:
+    return Seats(hosts, min_hosts, frozenset(seated), frozenset(out), frozenset(lost), tuple(last))
+
+
+def test_a_majority_of_the_last_gang_goes_on_and_half_only_with_its_lowest_host():
+    assert quorum({1, 2, 3}, (0, 1, 2, 3))
+    assert quorum({0, 1}, (0, 1, 2, 3)) and not quorum({2, 3}, (0, 1, 2, 3))  # a split: one side only
+    assert quorum({1, 2}, (0, 1, 2)) and not quorum({2}, (0, 1, 2))
+    assert quorum({0}, (0, 1)) and not quorum({1}, (0, 1))
+    assert quorum({5}, ())  # no gang formed before
+
+
+def test_a_lost_host_is_excused_only_with_min_hosts_below_the_host_count():
+    assert seats({1, 2, 3}, lost={0}).complete()
+    assert not seats({1, 2, 3}, lost={0}, min_hosts=4).complete()  # the default: every host
+    assert seats({1, 2, 3}, lost={0}, min_hosts=4).waiting_for() == [0]
+    assert not seats({1, 2, 3}).complete()  # not yet judged lost: waited for
+    assert not seats({2, 3}, lost={0, 1}).complete() and seats({2, 3}, lost={0, 1}).short_of_quorum()
+    assert seats({0, 1}, lost={2, 3}).complete()
+    assert not seats({3}, lost={0, 1, 2}).complete()  # under min_hosts
+    assert seats({0, 1, 2, 3}, lost={1}).complete()  # a host judged lost that came back is seated
+
+
+@pytest.fixture
+def coordinators():
+    import torch.distributed as dist
+
+    masters = []
+
+    def start(n: int) -> list[str]:
+        for _ in range(n):
+            port = free_port()
+            masters.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True))
+        return [f"127.0.0.1:{m.port}" for m in masters[-n:]]
+
+    yield start
+    masters.clear()
+
+
+def test_workers_meet_in_the_coordinator_with_the_newest_generation_then_the_lowest_host(coordinators):
+    addresses = coordinators(3)
+    prefix = "tpud/j/"
+    assert stores.best(addresses, prefix).index == 0  # all fresh: host 0's
+    stores.raise_generation(stores.open_store(addresses[2]), prefix + "gen", 4)
+    assert stores.best(addresses, prefix).index == 2  # the gang went on there
+    assert stores.best(addresses[:2] + ["127.0.0.1:1"], prefix).index == 0  # host 2 gone: the next lowest
+    assert stores.best(["127.0.0.1:1"], prefix) is None
+
+
+def member(addresses, host, hosts, record=None, **kw) -> GangMember:
+    # No watcher: one that judged the gang broken would end this process (exit 77).
+    return GangMember("j", host, hosts, addresses[0], kw.pop("peer_timeout_s", 0.5), lambda e: None,
+                      restart_peers=False, addresses=addresses, record=record, **kw)
+
+
+def test_a_gang_whose_coordinator_vanished_goes_on_in_the_next_hosts_without_host_0(coordinators, tmp_path):
+    """Hosts 1 and 2 knew generation 3 met in host 0's coordinator; it is gone: they meet in host 1's,
+    above generation 3, and form without host 0 (marked lost) with min_hosts 2."""
+    addresses = ["127.0.0.1:1", *coordinators(2)]  # host 0's address answers nothing
+    members = []
+    for host in (1, 2):
+        record = tmp_path / f"gang{host}.json"
+        stores.Known(3, (0, 1, 2), 0).write(record)
+        members.append(member(addresses, host, 3, record, min_hosts=2))
+    joined = []
+    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", lambda: False, {"a": 1})))
+               for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert joined == [True, True]
+    assert [(m.at, m.members, m.rank) for m in members] == [(1, [1, 2], 0), (1, [1, 2], 1)]
+    assert members[0].generation >= 4  # above every generation the gang knew
+    assert stores.Known.read(tmp_path / "gang2.json") == stores.Known(members[0].generation, (1, 2), 1)
+    for m in members:
+        m.leave()
+
+
+def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_path):
+    addresses = ["127.0.0.1:1", *coordinators(2)]
+    record = tmp_path / "gang.json"
+    stores.Known(3, (0, 1, 2), 0).write(record)
+    stop = threading.Event()
+    m = member(addresses, 1, 3, record)
+    other = member(addresses, 2, 3, record)
+    t = threading.Thread(target=lambda: other.join("xla", stop.is_set, {"a": 1}))
+    t.start()
+    started = time.monotonic()
+    assert m.join("xla", lambda: time.monotonic() > started + 2, {"a": 1}) is False  # still waiting after 2 s
+    assert stores.hosts_in(m.store, m._key("roster")) == {1, 2}
+    stop.set()
+    t.join(10)
+
+
+def test_the_fence_refuses_a_commit_for_a_generation_the_others_left(coordinators):
+    (address,) = coordinators(1)
+    members = [member([address], h, 2) for h in (0, 1)]
+    threads = [threading.Thread(target=m.join, args=("xla", lambda: False, {"a": 1})) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    a, b = members
+    assert a.generation == b.generation == 0
+    beating = threading.Event()
+
+    def beat():
+        while not beating.wait(0.05):
+            b.store.add(b._key("beat/1"), 1)
+
+    pulse = threading.Thread(target=beat)
+    pulse.start()
+    assert a.fence() is None  # host 1 beats in this generation: the commit goes ahead
+    beating.set()
+    pulse.join()
+    why = a.fence()  # host 1 stopped beating here (moved on, or gone): no commit for this generation
+    assert why is not None and "host(s) 1 did not beat in generation 0" in why
+    stores.raise_generation(a.store, a.prefix + "gen", 1)
+    b.store.set(b._key("left/1"), "1")
+    assert a.fence() == "generation 0 is over (the gang is at 1)"

@@ -1,0 +1,118 @@
+"""Which coordinator a worker meets the others in, when every host runs one.
+
+Each host's daemon may run a coordinator (torch.distributed's TCPStore) at its own address
+(gang.coordinators). A worker reads every reachable one's generation for the job and meets in
+the one holding the newest generation, the most seats in it breaking a tie, then the lowest
+host: while host 0's lives, that is host 0's; once it is gone the survivors move to the next
+lowest live host's, opening there a generation above the newest they knew (kept in the job's
+`gang.json` across worker restarts), so a coordinator that comes back empty, or a host that
+was paused with an old view, never outranks the one the gang went on in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.layout import atomic_write
+
+CONNECT_TIMEOUT_S = 2.0
+
+
+def split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class Candidate:
+    index: int          # the host whose coordinator it is
+    address: str
+    store: object       # a TCPStore client
+    generation: int
+    seats: int          # seats taken in that generation
+
+    @property
+    def rank(self) -> tuple[int, int, int]:
+        return self.generation, self.seats, -self.index
+
+
+def open_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
+    """A TCPStore client, or None when nothing answers there. A plain TCP probe first: TCPStore's
+    own failed attempts each log a C++ stack trace."""
+    import torch.distributed as dist
+
+    host, port = split(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError):  # torch's DistNetworkError is a RuntimeError
+        return None
+    return store
+
+
+def look(index: int, address: str, prefix: str) -> Candidate | None:
+    """One coordinator as a candidate: its generation for the job and the seats taken in it."""
+    store = open_store(address)
+    if store is None:
+        return None
+    try:
+        generation = int(store.add(prefix + "gen", 0))
+        seats = len(hosts_in(store, f"{prefix}g{generation}/roster") - hosts_in(store, f"{prefix}g{generation}/unseated"))
+        store.set_timeout(datetime.timedelta(seconds=30))
+    except (RuntimeError, OSError):
+        return None
+    return Candidate(index, address, store, generation, seats)
+
+
+def best(addresses: list[str] | tuple[str, ...], prefix: str,
+         skip: frozenset[int] = frozenset()) -> Candidate | None:
+    """The coordinator to meet in among those that answer (module docstring); None when none does."""
+    found = [c for i, a in enumerate(addresses) if i not in skip and (c := look(i, a, prefix)) is not None]
+    return max(found, key=lambda c: c.rank, default=None)
+
+
+def hosts_in(store, key: str) -> set[int]:
+    """The hosts appended to a list key ("0,2,"); empty when it does not exist."""
+    if not store.check([key]):
+        return set()
+    return {int(h) for h in store.get(key).decode().split(",") if h}
+
+
+def raise_generation(store, key: str, at_least: int) -> int:
+    """Move the counter `key` up to `at_least` (never down); its value after."""
+    while (current := int(store.add(key, 0))) < at_least:
+        store.compare_set(key, str(current), str(at_least))
+    return current
+
+
+@dataclass(frozen=True)
+class Known:
+    """What this host's workers knew of the gang: the newest generation formed, its members, and
+    the coordinator it met in (the job's gang.json, written at every formation)."""
+
+    generation: int = -1
+    members: tuple[int, ...] = ()
+    coordinator: int = 0
+
+    @classmethod
+    def read(cls, path: Path | None) -> Known:
+        try:
+            record = json.loads(path.read_text()) if path is not None else {}
+            return cls(int(record["generation"]), tuple(int(h) for h in record["members"]),
+                       int(record.get("coordinator", 0)))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls()
+
+    def write(self, path: Path | None) -> None:
+        if path is None:
+            return
+        try:
+            atomic_write(path, json.dumps({"generation": self.generation, "members": list(self.members),
+                                           "coordinator": self.coordinator}))
+        except OSError:  # only speeds up a failover; the gang forms without it too
+            pass
