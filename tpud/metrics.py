@@ -22,7 +22,9 @@ tpud_job_skipped_samples_total{job}, tpud_job_redone_steps_total{job},
 tpud_job_replica_mismatches_total{job,odd}, tpud_job_quarantined{job}, tpud_job_straggler_ratio{job,host},
 tpud_heartbeat_age_seconds{job},
 tpud_goodput_ratio{job}, tpud_badput_seconds_total{job,kind}; a job on several hosts also
-tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host} (host: this host's index).
+tpud_job_gang_hosts_present{job,host}, tpud_job_gang_generation{job,host}, tpud_job_gang_members{job,host},
+tpud_job_gang_hosts_missing{job,host}, tpud_job_gang_shrinks_total{job,host},
+tpud_job_gang_grows_total{job,host} (host: this host's index).
 
 Every per-job series carries a `job` label, which collides with the `job` target label
 Prometheus attaches on scrape: scrape tpud with `honor_labels: true`, or the tpud job name
@@ -248,6 +250,16 @@ class Metrics:
         self._gang_generation = Gauge("tpud_job_gang_generation",
                                       "The job's gang generation: it grows by one at every gang restart.",
                                       ["job", "host"], registry=r)
+        self._gang_members = Gauge("tpud_job_gang_members",
+                                   "Hosts in the job's newest gang (fewer than its host count: it went on without some).",
+                                   ["job", "host"], registry=r)
+        self._gang_missing = Gauge("tpud_job_gang_hosts_missing",
+                                   "Hosts the job's gang is without: left out of it, or waited for.",
+                                   ["job", "host"], registry=r)
+        self._gang_shrinks = Counter("tpud_job_gang_shrinks", "Gangs that formed without a host of the one before.",
+                                     ["job", "host"], registry=r)
+        self._gang_grows = Counter("tpud_job_gang_grows", "Gangs that formed with a host the one before lacked.",
+                                   ["job", "host"], registry=r)
         self._exposed = _WithoutCreated(r)
         self._heartbeat_ages = CollectorRegistry()  # written at each exposition: they grow with the clock
         self._heartbeat_ages.register(_HeartbeatCollector(self))
@@ -315,11 +327,19 @@ class Metrics:
         with self._change():
             self._child(self._eval_loss, job).set(float(loss))
 
-    def gang(self, job: str, host: int, present: int, generation: int) -> None:
+    def gang(self, job: str, host: int, present: int, generation: int, members: int = 0, missing: int = 0) -> None:
         with self._change():
             self._child(self._gang_present, job, host).set(present)
             if generation >= 0:
                 self._child(self._gang_generation, job, host).set(generation)
+            if members:
+                self._child(self._gang_members, job, host).set(members)
+            self._child(self._gang_missing, job, host).set(missing)
+
+    def gang_changed(self, job: str, host: int, shrank: bool, grew: bool) -> None:
+        with self._change():
+            self._child(self._gang_shrinks, job, host).inc(int(shrank))
+            self._child(self._gang_grows, job, host).inc(int(grew))
 
     def heartbeat(self, job: str, at: float) -> None:
         """Record a heartbeat at monotonic time `at` (the clock given to Metrics)."""

@@ -97,6 +97,9 @@ class GangMember:
         self._stop = threading.Event()
         self._stop_asked: Callable[[], bool] = lambda: False
         self._watcher: threading.Thread | None = None
+        self._read_at: float | None = None  # observe(): the peers' beats, and when each was last seen alive
+        self._beats: dict[int, int] = {}
+        self._alive_at: dict[int, float] = {}
 
     @classmethod
     def from_env(cls, job: str, emit: Callable[[events.Event], None], record: Path | None = None) -> GangMember | None:
@@ -331,9 +334,7 @@ class GangMember:
     def _watch(self) -> None:
         store, me = self.store, self.host
         peers = [h for h in self.members if h != me]
-        beats = [self._key(f"beat/{h}") for h in peers]
         arrivals = [self._key(f"arrivals/{h}") for h in peers]
-        seen = {h: (-1, self.clock()) for h in peers}
         published, lost_since = 0, None
         while not self._stop.wait(INTERVAL_S):
             try:
@@ -344,11 +345,8 @@ class GangMember:
                 published = arrived
                 if (g := int(store.add(self.prefix + "gen", 0))) != self.generation:
                     self._disrupted(f"another host's worker restarted (generation {self.generation} -> {g})")
-                now = self.clock()
-                for h, beat in zip(peers, store.multi_get(beats) if peers else []):
-                    if int(beat) != seen[h][0]:
-                        seen[h] = (int(beat), now)
-                stale = [h for h in peers if now - seen[h][1] > self.peer_timeout_s
+                now = self.observe()
+                stale = [h for h in peers if now - self._alive_at[h] > self.peer_timeout_s
                          and not store.check([self._key(f"left/{h}")])]
                 if stale:
                     self._lost(stale)
@@ -363,45 +361,46 @@ class GangMember:
                 if self.clock() - lost_since > self.peer_timeout_s:
                     self._disrupted(f"lost the gang's coordinator {self.addresses[self.at]}: {e}", reachable=False)
 
-    def _lost(self, stale: list[int]) -> None:
-        """Peers whose beat stood still. When every peer did, this host is more likely the one that
-        was cut off (paused, partitioned): it blames none and does not move the generation."""
-        if len(stale) == len(self.members) - 1 and len(stale) > 1:
-            self._disrupted(f"no other host's worker beat for {self.peer_timeout_s:g}s: this host was cut off",
-                            bump=False)
-        for h in stale:
-            self.store.set(self._host_key("mark", h), f"lost: its worker stopped beating in generation "
-                                                      f"{self.generation}")
-        self._disrupted(f"host(s) {', '.join(map(str, stale))}'s worker stopped responding for "
-                        f"{self.peer_timeout_s:g}s")
+    def observe(self) -> float:
+        """Read the peers' beats in this generation (the watcher, every interval); the time read.
+
+        A beat that moved since the previous read proves its worker alive at that previous read,
+        not now: a host paused between two reads must not take its peers' beats from before its
+        pause for signs of life after it (the fence below)."""
+        peers = [h for h in self.members if h != self.host]
+        now = self.clock()
+        if self._read_at is None:
+            self._read_at, self._beats = now, {}
+            self._alive_at = {h: now for h in peers}
+        beats = self.store.multi_get([self._key(f"beat/{h}") for h in peers]) if peers else []
+        for h, beat in zip(peers, beats):
+            if self._beats.get(h) != int(beat):
+                self._beats[h] = int(beat)
+                self._alive_at[h] = self._read_at
+        self._read_at = now
+        return now
 
     def fence(self) -> str | None:
         """Before a global commit: why this worker may not commit for its generation, or None.
 
-        The generation must still be current at the coordinator, and every other member must be
-        seen beating in it after this call: a host paused or cut off (its coordinator with it)
-        comes back with an old view, and commits nothing for a generation the others left."""
-        if self.generation < 0 or self.store is None:
+        The generation must still be current at the coordinator, and every other member must have
+        been seen beating in it within the peer timeout (observe: seen, not assumed): a host that
+        was paused or cut off (its coordinator with it) comes back with an old view, and commits
+        nothing for a generation the others left. Instant: it waits for nothing."""
+        if self.generation < 0 or self.store is None or self._read_at is None:
             return None
-        peers = [h for h in self.members if h != self.host]
-        keys = [self._key(f"beat/{h}") for h in peers]
+        now = self.clock()
         try:
-            first = [int(b) for b in self.store.multi_get(keys)] if peers else []
-            deadline = self.clock() + self.peer_timeout_s
-            waiting = set(peers)
-            while waiting:
-                if self.clock() > deadline:
-                    return (f"host(s) {', '.join(map(str, sorted(waiting)))} did not beat in generation "
-                            f"{self.generation} within {self.peer_timeout_s:g}s")
-                time.sleep(INTERVAL_S / 5)
-                now = [int(b) for b in self.store.multi_get(keys)]
-                waiting = {h for h, a, b in zip(peers, first, now) if a == b
-                           and not self.store.check([self._key(f"left/{h}")])}
+            silent = [h for h, at in self._alive_at.items() if now - at > self.peer_timeout_s
+                      and not self.store.check([self._key(f"left/{h}")])]
             current = int(self.store.add(self.prefix + "gen", 0))
         except Exception as e:  # noqa: BLE001
             return f"the gang's coordinator did not answer: {str(e)[:200]}"
         if current != self.generation:
             return f"generation {self.generation} is over (the gang is at {current})"
+        if silent:
+            return (f"host(s) {', '.join(map(str, sorted(silent)))} not seen beating in generation "
+                    f"{self.generation} for {self.peer_timeout_s:g}s")
         return None
 
     def _disrupted(self, reason: str, reachable: bool = True, bump: bool = True) -> None:

@@ -1,11 +1,17 @@
 """A job's view of its gang, when it spans several hosts (tpud/gang/): what status and metrics show.
 
-The worker reports the gang as it forms (`gang` events: who is present, which generation);
-the job passes the place to each worker it starts and counts restarts a peer caused apart
-from its own crashes, which spend its restart budget.
+The worker reports the gang as it forms (`gang` events: who is present, which generation, the
+members once formed, whom it waits for, the coordinator); the job passes the place to each
+worker it starts and counts restarts a peer caused apart from its own crashes, which spend its
+restart budget. From the members of successive gangs it counts shrinks and grows and keeps
+since when each missing host has been missing. Every change of membership today takes the
+restart path (the workers exit 77 and their daemons start them again): `path` says so.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -16,10 +22,13 @@ log = structlog.get_logger()
 
 
 class GangView:
-    def __init__(self, place: GangPlace | None, job: str, metrics):
-        self.place, self.job, self.metrics = place, job, metrics
+    def __init__(self, place: GangPlace | None, job: str, metrics, wall: Callable[[], float] = time.time):
+        self.place, self.job, self.metrics, self.wall = place, job, metrics, wall
         self.latest: events.Gang | None = None  # the current worker's latest report
         self.peer_restarts = 0
+        self.members: list[int] | None = None  # the newest gang formed
+        self.missing_since: dict[int, float] = {}  # host -> unix time it was first missing
+        self.shrinks = self.grows = 0
 
     def worker_env(self) -> dict[str, str]:
         if self.place is None:
@@ -40,11 +49,34 @@ class GangView:
         self.latest = None
 
     def on_gang(self, event: events.Gang) -> None:
-        self.metrics.gang(self.job, event.host, event.present, event.generation)
+        if event.members is not None:
+            if self.members is not None and set(event.members) != set(self.members):
+                shrank, grew = bool(set(self.members) - set(event.members)), bool(set(event.members) - set(self.members))
+                self.shrinks, self.grows = self.shrinks + shrank, self.grows + grew
+                self.metrics.gang_changed(self.job, event.host, shrank, grew)
+                log.warning("the gang changed", job=self.job, members=event.members, before=self.members,
+                            generation=event.generation, path="restart")
+            self.members = list(event.members)
+        missing = set(self.missing(event))
+        now = self.wall()
+        self.missing_since = {h: self.missing_since.get(h, now) for h in sorted(missing)}
+        self.metrics.gang(self.job, event.host, event.present, event.generation, members=self._members(event),
+                          missing=len(missing))
         before, self.latest = self.state, event
         if self.state != before:
             log.info("gang", job=self.job, state=self.state, host=event.host, hosts=event.hosts,
                      generation=event.generation)
+
+    def missing(self, event: events.Gang) -> list[int]:
+        """The hosts the gang is without: left out of the members once formed, else those it waits for."""
+        if event.members is not None:
+            return sorted(set(range(event.hosts)) - set(event.members))
+        if event.missing is not None:
+            return list(event.missing)
+        return [] if event.generation < 0 else sorted(set(range(event.hosts)) - set(self.members or range(event.hosts)))
+
+    def _members(self, event: events.Gang) -> int:
+        return len(event.members) if event.members is not None else len(self.members or ())
 
     @property
     def state(self) -> str | None:
@@ -58,9 +90,10 @@ class GangView:
             return f"waiting for the coordinator {self.place.coordinator}"
         if g.members is not None and len(g.members) < g.hosts:
             left_out = sorted(set(range(g.hosts)) - set(g.members))
-            return f"formed without host(s) {', '.join(map(str, left_out))} (quarantined or evicted)"
+            return f"formed without host(s) {', '.join(map(str, left_out))} (lost, stopped, quarantined or evicted)"
         if g.present < g.hosts and g.members is None:
-            return f"waiting for hosts ({g.present} of {g.hosts})"
+            waiting = f": waiting for host(s) {', '.join(map(str, g.missing))}" if g.missing else ""
+            return f"waiting for hosts ({g.present} of {g.hosts}){waiting}"
         return "formed"
 
     def snapshot(self) -> dict | None:
@@ -70,4 +103,7 @@ class GangView:
         return {"host": self.place.host, "hosts": self.place.hosts, "state": self.state,
                 "present": None if g is None else max(g.present, 0),
                 "generation": None if g is None or g.generation < 0 else g.generation,
-                "peer_restarts": self.peer_restarts}
+                "peer_restarts": self.peer_restarts, "members": self.members,
+                "missing": [{"host": h, "since_unix": round(t, 3)} for h, t in self.missing_since.items()],
+                "coordinator": None if g is None else g.coordinator, "shrinks": self.shrinks, "grows": self.grows,
+                "path": "restart"}

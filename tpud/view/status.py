@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tpud.view.format import age, percent, rate
 
 HEADER = ("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "USEFUL", "AGE")
@@ -96,7 +98,25 @@ def lines(jobs: list[dict]) -> list[str]:
             if straggler.get("flagged") or straggler.get("evicted"):
                 out += ["", f"{name}: straggler: {straggler['reason']}"]
         if gang := job.get("gang"):
-            generation = "" if gang.get("generation") is None else f", generation {gang['generation']}"
-            out += ["", f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"
-                    f"{generation}, {gang.get('peer_restarts', 0)} restarts caused by other hosts"]
+            out += ["", gang_line(name, gang)]
     return out
+
+
+def gang_line(name: str, gang: dict, now: float | None = None) -> str:
+    """A job's gang in a line: its state, members, who is missing and since when, the coordinator,
+    and how its membership changed."""
+    now = time.time() if now is None else now
+    parts = [f"{name}: host {gang.get('host')} of {gang.get('hosts')}: {gang.get('state')}"]
+    if gang.get("generation") is not None:
+        parts.append(f"generation {gang['generation']}")
+    if gang.get("members"):
+        parts.append(f"members {', '.join(map(str, gang['members']))}")
+    for missing in gang.get("missing") or []:
+        parts.append(f"host {missing['host']} missing for {age(now - missing['since_unix'])}")
+    if gang.get("coordinator"):
+        parts.append(f"coordinator {gang['coordinator']}")
+    if gang.get("shrinks") or gang.get("grows"):
+        parts.append(f"{gang.get('shrinks', 0)} shrinks, {gang.get('grows', 0)} grows ({gang.get('path')} path)")
+    parts.append(f"{gang.get('peer_restarts', 0)} restarts caused by other hosts")
+    return ", ".join(parts)
+
