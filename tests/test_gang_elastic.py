@@ -141,3 +141,34 @@ def test_the_fence_refuses_a_commit_for_a_generation_the_others_left(coordinator
     assert why == "host(s) 1 not seen beating in generation 0 for 3s"
     stores.raise_generation(a.store, a.prefix + "gen", 1)
     assert a.fence() == "generation 0 is over (the gang is at 1)"
+
+
+def test_status_shows_the_members_who_is_missing_since_when_and_the_shrinks_and_grows():
+    from engine import events
+    from tpud.gang.discovery import GangPlace
+    from tpud.job.gang import GangView
+    from tpud.metrics import Metrics
+    from tpud.view.status import gang_line
+
+    now = [1000.0]
+    metrics = Metrics()
+    view = GangView(GangPlace(1, 3, "127.0.0.1:1", min_hosts=2), "j", metrics, wall=lambda: now[0])
+    view.on_gang(events.Gang(1, 3, 3, 0, [0, 1, 2], coordinator="127.0.0.1:1"))
+    now[0] += 5
+    view.on_gang(events.Gang(1, 3, 2, 1, missing=[0], coordinator="127.0.0.1:2"))  # waiting: host 0 gone
+    now[0] += 1
+    view.on_gang(events.Gang(1, 3, 2, 1, [1, 2], coordinator="127.0.0.1:2"))
+    now[0] += 90
+    snapshot = view.snapshot()
+    assert (snapshot["members"], snapshot["missing"], snapshot["shrinks"], snapshot["grows"]) == (
+        [1, 2], [{"host": 0, "since_unix": 1005.0}], 1, 0)
+    assert gang_line("j", snapshot, now=now[0]) == (
+        "j: host 1 of 3: formed without host(s) 0 (lost, stopped, quarantined or evicted), generation 1, "
+        "members 1, 2, host 0 missing for 1m, coordinator 127.0.0.1:2, 1 shrinks, 0 grows (restart path), "
+        "0 restarts caused by other hosts")
+    view.on_gang(events.Gang(1, 3, 3, 2, [0, 1, 2], coordinator="127.0.0.1:2"))  # host 0 back
+    assert (view.snapshot()["missing"], view.shrinks, view.grows) == ([], 1, 1)
+    text = metrics.exposition().decode()
+    for series in ('tpud_job_gang_members{host="1",job="j"} 3.0', 'tpud_job_gang_hosts_missing{host="1",job="j"} 0.0',
+                   'tpud_job_gang_shrinks_total{host="1",job="j"} 1.0', 'tpud_job_gang_grows_total{host="1",job="j"} 1.0'):
+        assert series in text, series

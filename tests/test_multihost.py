@@ -285,13 +285,18 @@ def test_status_shows_a_gang_waiting_for_its_hosts(tmp_path):
     """The daemon (not `tpud run`) of host 0 of 2, whose peer never comes: status says so."""
     (tmp_path / "jobs.d").mkdir()
     (tmp_path / "jobs.d" / "g.yaml").write_text(job_text("g"))
-    (tmp_path / "tpud.yaml").write_text(f"gang: {{host_index: 0, host_count: 2, coordinator: '127.0.0.1:{free_port()}'}}\n")
+    coordinator = f"127.0.0.1:{free_port()}"
+    (tmp_path / "tpud.yaml").write_text(f"gang: {{host_index: 0, host_count: 2, coordinator: '{coordinator}'}}\n")
     daemon = Daemon(tmp_path)
     try:
         jobs = daemon.wait_for(lambda jobs: (jobs["g"]["gang"] or {}).get("present") == 1, "host 0 in the gang")
-        assert jobs["g"]["gang"] | {"generation": 0} == {"host": 0, "hosts": 2, "state": "waiting for hosts (1 of 2)",
-                                                       "present": 1, "generation": 0, "peer_restarts": 0}
-        assert "g: host 0 of 2: waiting for hosts (1 of 2), generation 0" in daemon.cli("status").stdout
+        gang = jobs["g"]["gang"]
+        assert {k: gang[k] for k in ("host", "hosts", "state", "present", "generation", "peer_restarts")} == {
+            "host": 0, "hosts": 2, "state": "waiting for hosts (1 of 2): waiting for host(s) 1", "present": 1,
+            "generation": 0, "peer_restarts": 0}
+        assert [m["host"] for m in gang["missing"]] == [1] and gang["coordinator"] == coordinator
+        assert (f"g: host 0 of 2: waiting for hosts (1 of 2): waiting for host(s) 1, generation 0, host 1 missing "
+                f"for ") in daemon.cli("status").stdout
     finally:
         daemon.proc.kill()
         daemon.proc.wait()
@@ -368,7 +373,7 @@ def test_a_quarantined_host_is_left_out_the_others_go_on_and_it_rejoins_when_sta
     formed = wait_until(lambda: [r for r in hosts[0].records("gang formed") if r["members"] == [0, 2]],
                         "hosts 0 and 2 formed without host 1", timeout=120)
     assert formed and [r for r in hosts[2].records("gang formed") if r["members"] == [0, 2]]
-    assert [r for r in hosts[0].records("gang") if r["state"] == "formed without host(s) 1 (quarantined or evicted)"]
+    assert [r for r in hosts[0].records("gang") if r["state"] == "formed without host(s) 1 (lost, stopped, quarantined or evicted)"]
     resumed = [r["resumed_at"] for r in hosts[0].records("trainer ready")]
     assert resumed[0] == 0 and resumed[1] <= 4  # the last state all agreed on, nothing after it
     assert [h.wait() for h in hosts] == [0, 0, 0]
