@@ -236,6 +236,7 @@ class Gang(Event):
     members: list[int] | None = None  # once formed: the hosts in it (fewer than hosts: some left out)
     missing: list[int] | None = None  # while waiting: the hosts it waits for (neither seated nor excused)
     coordinator: str | None = None  # the coordinator it meets in (HOST:PORT)
+    path: str | None = None  # once formed: in_place (this worker kept its process) or restart
 
 
 @dataclass(frozen=True, config=_CONFIG)

@@ -21,6 +21,7 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -94,8 +95,20 @@ class LanguageModel(nn.Module):
         return loss, router
 
 
+@dataclass
+class Warm:
+    """What a worker keeps when its gang changes in place (tpud/gang/): the model (its compiled code
+    with it), the optimizer and where the loop stood. Everything sized by the gang is built anew."""
+
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    progress: Progress
+    skips: list
+
+
 class Trainer:
-    def __init__(self, spec: JobSpec, state_dir: Path, hooks: Hooks | None = None, hosts: Hosts | None = None):
+    def __init__(self, spec: JobSpec, state_dir: Path, hooks: Hooks | None = None, hosts: Hosts | None = None,
+                 warm: Warm | None = None):
         self.badput = Badput()  # startup counts from here
         self.spec, self.hooks = spec, hooks or Hooks()
         layout = StateLayout(Path(state_dir))
@@ -108,35 +121,43 @@ class Trainer:
                               "shapes, so each expert gets a fixed number of seats (1.25 is usual)")
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
-        # Built on the meta device, then given its weights one tensor at a time in their final
-        # placement: made on the host from the seed, so every backend starts from the same weights.
-        with torch.device("meta"):
-            self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn, build_mask(kernel))
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
         source = None  # the init_from directory, when this start takes its weights
-        if spec.model.init_from is not None and not parts(checkpoints):  # parts: committed or not
-            source = spec.model.init_from  # a resume takes the job's own checkpoint instead
-            if source.startswith("gs://"):
-                source = hf_remote.fetch(source, layout.models())  # a no-op when the daemon fetched it
-            weights = hf_values(self.model, source)
+        if warm is not None:
+            self.model, weights = warm.model, None
         else:
-            weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
+            # Built on the meta device, then given its weights one tensor at a time in their final
+            # placement: made on the host from the seed, so every backend starts from the same weights.
+            with torch.device("meta"):
+                self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn, build_mask(kernel))
+            if spec.model.init_from is not None and not parts(checkpoints):  # parts: committed or not
+                source = spec.model.init_from  # a resume takes the job's own checkpoint instead
+                if source.startswith("gs://"):
+                    source = hf_remote.fetch(source, layout.models())  # a no-op when the daemon fetched it
+                weights = hf_values(self.model, source)
+            else:
+                weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
         micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
         self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device)
         loss_fn = build_loss(spec.loss, spec.model, per_device, self.backend.compile)
-        for block in self.model.layers:
-            self.backend.compile(block)
         language_model = LanguageModel(self.model, loss_fn)
-        self.backend.shard(language_model)
-        self.backend.materialise(self.model, weights)
+        if warm is None:
+            for block in self.model.layers:
+                self.backend.compile(block)
+            self.backend.shard(language_model)
+            self.backend.materialise(self.model, weights)
         # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
         # state directory (torchrun on one host) reads the fault markers before any can fire one.
         inject = spec.debug.inject
         self.faults = Faults(inject, self.job_dir, accum) if inject is not None else NoFaults()
         self.module = self.backend.prepare_model(language_model)
-        self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
+        if warm is not None:
+            self.optimizer = warm.optimizer
+            self.optimizer.zero_grad(set_to_none=True)  # a step in flight is redone
+        else:
+            self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
         self.ledger = SkipLedger(layout.skips_file(spec.name), micro_batch_size * self.backend.data.world,
                                  spec.data.skip)
@@ -158,7 +179,15 @@ class Trainer:
                                          self.hooks.emit, hosts, memory_dir=memory_dir(),
                                          disruptions_per_hour=disruption_rate())
         with self.badput.timing("restore"):
-            self.progress = self.checkpointer.restore() or Progress()
+            if hosts is not None and hosts.source is not None:  # a live gang: its state, not a checkpoint
+                self.progress = Progress(warm.progress.step, 0, warm.progress.tokens_seen) if warm else Progress()
+                if warm is not None:
+                    self.loader.skips = merge_skips(self.loader.skips, warm.skips)
+                if hosts.transfer:
+                    self._take_live_state(hosts.source)
+                self.checkpointer.schedule.restored(self.progress.step)
+            else:
+                self.progress = self.checkpointer.restore() or Progress()
         if (restored := self.checkpointer.restored) is not None:
             if hosts is not None or restored.hosts > 1:  # a gang's commit, or a gang resuming
                 check_resume(restored.fingerprint, self.checkpointer.fingerprint,
@@ -191,6 +220,36 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.progress.step
+
+    def warm(self) -> Warm:
+        """What a gang that changes in place keeps of this trainer."""
+        return Warm(self.model, self.optimizer, self.progress, list(self.loader.skips))
+
+    def _take_live_state(self, source: int) -> None:
+        """The gang's newest live state, sent by rank `source` to every rank (one broadcast on the
+        gang's process group): a host that joined a live gang, or a survivor a step behind."""
+        import torch.distributed as dist
+
+        started, rank = time.monotonic(), self.backend.data.rank
+        state = [None]
+        if rank == source:
+            p = self.progress
+            state = [{"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                      "progress": (p.step, p.tokens_seen), "skips": list(self.loader.skips)}]
+        dist.broadcast_object_list(state, src=source)
+        taken = state[0]
+        if rank != source:
+            self.model.load_state_dict(taken["model"])
+            self.optimizer.load_state_dict(taken["optimizer"])
+            self.optimizer.zero_grad(set_to_none=True)
+            self.progress = Progress(taken["progress"][0], 0, taken["progress"][1])
+            self.loader.skips = merge_skips(self.loader.skips, [tuple(s) for s in taken["skips"]])
+            self.ledger.adopt(taken["skips"])
+        size = sum(t.numel() * t.element_size() for t in _tensors(taken))
+        seconds = time.monotonic() - started
+        log.info("state taken from a peer" if rank != source else "state sent to the gang", step=self.progress.step,
+                 source=source, bytes=size, seconds=round(seconds, 3),
+                 bytes_per_s=round(size / seconds) if seconds > 0 else None)
 
     def _check_same_data(self, saved: dict) -> None:
         """A resume on different data is an error, unless the job says data.allow_change."""
@@ -498,6 +557,12 @@ def disruption_rate() -> float | None:
     return value if value > 0 and value != float("inf") else None
 
 
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
 def default_state_dir() -> Path:
     return Path(os.environ.get("TPUD_STATE_DIR", "state"))
 
@@ -523,15 +588,22 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     return train(spec, args.state_dir or default_state_dir(), hooks or SignalHooks())
 
 
-def train(spec: JobSpec, state_dir: Path, hooks: Hooks, hosts: Hosts | None = None) -> int:
-    """Train a validated spec to its end or a stop; the worker's exit code."""
+def train(spec: JobSpec, state_dir: Path, hooks: Hooks, hosts: Hosts | None = None,
+          kept: list[Warm] | None = None) -> int:
+    """Train a validated spec to its end or a stop; the worker's exit code. `kept`: a gang's worker
+    that may change its gang in place passes a list: it holds the Warm state to start from (if any),
+    and the trainer's when training raised (engine.errors.GangChanged, a peer gone)."""
     try:
-        trainer = Trainer(spec, state_dir, hooks, hosts)
+        trainer = Trainer(spec, state_dir, hooks, hosts, kept[0] if kept else None)
     except ConfigError as e:
         log.error("job cannot run here", key=e.key, error=str(e))
         return exit_codes.BAD_INPUT
     try:
         return trainer.run()
+    except BaseException:
+        if kept is not None:
+            kept[:] = [trainer.warm()]
+        raise
     finally:
         trainer.backend.close()
 

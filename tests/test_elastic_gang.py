@@ -5,6 +5,7 @@ gang.min_hosts below the host count they go on without it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -92,3 +93,36 @@ def test_hosts_whose_job_files_differ_both_refuse_under_tpud_run(tmp_path):
         for h in hosts:
             (refusal,) = h.records("job cannot run here")
             assert refusal["key"] == "optimizer.lr"
+
+
+def test_survivors_keep_their_processes_and_a_blank_host_0_comes_back_from_a_peer(tmp_path):
+    """Host 0 vanishes (daemon, worker, coordinator): hosts 1 and 2 go on in place (their worker
+    PIDs unchanged) without restoring anything; host 0 comes back with a blank disk and takes the
+    newest state from a peer (no checkpoint read), the gang is three again, and all finish bitwise
+    alike."""
+    steps = 300
+    hosts = elastic(tmp_path, 3, min_hosts=2)
+    for h in hosts:
+        h.start(f"train.max_steps={steps}", "checkpoint.interval_steps=50")
+    wait_step(hosts[1], 20)
+    workers = [hosts[1].worker(), hosts[2].worker()]
+    os.kill(hosts[0].worker(), signal.SIGKILL)
+    hosts[0].proc.kill()
+    hosts[0].wait()
+    shutil.rmtree(hosts[0].home / "state")  # a replacement VM: its disk is blank
+    for h in hosts[1:]:
+        wait_until(lambda: [r for r in h.records("gang formed") if r["members"] == [1, 2]], "the gang of two",
+                   timeout=60)
+    hosts[0].start(f"train.max_steps={steps}", "checkpoint.interval_steps=50")
+    assert [h.wait() for h in hosts] == [0, 0, 0]
+    assert [hosts[1].worker(), hosts[2].worker()] == workers  # in place: never restarted
+    for h in hosts[1:]:
+        formed = [(r["members"], r["path"]) for r in h.records("gang formed")]
+        assert formed[0] == ([0, 1, 2], "restart") and ([1, 2], "in_place") in formed, formed
+        assert formed[-1] == ([0, 1, 2], "in_place"), formed
+        assert not h.records("checkpoint restored")  # nothing read back: the survivors kept their state
+    (taken,) = hosts[0].records("state taken from a peer")
+    assert taken["step"] > 20 and taken["bytes"] > 0 and taken["bytes_per_s"] > 0
+    assert not hosts[0].records("checkpoint restored")
+    assert final_state(hosts[0], steps, tmp_path) == final_state(hosts[1], steps, tmp_path) == final_state(
+        hosts[2], steps, tmp_path)

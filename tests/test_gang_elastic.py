@@ -157,14 +157,14 @@ def test_status_shows_the_members_who_is_missing_since_when_and_the_shrinks_and_
     now[0] += 5
     view.on_gang(events.Gang(1, 3, 2, 1, missing=[0], coordinator="127.0.0.1:2"))  # waiting: host 0 gone
     now[0] += 1
-    view.on_gang(events.Gang(1, 3, 2, 1, [1, 2], coordinator="127.0.0.1:2"))
+    view.on_gang(events.Gang(1, 3, 2, 1, [1, 2], coordinator="127.0.0.1:2", path="in_place"))
     now[0] += 90
     snapshot = view.snapshot()
     assert (snapshot["members"], snapshot["missing"], snapshot["shrinks"], snapshot["grows"]) == (
         [1, 2], [{"host": 0, "since_unix": 1005.0}], 1, 0)
     assert gang_line("j", snapshot, now=now[0]) == (
         "j: host 1 of 3: formed without host(s) 0 (lost, stopped, quarantined or evicted), generation 1, "
-        "members 1, 2, host 0 missing for 1m, coordinator 127.0.0.1:2, 1 shrinks, 0 grows (restart path), "
+        "members 1, 2, host 0 missing for 1m, coordinator 127.0.0.1:2, 1 shrinks, 0 grows (in_place path), "
         "0 restarts caused by other hosts")
     view.on_gang(events.Gang(1, 3, 3, 2, [0, 1, 2], coordinator="127.0.0.1:2"))  # host 0 back
     assert (view.snapshot()["missing"], view.shrinks, view.grows) == ([], 1, 1)

@@ -50,7 +50,7 @@ class TorchBackend(Backend):
     def __init__(self, device_type: str, peak_flops: float | None = None, compiling: bool = False,
                  cache_dir: str | None = None, mesh: MeshConfig | None = None, gang: bool = False):
         self.name = device_type
-        self.compiling = compiling
+        self.compiling, self.gang = compiling, gang
         if compiling and cache_dir is not None:  # an operator's own setting wins
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
             os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
@@ -118,8 +118,11 @@ class TorchBackend(Backend):
             # that restarted mid-run would round differently from one that never stopped.
             # broadcast_buffers off: the only buffers (RoPE's tables) are made alike on every rank
             # and never change, and the broadcast was a collective at the start of every forward.
+            # A gang's hosts hold the same state by then (the same seed or commit, or a peer's live
+            # state sent after this): rank 0 may be a host that has just joined with none.
             model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                            find_unused_parameters=True, broadcast_buffers=False)
+                                            find_unused_parameters=True, broadcast_buffers=False,
+                                            init_sync=not self.gang)
         return model
 
     def compile(self, target):

@@ -36,11 +36,16 @@ class Hosts:
     """This worker's place among the job's hosts: one worker per host, its rank the host's index.
     The commit and the agreement run on the backend's checkpoint group (gloo, one rank per host).
     `fence`, when given, says why this host may not write a global marker now (its gang moved on
-    without it), or None."""
+    without it), or None. `source`: the rank that holds the gang's newest live state (a gang that
+    changed while its survivors kept training), which the others take instead of a checkpoint;
+    None: every host restores the newest global commit. `transfer`: some rank lacks that state,
+    so the source sends it."""
 
     index: int
     count: int
     fence: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
+    source: int | None = None
+    transfer: bool = False
 
 
 @dataclass(frozen=True)

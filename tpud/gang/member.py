@@ -100,6 +100,12 @@ class GangMember:
         self._read_at: float | None = None  # observe(): the peers' beats, and when each was last seen alive
         self._beats: dict[int, int] = {}
         self._alive_at: dict[int, float] = {}
+        self.in_place = False  # whether a change of the gang keeps this process (gloo: see regroups)
+        self.regroup_wanted: str | None = None  # why the training thread should leave for the next gang
+        self._wanted_at = (0.0, 0)  # when it was asked, and the training thread's arrivals then
+        self.path = "restart"  # how this worker came to its gang: a new process, or in_place
+        self.source: int | None = None  # the rank holding the gang's newest live state (Hosts.source)
+        self.transfer = False
 
     @classmethod
     def from_env(cls, job: str, emit: Callable[[events.Event], None], record: Path | None = None) -> GangMember | None:
@@ -119,7 +125,8 @@ class GangMember:
 
     @property
     def place(self) -> Hosts:
-        return Hosts(self.rank, len(self.members), fence=self.fence if self.restart_peers else None)
+        return Hosts(self.rank, len(self.members), fence=self.fence if self.restart_peers else None,
+                     source=self.source, transfer=self.transfer)
 
     def _key(self, name: str, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
@@ -130,13 +137,16 @@ class GangMember:
 
     # --- joining ---
 
-    def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict) -> bool:
+    def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict, holds: int = -1) -> bool:
         """Wait until the gang is complete, then form the process group (not under xla, whose
         xla:// initialisation finds its peers through the TPU runtime). False when a stop was asked
-        meanwhile; ConfigError when the members' job specs (their fingerprints) differ."""
+        meanwhile; ConfigError when the members' job specs (their fingerprints) differ. `holds`:
+        the step whose state this worker holds live (it kept it through a change of its gang), or -1."""
         import torch.distributed as dist
 
-        self._stop_asked = stop_asked
+        self._stop_asked, self._holds = stop_asked, holds
+        # Only gloo's gang changes in place: nccl's abort and xla's runtime are not built on here.
+        self.in_place = self.restart_peers and backend == "cpu"
         while True:
             if not self._connect():
                 return False
@@ -157,10 +167,11 @@ class GangMember:
             self._wait_checked()
             self.leave()  # every host finds the same: none is waited for
             raise
+        self._live_state()
         log.info("gang formed", host=self.host, hosts=self.hosts, members=self.members, generation=self.generation,
-                 coordinator=self.addresses[self.at])
+                 coordinator=self.addresses[self.at], path=self.path, source=self.source, transfer=self.transfer)
         self.emit(events.Gang(self.host, self.hosts, len(self.members), self.generation, self.members,
-                              coordinator=self.addresses[self.at]))
+                              coordinator=self.addresses[self.at], path=self.path))
         if self.restart_peers:
             self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
             self._watcher.start()
@@ -246,6 +257,7 @@ class GangMember:
             return False
         self.generation = g
         store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
+        store.set(self._key(f"holds/{self.host}"), str(self._holds))
         store.append(self._key("roster"), f"{self.host},")
         reported, told, probed, observed = None, 0.0, self.clock(), {}
         while True:
@@ -307,6 +319,14 @@ class GangMember:
             log.warning("the gang changed", members=self.members, joined=grew, left=shrank, generation=self.generation)
         return True
 
+    def _live_state(self) -> None:
+        """Whether some member kept a live state (a gang changed in place): the newest one, on the
+        lowest such member, is what every member trains on (Hosts.source); else all restore."""
+        holds = [int(v) for v in self.store.multi_get([self._key(f"holds/{h}") for h in self.members])]
+        newest = max(holds)
+        self.source = holds.index(newest) if newest >= 0 else None
+        self.transfer = self.source is not None and any(h != newest for h in holds)
+
     def _same_spec(self) -> None:
         """Compare every member's fingerprint; a seat without one is a worker of an older tpud
         (a rolling upgrade), which is not compared."""
@@ -337,6 +357,8 @@ class GangMember:
         arrivals = [self._key(f"arrivals/{h}") for h in peers]
         published, lost_since = 0, None
         while not self._stop.wait(INTERVAL_S):
+            if self.regroup_wanted is not None:
+                self._disrupted(self.regroup_wanted)  # falls back to a restart if the training thread is held
             try:
                 store.add(self._key(f"beat/{me}"), 1)
                 store.add(self._host_key("alive", me), 1)
@@ -380,6 +402,19 @@ class GangMember:
         self._read_at = now
         return now
 
+    def _lost(self, stale: list[int]) -> None:
+        """Peers whose beat stood still. When every peer's did, this host is more likely the one that
+        was cut off (paused, partitioned): it blames none and does not move the generation."""
+        if len(stale) == len(self.members) - 1 and len(stale) > 1:
+            self._disrupted(f"no other host's worker beat for {self.peer_timeout_s:g}s: this host was cut off",
+                            bump=False)
+            return
+        for h in stale:
+            self.store.set(self._host_key("mark", h), f"lost: its worker stopped beating in generation "
+                                                      f"{self.generation}")
+        self._disrupted(f"host(s) {', '.join(map(str, stale))}'s worker stopped responding for "
+                        f"{self.peer_timeout_s:g}s")
+
     def fence(self) -> str | None:
         """Before a global commit: why this worker may not commit for its generation, or None.
 
@@ -406,6 +441,17 @@ class GangMember:
     def _disrupted(self, reason: str, reachable: bool = True, bump: bool = True) -> None:
         if self._leaving:
             return
+        if self.in_place:
+            if self.regroup_wanted is None:
+                log.warning("the gang changed; leaving the step to form the next gang in place", reason=reason,
+                            host=self.host, generation=self.generation)
+                self.regroup_wanted, self._wanted_at = reason, (self.clock(), self._arrivals)
+                if reachable and bump:
+                    self._end_generation()
+                return
+            if self._arrivals != self._wanted_at[1] or self.clock() - self._wanted_at[0] <= self.peer_timeout_s:
+                return  # the training thread will leave at its next boundary
+            reason = f"{self.regroup_wanted}; the training thread is held in a collective that cannot be left"
         log.error("the gang is broken; exiting so that every host restarts together", reason=reason,
                   host=self.host, generation=self.generation)
         if reachable:
@@ -417,10 +463,47 @@ class GangMember:
         """This worker exits and its daemon starts another: the next gang waits for it (REJOIN_S)."""
         try:
             self.store.set(self._host_key("mark", self.host), "rejoin")
-            if bump:
-                self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
         except Exception:  # noqa: BLE001  (unreachable: the others find out by themselves)
             pass
+        if bump:
+            self._end_generation()
+
+    def _end_generation(self) -> None:
+        try:
+            self.store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
+        except Exception:  # noqa: BLE001  (unreachable: the others find out by themselves)
+            pass
+
+    def regroups(self, error: BaseException) -> bool:
+        """Whether the worker forms the next gang in place after its training raised `error`: the
+        gang changed (engine.errors.GangChanged), or a peer's process died under a collective. It
+        then leaves this generation (its watcher, its process groups) and the caller joins again,
+        keeping its model and optimizer. gloo only: its collective fails when a peer's process dies
+        (the kernel closes the connection); a collective waiting on a silent peer (a paused or
+        unplugged VM) cannot be left (ProcessGroupGloo.abort does not wake it), so the watcher then
+        falls back to exit 77 and the restart path."""
+        import torch.distributed as dist
+
+        from engine.errors import GangChanged
+
+        if not self.in_place or self._leaving or self.generation < 0:
+            return False
+        if not (isinstance(error, GangChanged) or any(s in str(error) for s in PEER_GONE)):
+            return False
+        log.warning("forming the next gang in place", host=self.host, generation=self.generation,
+                    reason=str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001  (a group whose peer is gone may fail to shut down: it is gone too)
+                pass
+        self._end_generation()  # the first to notice opens the next one; the others' watchers see it
+        self._stop, self._watcher, self._read_at = threading.Event(), None, None
+        self.regroup_wanted, self.path = None, "in_place"
+        return True
 
     # --- leaving ---
 

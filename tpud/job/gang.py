@@ -4,8 +4,8 @@ The worker reports the gang as it forms (`gang` events: who is present, which ge
 members once formed, whom it waits for, the coordinator); the job passes the place to each
 worker it starts and counts restarts a peer caused apart from its own crashes, which spend its
 restart budget. From the members of successive gangs it counts shrinks and grows and keeps
-since when each missing host has been missing. Every change of membership today takes the
-restart path (the workers exit 77 and their daemons start them again): `path` says so.
+since when each missing host has been missing; `path` says how this host's worker came to its
+gang: in_place (it kept its process through the change) or restart (a new worker).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GangView:
                 self.shrinks, self.grows = self.shrinks + shrank, self.grows + grew
                 self.metrics.gang_changed(self.job, event.host, shrank, grew)
                 log.warning("the gang changed", job=self.job, members=event.members, before=self.members,
-                            generation=event.generation, path="restart")
+                            generation=event.generation, path=event.path)
             self.members = list(event.members)
         missing = set(self.missing(event))
         now = self.wall()
@@ -106,4 +106,4 @@ class GangView:
                 "peer_restarts": self.peer_restarts, "members": self.members,
                 "missing": [{"host": h, "since_unix": round(t, 3)} for h, t in self.missing_since.items()],
                 "coordinator": None if g is None else g.coordinator, "shrinks": self.shrinks, "grows": self.grows,
-                "path": "restart"}
+                "path": None if g is None else g.path}

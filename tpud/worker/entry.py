@@ -24,7 +24,7 @@ from typing import NoReturn
 import structlog
 
 from engine import events, exit_codes, logs
-from engine.errors import ConfigError
+from engine.errors import ConfigError, GangChanged
 from engine.spec.fingerprint import fingerprint
 from engine.spec.schema import JobSpec
 from engine.hooks import Boundary, SignalHooks
@@ -99,6 +99,8 @@ class ChannelHooks(SignalHooks):
     def poll(self, at: Boundary) -> Request | None:
         if self.gang is not None:
             self.gang.arrived(events.Heartbeat(at.step, at.micro_step))
+            if (why := self.gang.regroup_wanted) is not None:
+                raise GangChanged(why)
         if self.heartbeats.due():
             self.emit(events.Heartbeat(at.step, at.micro_step))
         return self.requests(at)
@@ -174,22 +176,27 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     gang = GangMember.from_env(spec.name, hooks.emit, StateLayout(args.state_dir).gang_file(spec.name))
     if gang is None:
         return train(spec, args.state_dir, hooks)
-    try:
-        joined = gang.join(resolve_backend_name(spec.device), hooks.stop_asked, fingerprint(spec))
-    except ConfigError as e:
-        log.error("job cannot run here", key=e.key, error=str(e))
-        return exit_codes.BAD_INPUT
-    if not joined:
-        log.info("stopping on request while waiting for the other hosts")
-        return exit_codes.STOPPED
-    hooks.gang = gang
-    # The gang's ranks: without hosts left out, the daemon's RANK and WORLD_SIZE already.
-    os.environ.update(RANK=str(gang.rank), WORLD_SIZE=str(len(gang.members)))
-    try:
-        code = train(spec, args.state_dir, hooks, gang.place)
-    except BaseException as e:
-        gang.crashed(e)
-        raise
-    gang.leave()
-    return code
+    backend = resolve_backend_name(spec.device)
+    kept: list = []  # the model and optimizer this worker keeps when its gang changes in place
+    while True:
+        try:
+            joined = gang.join(backend, hooks.stop_asked, fingerprint(spec), kept[0].progress.step if kept else -1)
+        except ConfigError as e:
+            log.error("job cannot run here", key=e.key, error=str(e))
+            return exit_codes.BAD_INPUT
+        if not joined:
+            log.info("stopping on request while waiting for the other hosts")
+            return exit_codes.STOPPED
+        hooks.gang = gang
+        # The gang's ranks: without hosts left out, the daemon's RANK and WORLD_SIZE already.
+        os.environ.update(RANK=str(gang.rank), WORLD_SIZE=str(len(gang.members)))
+        try:
+            code = train(spec, args.state_dir, hooks, gang.place, kept if gang.in_place else None)
+        except BaseException as e:
+            if gang.regroups(e):
+                continue
+            gang.crashed(e)
+            raise
+        gang.leave()
+        return code
 
