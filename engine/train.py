@@ -222,8 +222,13 @@ class Trainer:
         return self.progress.step
 
     def warm(self) -> Warm:
-        """What a gang that changes in place keeps of this trainer."""
-        return Warm(self.model, self.optimizer, self.progress, list(self.loader.skips))
+        """What a gang that changes in place keeps of this trainer, which lets go of what it hung on
+        the model (its wrapper's gradient hooks, the replicas' forward hook): the next one hangs its own."""
+        self.backend.release(self.module)
+        self.replicas.close()
+        p = self.progress  # the step in flight is redone: its micro-batches' tokens are not seen yet
+        unseen = p.micro_step * self.loader.micro_batch_size * self.spec.data.seq_len * self.backend.data.world
+        return Warm(self.model, self.optimizer, Progress(p.step, 0, p.tokens_seen - unseen), list(self.loader.skips))
 
     def _take_live_state(self, source: int) -> None:
         """The gang's newest live state, sent by rank `source` to every rank (one broadcast on the

@@ -55,9 +55,11 @@ class Host:
         self.proc: subprocess.Popen | None = None
         self.runs = 0
 
-    def place(self, count: int, port: int) -> None:
+    def place(self, count: int, port: int, extra: str = "") -> None:
+        """extra: more keys of the gang section, e.g. "in_place: false"."""
         (self.home / "tpud.yaml").write_text(
-            f"gang: {{host_index: {self.index}, host_count: {count}, coordinator: '127.0.0.1:{port}'}}\n")
+            f"gang: {{host_index: {self.index}, host_count: {count}, coordinator: '127.0.0.1:{port}'"
+            + (f", {extra}" if extra else "") + "}\n")
 
     @property
     def log(self) -> Path:
@@ -108,9 +110,15 @@ def tpud(host: Host, *args: str) -> str:
                           check=True, timeout=60, env=python_env()).stdout
 
 
-def gang(root: Path, count: int = 3, envs: dict[int, dict] | None = None) -> list[Host]:
+def gang(root: Path, count: int = 3, envs: dict[int, dict] | None = None, extra: str = "") -> list[Host]:
     port = free_port()
-    return [Host(root, i, count, port, (envs or {}).get(i)) for i in range(count)]
+    hosts = [Host(root, i, count, port, (envs or {}).get(i)) for i in range(count)]
+    for h in hosts:
+        h.place(count, port, extra)
+    return hosts
+
+
+RESTART_PATH = "in_place: false"  # every change of the gang restarts every worker from the newest global commit
 
 
 def assert_like_reference(hosts: list[Host], reference, may_lack: dict[int, int] | None = None) -> None:
@@ -146,7 +154,8 @@ def reference(tmp_path_factory) -> tuple[list[dict[str, str]], dict[int, float]]
 
 
 def test_a_killed_worker_restarts_the_whole_gang_which_resumes(tmp_path, reference):
-    hosts = [h.start() for h in gang(tmp_path)]
+    """The restart path (gang.in_place false): every worker restarts and resumes from a commit."""
+    hosts = [h.start() for h in gang(tmp_path, extra=RESTART_PATH)]
     victim = hosts[1]
     kills = sorted(random.Random(15).sample(range(4, MAX_STEPS - 3), 2))
     for n, at in enumerate(kills, 1):
@@ -203,7 +212,8 @@ def test_a_preemption_notice_on_one_host_stops_all_at_the_same_step_and_they_res
 
 
 def test_a_vanished_host_is_waited_for_and_restores_its_part_from_gcs(tmp_path, reference, gcs_server):
-    hosts = [h.start(REMOTE) for h in gang(tmp_path)]
+    """The restart path: the gang restores its newest global commit, host 2's part from GCS."""
+    hosts = [h.start(REMOTE) for h in gang(tmp_path, extra=RESTART_PATH)]
     gone = hosts[2]
     wait_until(lambda: hosts[0].records("gcs upload committed"), "a step on GCS", timeout=180)
     os.kill(gone.worker(), signal.SIGKILL)
@@ -225,7 +235,7 @@ def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
     """Host 2's VM is replaced (its disk and its memory are blank) and there is no GCS tier: the
     gang resumes from the newest state the others hold in memory, sent to host 2 by a peer."""
     every_step = ("checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1")
-    hosts = [h.start(*every_step) for h in gang(tmp_path)]
+    hosts = [h.start(*every_step) for h in gang(tmp_path, extra=RESTART_PATH)]
     gone = hosts[2]
     wait_step(gone, 7)
     os.kill(gone.worker(), signal.SIGKILL)
@@ -245,6 +255,35 @@ def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
         assert r["path"].startswith(str(Paths.resolve(h.home).memory)), h.index
     assert gone.records("a peer's memory state restores the hosts that lost theirs", every_run=False)
     assert_like_reference(hosts, reference, may_lack={gone.index: restored[0]["step"]})
+
+
+def test_a_killed_worker_and_a_blank_host_rejoin_in_place_bitwise_like_an_uninterrupted_run(tmp_path, reference):
+    """In place (the default): host 1's worker SIGKILLed, then host 2's VM replaced (daemon and worker
+    killed, disk blank). The survivors keep their processes and wait for the host (min_hosts is
+    the host count); it takes the live state from a peer; every host ends bitwise where the
+    uninterrupted run did, with every step's loss as it logged them."""
+    hosts = [h.start() for h in gang(tmp_path)]
+    wait_step(hosts[1], 5)
+    os.kill(hosts[1].worker(), signal.SIGKILL)
+    wait_until(lambda: [r for r in hosts[1].records("gang formed") if r["generation"] > 0], "host 1 back",
+               timeout=60)
+    wait_step(hosts[2], 10)
+    gone = hosts[2]
+    os.kill(gone.worker(), signal.SIGKILL)
+    gone.proc.kill()
+    gone.wait()
+    shutil.rmtree(gone.home / "state")
+    gone.start()
+    assert [h.wait() for h in hosts] == [0, 0, 0]
+    assert [r["status"] for r in hosts[0].records("worker exited")] == [0]  # one process all along
+    assert ["in_place"] == sorted({r["path"] for r in hosts[0].records("gang formed")} - {"restart"})
+    assert gone.records("state taken from a peer", every_run=False)
+    assert not [r for h in hosts for r in h.records("checkpoint restored")]
+    for h, final in zip(hosts, reference[0]):
+        assert h.final() == final, h.index  # bitwise the uninterrupted run's
+        # A step whose report was still being read when the gang changed has no line on that host.
+        assert h.losses().items() <= reference[1].items(), h.index
+    assert set().union(*(h.losses() for h in hosts)) == set(reference[1])
 
 
 def test_three_hosts_then_two_then_three_keep_the_loss_curve(tmp_path, reference, gcs_server):

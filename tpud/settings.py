@@ -46,6 +46,11 @@ class GangSettings(BaseModel):
     peer_timeout_seconds: float = Field(
         3.0, gt=0, description="A worker that stops beating for this long counts as failed: the gang restarts, "
         "without that host where min_hosts allows.")
+    in_place: bool = Field(
+        True, description="When the gang changes (a host lost, or back), the surviving workers keep their processes, "
+        "model, optimizer and compiled code, and form the next gang where they stand; a host that joins takes the "
+        "newest state from a peer. gloo (cpu) only; nccl and xla, and a collective held by a silent peer, take the "
+        "restart path. false: every change restarts every worker from the newest global commit.")
     restart_peers: bool = Field(
         True, description="false: when a worker fails, the other hosts' workers are not stopped; each finds out "
         "through a collective's error or its hang bound, like a plain torch.distributed job (bench/multihost.py "

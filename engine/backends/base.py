@@ -90,6 +90,9 @@ class Backend:
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def release(self, module: nn.Module) -> None:
+        """Take off the model what prepare_model hung on it (a gang changing in place wraps it again)."""
+
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """Skip gradient synchronisation for a micro-batch that is not the step's last."""
         return contextlib.nullcontext()

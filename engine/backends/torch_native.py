@@ -125,6 +125,10 @@ class TorchBackend(Backend):
                                             init_sync=not self.gang)
         return model
 
+    def release(self, module: nn.Module) -> None:
+        if isinstance(module, DistributedDataParallel):
+            module._remove_autograd_hooks()  # else the old reducer's hooks would still sum the gradients
+
     def compile(self, target):
         if not self.compiling:
             return target

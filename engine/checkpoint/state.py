@@ -49,8 +49,11 @@ class TrainingState:
         DCP's state-dict helper fills an empty optimizer's state with a zero-lr step, which
         also counts a step: a checkpoint taken before the first update would otherwise
         resume with a different step count, or hold no optimizer state at all. Doing it in
-        every run, and resetting the counters, makes state creation part of the start.
+        every run, and resetting the counters, makes state creation part of the start. An
+        optimizer that already has its state (kept through a change of the gang) keeps it.
         """
+        if self.optimizer.state:
+            return
         get_state_dict(self.model, self.optimizer)
         for state in self.optimizer.state.values():
             step = state.get("step")

@@ -153,12 +153,17 @@ class ReplicaCheck:
         self.output_print: torch.Tensor | None = None  # the last step's; None when not all of it ran here
         self._partial = False  # the step under way began before this process's state (a partial-step restore)
         self._replayed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the last replayed step's
-        if self.enabled:
-            model.norm.register_forward_hook(self._print_output)
+        self._hook = model.norm.register_forward_hook(self._print_output) if self.enabled else None
 
     @property
     def enabled(self) -> bool:
         return self.group is not None
+
+    def close(self) -> None:
+        """Take the forward hook off the model (a gang changing in place keeps the model)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.interval_steps == 0

@@ -28,6 +28,7 @@ class GangPlace:
     restart_peers: bool = True  # false: no peer watch (tpud.settings.GangSettings.restart_peers)
     min_hosts: int | None = None  # None: every host (tpud.settings.GangSettings.min_hosts)
     evict_stragglers: bool = False  # tpud.settings.GangSettings.evict_stragglers
+    in_place: bool = True  # tpud.settings.GangSettings.in_place
     # Every host's coordinator, host order (tpud.settings.GangSettings.coordinators); () for host 0's alone.
     coordinators: tuple[str, ...] = ()
 
@@ -60,7 +61,8 @@ class GangPlace:
                "TPUD_GANG_COORDINATOR": ",".join(self.addresses), "TPUD_GANG_PEER_TIMEOUT": str(self.peer_timeout_s),
                "TPUD_GANG_RESTART_PEERS": "1" if self.restart_peers else "0",
                "TPUD_GANG_MIN_HOSTS": str(self.min_hosts or self.hosts),
-               "TPUD_GANG_EVICT_STRAGGLERS": "1" if self.evict_stragglers else "0"}
+               "TPUD_GANG_EVICT_STRAGGLERS": "1" if self.evict_stragglers else "0",
+               "TPUD_GANG_IN_PLACE": "1" if self.in_place else "0"}
         if self.loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         return env
@@ -72,7 +74,7 @@ def discover(settings, env: dict[str, str] | None = None) -> GangPlace | None:
     if settings.gang is not None:
         g = settings.gang
         place = GangPlace(g.host_index, g.host_count, g.addresses[0], g.peer_timeout_seconds, g.restart_peers,
-                          g.min_hosts, g.evict_stragglers, tuple(g.coordinators or ()))
+                          g.min_hosts, g.evict_stragglers, g.in_place, tuple(g.coordinators or ()))
     elif env.get("TPU_WORKER_ID") and env.get("TPU_WORKER_HOSTNAMES"):
         names = [n.strip() for n in env["TPU_WORKER_HOSTNAMES"].split(",") if n.strip()]
         try:

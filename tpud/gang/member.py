@@ -80,7 +80,7 @@ class GangMember:
     def __init__(self, job: str, host: int, hosts: int, coordinator: str, peer_timeout_s: float,
                  emit: Callable[[events.Event], None], restart_peers: bool = True, min_hosts: int | None = None,
                  addresses: list[str] | None = None, record: Path | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, in_place: bool = True):
         self.host, self.hosts, self.coordinator = host, hosts, coordinator
         self.addresses = addresses or [coordinator]
         self.min_hosts = min_hosts or hosts
@@ -100,6 +100,7 @@ class GangMember:
         self._read_at: float | None = None  # observe(): the peers' beats, and when each was last seen alive
         self._beats: dict[int, int] = {}
         self._alive_at: dict[int, float] = {}
+        self.allow_in_place = in_place  # gang.in_place
         self.in_place = False  # whether a change of the gang keeps this process (gloo: see regroups)
         self.regroup_wanted: str | None = None  # why the training thread should leave for the next gang
         self._wanted_at = (0.0, 0)  # when it was asked, and the training thread's arrivals then
@@ -116,7 +117,8 @@ class GangMember:
         addresses = env["TPUD_GANG_COORDINATOR"].split(",")
         return cls(job, int(env["TPUD_GANG_HOST"]), hosts, addresses[0],
                    float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit, env.get("TPUD_GANG_RESTART_PEERS") != "0",
-                   int(env.get("TPUD_GANG_MIN_HOSTS", hosts)), addresses, record)
+                   int(env.get("TPUD_GANG_MIN_HOSTS", hosts)), addresses, record,
+                   in_place=env.get("TPUD_GANG_IN_PLACE", "1") != "0")
 
     @property
     def rank(self) -> int:
@@ -146,7 +148,7 @@ class GangMember:
 
         self._stop_asked, self._holds = stop_asked, holds
         # Only gloo's gang changes in place: nccl's abort and xla's runtime are not built on here.
-        self.in_place = self.restart_peers and backend == "cpu"
+        self.in_place = self.allow_in_place and self.restart_peers and backend == "cpu"
         while True:
             if not self._connect():
                 return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import os
 import select
 import sys
@@ -56,7 +57,7 @@ class ChannelHooks(SignalHooks):
         if self.connection is not None:
             threading.Thread(target=self._listen, name="channel-listener", daemon=True).start()
 
-    def on_request(self, answer: Callable[[Request], bool]) -> None:
+    def on_request(self, answer: Callable[[Request], bool] | None) -> None:
         self._answer = answer
 
     def _listen(self) -> None:
@@ -193,10 +194,15 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
         try:
             code = train(spec, args.state_dir, hooks, gang.place, kept if gang.in_place else None)
         except BaseException as e:
-            if gang.regroups(e):
-                continue
-            gang.crashed(e)
-            raise
-        gang.leave()
-        return code
+            if not gang.regroups(e):
+                gang.crashed(e)
+                raise
+        else:
+            gang.leave()
+            return code
+        # Out of the except block the failed trainer is garbage: collect it now. Its process groups
+        # close their connections only when freed, and a peer still held in a collective with this
+        # host then fails at once (and regroups in place) instead of waiting on an open socket.
+        hooks.on_request(None)
+        gc.collect()
 
