@@ -213,9 +213,10 @@ class GangMember:
         if known.generation > last[0]:
             store.set(self.prefix + "last", json.dumps({"generation": known.generation,
                                                         "members": list(known.members)}))
-        for h in range(self.hosts):  # exist, so that one multi_get reads them all
-            store.add(self._host_key("alive", h), 0)
-            store.compare_set(self._host_key("mark", h), "", "")
+        if store.add(self.prefix + "made", 1) == 1:  # the first worker here makes every host's keys:
+            for h in range(self.hosts):              # one multi_get then reads them all
+                store.add(self._host_key("alive", h), 0)
+                store.compare_set(self._host_key("mark", h), "", "")
         return True
 
     def _last(self) -> tuple[int, tuple[int, ...]]:
@@ -260,6 +261,8 @@ class GangMember:
         self.generation = g
         store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
         store.set(self._key(f"holds/{self.host}"), str(self._holds))
+        for name in ("beat", "arrivals"):  # before the seat: once the gang forms, every member's exist
+            store.add(self._key(f"{name}/{self.host}"), 0)
         store.append(self._key("roster"), f"{self.host},")
         reported, told, probed, observed = None, 0.0, self.clock(), {}
         while True:
@@ -310,9 +313,6 @@ class GangMember:
         if self.host not in self.members:
             store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
             return False
-        for h in self.members:  # exist, so that one multi_get reads them all
-            store.add(self._key(f"beat/{h}"), 0)
-            store.add(self._key(f"arrivals/{h}"), 0)
         store.set(self.prefix + "last", json.dumps({"generation": self.generation, "members": self.members}))
         store.set(self._key("started"), "1")
         stores.Known(self.generation, tuple(self.members), self.at).write(self.record)
@@ -330,10 +330,9 @@ class GangMember:
         self.transfer = self.source is not None and any(h != newest for h in holds)
 
     def _same_spec(self) -> None:
-        """Compare every member's fingerprint; a seat without one is a worker of an older tpud
-        (a rolling upgrade), which is not compared."""
-        keys = {h: self._key(f"spec/{h}") for h in self.members}
-        found = {h: json.loads(self.store.get(key)) for h, key in keys.items() if self.store.check([key])}
+        """Compare every member's fingerprint."""
+        specs = self.store.multi_get([self._key(f"spec/{h}") for h in self.members])  # set before each seat
+        found = {h: json.loads(spec) for h, spec in zip(self.members, specs)}
         self.store.append(self._key("checked"), f"{self.host},")
         fingerprint.check_hosts(found)
 

@@ -1,0 +1,309 @@
+"""The elastic gang: a host that vanishes, the others going on, the host coming back blank.
+
+Four `tpud run` supervisors on this machine (loopback, gloo), each running its own coordinator
+(tpud.yaml `gang.coordinators`) with `gang.min_hosts: 2`, train the tiny model. Two arms, one
+after the other, on the same seeded schedule of victims:
+- in_place (tpud as shipped): the survivors keep their processes and form the next gang where
+  they stand; a host that comes back takes the newest state from a peer;
+- restart (`gang.in_place: false`): every change of the gang restarts every worker, which
+  resumes from the newest global commit (a blank host's part from a peer's memory tier).
+
+Each drill SIGKILLs a seeded victim's daemon, worker and coordinator together (a vanished VM;
+the first drill's victim is host 0) at a random moment, then starts the victim again with an
+empty state directory. Per drill: recovery s = from the kill until every survivor has trained a
+step in a gang without the victim (median and max; target <= 5 s in place); whether the
+survivors' worker PIDs are unchanged; committed steps lost = the newest global commit before the
+kill minus the step the survivors went on from (target 0); back s = from the victim's
+`tpud run` start until it is a member again (target <= 10 s in place), and where its state came
+from (a peer's live state, its rate, or a restore). After the drills, the shrink drill: hosts are
+killed one at a time down to 2 (it must go on) and then to 1 (below min_hosts: it must wait and
+say so). Every replica's fingerprint is compared every 10 steps (health.replicas: a mismatch is
+logged and fails the run), and at the end the newest step every host committed is compared
+across hosts, bitwise (less each host's data rank).
+
+    .venv/bin/python bench/elastic.py                 # ~10 min on 2 cores: two arms of 20 drills
+    .venv/bin/python bench/elastic.py --drills 3 --arms in_place --out /tmp/elastic.json
+Results: a table on stdout and bench/results/elastic.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from goodput import Tail, kill_group, spawn  # noqa: E402
+from machine import describe  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+from tpud.paths import Paths  # noqa: E402
+
+JOB = ["data.corpus_bytes=400000", "data.seq_len=32", "data.micro_batch_size=2", "train.global_batch_size=12",
+       "model.dim=64", "model.n_layers=2", "model.ffn_dim=128", "scheduler.warmup_steps=1", "train.log_interval=1",
+       "train.max_steps=100000000", "checkpoint.interval_steps=20", "health.replicas.interval_steps=10"]
+
+
+class Host:
+    """One host's `tpud run` in its own process group, its log read as it grows."""
+
+    def __init__(self, root: Path, index: int, settings: str):
+        self.index, self.home = index, root / f"host{index}"
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "tpud.yaml").write_text(settings)
+        self.proc, self.tail, self.runs = None, None, 0
+
+    def start(self) -> float:
+        self.runs += 1
+        log = self.home / f"run{self.runs}.log"
+        started = time.time()
+        self.proc = spawn([sys.executable, "-m", "tpud", "run", str(REPO / "configs/jobs/tiny-cpu.yaml"), *JOB,
+                           "--home", str(self.home)], log, OMP_NUM_THREADS="1")
+        self.tail = Tail(log)
+        return started
+
+    def records(self, event: str, since: float = 0.0) -> list[dict]:
+        self.tail.read()
+        return [r for r in self.tail.records if r.get("event") == event and r["_t"] > since]
+
+    def worker(self) -> int | None:
+        started = self.records("worker started")
+        return started[-1]["pid"] if started else None
+
+    def vanish(self) -> None:
+        """The VM gone: worker, daemon and coordinator at once, then its disk and memory blank."""
+        if (pid := self.worker()) is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_group(self.proc.pid)
+        self.proc.wait()
+        shutil.rmtree(self.home / "state", ignore_errors=True)
+        shutil.rmtree(Paths.resolve(self.home).memory, ignore_errors=True)
+
+    def formed(self, since: float, members: list[int] | None = None) -> dict | None:
+        return next((r for r in self.records("gang formed", since) if members is None or r["members"] == members),
+                    None)
+
+    def first_step_after(self, t: float) -> dict | None:
+        return next(iter(self.records("step", t)), None)
+
+    def committed(self, before: float) -> int:
+        done = [r["step"] for r in self.records("checkpoint committed") if r["_t"] <= before and r["tier"] == "local"]
+        return max(done, default=0)
+
+
+def wait(what: str, probe, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (got := probe()) is not None and got is not False:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def settings(index: int, count: int, ports: list[int], in_place: bool, min_hosts: int, peer_timeout: float) -> str:
+    listed = ", ".join(f"'127.0.0.1:{p}'" for p in ports)
+    return (f"gang: {{host_index: {index}, host_count: {count}, coordinators: [{listed}], min_hosts: {min_hosts}, "
+            f"in_place: {str(in_place).lower()}, peer_timeout_seconds: {peer_timeout}}}\n")
+
+
+def drill(hosts: list[Host], victim: Host, rng: random.Random) -> dict:
+    alive = [h for h in hosts if h is not victim]
+    time.sleep(rng.uniform(0.5, 2.0))
+    pids = {h.index: h.worker() for h in alive}
+    members = [h.index for h in alive]
+    killed = time.time()
+    committed = max(h.committed(killed) for h in alive)
+    victim.vanish()
+    formed = {h.index: wait(f"host {h.index} formed without host {victim.index}",
+                            lambda h=h: h.formed(killed, members), 60) for h in alive}
+    steps = {h.index: wait(f"host {h.index} training again", lambda h=h: h.first_step_after(formed[h.index]["_t"]),
+                           60) for h in alive}
+    recovery = max(r["_t"] for r in steps.values()) - killed
+    went_on_from = min(r["step"] for r in steps.values()) - 1
+    started = victim.start()
+    back = wait(f"host {victim.index} back in the gang", lambda: victim.formed(started, sorted(h.index for h in hosts)),
+                120)
+    wait("every host training after the victim's return",
+         lambda: all(h.first_step_after(back["_t"]) for h in hosts), 120)
+    taken = victim.records("state taken from a peer", started)
+    restored = victim.records("checkpoint restored", started)
+    return {"victim": victim.index, "recovery_s": round(recovery, 3),
+            "pids_unchanged": all(h.worker() == pids[h.index] for h in alive),
+            "committed_before": committed, "went_on_from": went_on_from,
+            "committed_lost": max(0, committed - went_on_from), "back_s": round(back["_t"] - started, 3),
+            "from": "peer" if taken else "restore" if restored else "none",
+            "peer_bytes_per_s": taken[0]["bytes_per_s"] if taken else None,
+            "restored_from": restored[0]["path"].split("/checkpoints/")[0].rsplit("/", 1)[-1] if restored else None,
+            "path": formed[alive[0].index].get("path")}
+
+
+def shrink_drill(hosts: list[Host], peer_timeout: float) -> dict:
+    """Down to 2 hosts one at a time (it goes on), then to 1 (under min_hosts: it waits, and says so)."""
+    out = {}
+    alive = list(hosts)
+    for count in (3, 2):
+        victim = alive.pop(0)
+        killed = time.time()
+        victim.vanish()
+        members = [h.index for h in alive]
+        for h in alive:
+            formed = wait(f"a gang of {count}", lambda h=h: h.formed(killed, members), 60)
+            wait(f"training on {count} hosts", lambda h=h, f=formed: h.first_step_after(f["_t"]), 60)
+        out[f"goes_on_with_{count}"] = True
+    victim = alive.pop(0)
+    killed = time.time()
+    victim.vanish()
+    last = alive[0]
+    time.sleep(2 * peer_timeout + 5)
+    waiting = last.records("waiting for hosts", killed)
+    out["under_min_hosts_waits"] = bool(waiting) and not last.records("step", killed + peer_timeout + 2)
+    out["says"] = waiting[-1]["event"] + f": present {waiting[-1]['present']}" if waiting else None
+    gang = [r for r in last.records("gang", killed) if "waiting" in str(r.get("state"))]
+    out["status"] = gang[-1]["state"] if gang else None
+    for h in hosts:
+        if h is not last:
+            h.start()
+    wait("the gang of four again", lambda: last.formed(killed, [h.index for h in hosts]), 180)
+    return out
+
+
+def final_states(hosts: list[Host], scratch: Path) -> dict:
+    """The newest step every host committed, compared across hosts (less each host's data rank)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from engine.checkpoint.manifest import committed_steps
+
+    held = [{m.step: path for _, path, m in committed_steps(h.home / "state" / "checkpoints" / "tiny-cpu")
+             if (path / "global.json").exists()} for h in hosts]
+    common = set.intersection(*(set(h) for h in held))
+    if not common:
+        return {"step": None, "equal": None}
+    step = max(common)
+    states = []
+    for h, paths in zip(hosts, held):
+        dcp_to_torch_save(paths[step], scratch / f"host{h.index}.pt")
+        state = torch.load(scratch / f"host{h.index}.pt", weights_only=False)
+        state["loader"].pop("rank")
+        states.append(state)
+
+    def same(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    return {"step": step, "equal": all(same(states[0], s) for s in states[1:])}
+
+
+def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
+    rng = random.Random(seed)
+    ports = [free_port() for _ in range(args.hosts)]
+    hosts = [Host(root / name, i, settings(i, args.hosts, ports, name == "in_place", 2, args.peer_timeout))
+             for i in range(args.hosts)]
+    try:
+        for h in hosts:
+            h.start()
+        for h in hosts:
+            wait(f"host {h.index} training", lambda h=h: h.first_step_after(0) and h.records("step")[-1]["step"] >= 5,
+                 300)
+        drills = []
+        for n, victim in enumerate(victims, 1):
+            drills.append(drill(hosts, hosts[victim], rng))
+            d = drills[-1]
+            print(f"  {name} drill {n}: host {d['victim']}: recovery {d['recovery_s']:.2f} s, pids unchanged "
+                  f"{d['pids_unchanged']}, committed lost {d['committed_lost']}, back {d['back_s']:.2f} s from "
+                  f"{d['from']}", flush=True)
+        shrink = shrink_drill(hosts, args.peer_timeout)
+        print(f"  {name} shrink drill: {shrink}", flush=True)
+        time.sleep(2)
+        mismatches = sum(1 for h in hosts for r in h.tail.records
+                         if str(r.get("event", "")).startswith("replica mismatch")
+                         or (r.get("event") == "worker exited" and r.get("status") == 79))
+    finally:
+        for h in hosts:
+            if h.proc is not None and h.proc.poll() is None:
+                kill_group(h.proc.pid)
+                h.proc.wait()
+    final = final_states(hosts, root / name)
+    for h in hosts:
+        shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
+    recovery = [d["recovery_s"] for d in drills]
+    back = [d["back_s"] for d in drills]
+    return {"drills": drills, "shrink": shrink, "replica_mismatches": mismatches, "final": final,
+            "recovery_s": {"median": statistics.median(recovery), "max": max(recovery)},
+            "back_s": {"median": statistics.median(back), "max": max(back)},
+            "pids_unchanged": sum(d["pids_unchanged"] for d in drills),
+            "committed_lost": sum(d["committed_lost"] for d in drills),
+            "from_peer": sum(d["from"] == "peer" for d in drills),
+            "peer_bytes_per_s_median": statistics.median([d["peer_bytes_per_s"] for d in drills
+                                                          if d["peer_bytes_per_s"]] or [0])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--drills", type=int, default=20)
+    parser.add_argument("--arms", default="in_place,restart")
+    parser.add_argument("--peer-timeout", type=float, default=3.0, help="gang.peer_timeout_seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, help="keep every host's home here (default: a temporary directory)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "elastic.json")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    victims = [0] + [rng.randrange(args.hosts) for _ in range(args.drills - 1)]
+    print(f"victims: {victims}", flush=True)
+    arms = {}
+    with tempfile.TemporaryDirectory(prefix="tpud-elastic-") as tmp:
+        for name in args.arms.split(","):
+            print(f"{name} arm: {args.drills} drills on {args.hosts} hosts", flush=True)
+            arms[name] = run_arm(name, args.workdir or Path(tmp), args, victims, args.seed)
+    checks = []
+    if (a := arms.get("in_place")) is not None:
+        n = len(a["drills"])
+        checks += [("in place: survivors train within 5 s of the kill (max over the drills)", a["recovery_s"]["max"] <= 5),
+                   ("in place: survivors' worker PIDs unchanged in every drill", a["pids_unchanged"] == n),
+                   ("in place: 0 committed steps lost", a["committed_lost"] == 0),
+                   ("in place: the victim is a member again within 10 s of its start (max)", a["back_s"]["max"] <= 10),
+                   ("in place: the victim's state from a peer in every drill", a["from_peer"] == n),
+                   ("in place: a second loss (down to 2) goes on, and under min_hosts it waits and says so",
+                    a["shrink"]["goes_on_with_2"] and a["shrink"]["under_min_hosts_waits"]),
+                   ("in place: no replica mismatch, the newest common commit bitwise alike",
+                    a["replica_mismatches"] == 0 and a["final"]["equal"] is True)]
+    for name, a in arms.items():
+        if name != "in_place":
+            checks.append((f"{name}: 0 committed steps lost", a["committed_lost"] == 0))
+    missed = [what for what, held in checks if not held]
+    print(f"\n{'arm':<10}{'recovery s med':>15}{'max':>7}{'pids kept':>10}{'lost':>6}{'back s med':>11}{'max':>7}"
+          f"{'from peer':>10}{'peer MB/s':>10}{'mismatch':>9}{'equal':>7}")
+    for name, a in arms.items():
+        print(f"{name:<10}{a['recovery_s']['median']:>15.2f}{a['recovery_s']['max']:>7.2f}"
+              f"{a['pids_unchanged']:>7}/{len(a['drills']):<2}{a['committed_lost']:>6}{a['back_s']['median']:>11.2f}"
+              f"{a['back_s']['max']:>7.2f}{a['from_peer']:>7}/{len(a['drills']):<2}"
+              f"{a['peer_bytes_per_s_median'] / 1e6:>10.1f}{a['replica_mismatches']:>9}{str(a['final']['equal']):>7}")
+    if "in_place" in arms and "restart" in arms:
+        ratio = arms["restart"]["recovery_s"]["median"] / arms["in_place"]["recovery_s"]["median"]
+        print(f"\nrecovery restart / in place (medians): {ratio:.2f}x")
+    print("targets missed: " + "; ".join(missed) if missed else "targets met")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+                                    "victims": victims, "arms": arms,
+                                    "checks": [{"target": what, "held": held} for what, held in checks],
+                                    "missed": missed, "machine": describe()}, indent=2, default=str))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
