@@ -55,11 +55,8 @@ def member_process(address: str, hosts: int, first: int, count: int, peer_timeou
         def _disrupted(self, reason: str, reachable: bool = True, bump: bool = True) -> None:
             if self._leaving or self.regrouping.is_set():
                 return
-            if reachable and bump:
-                self._end_generation()
             note(host=self.host, event="disrupted", t=time.time(), reason=reason[:120])
-            self._stop.set()
-            self.regrouping.set()
+            self.regrouping.set()  # its thread leaves the generation, as a worker kept in place does
 
     def run(host: int) -> None:
         member = Simulated("scale", host, hosts, address, peer_timeout, lambda event: None, min_hosts=2)
@@ -74,14 +71,16 @@ def member_process(address: str, hosts: int, first: int, count: int, peer_timeou
                 note(host=host, event="killed", t=time.time())
                 return
             if member.regrouping.wait(0.1):
-                member._watcher.join()
-                member._stop, member._watcher, member._read_at = threading.Event(), None, None
+                member.leave_generation()
                 member.regrouping.clear()
                 member.join("xla", lambda: (work / "stop").exists(), SPEC)
                 note(host=host, event="formed", t=time.time(), generation=member.generation,
                      members=len(member.members), without=sorted(set(range(hosts)) - set(member.members)))
 
     threads = [threading.Thread(target=run, args=(h,), daemon=True) for h in range(first, first + count)]
+    (work / f"ready-{first}").touch()  # imported: the members start together, on the bench's word
+    while not (work / "go").exists():
+        time.sleep(0.01)
     for t in threads:
         t.start()
     while not (work / "stop").exists():
@@ -119,7 +118,7 @@ def usage(pid: int) -> tuple[float, int]:
 def measure(size: int, procs: int, peer_timeout: float, steady_s: float) -> dict:
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="tpud-gang-scale-") as tmp:
-        work = Path(tmp)
+        work = Path(os.environ.get("GANG_SCALE_KEEP") or tmp)
         coordinator = subprocess.Popen([sys.executable, "-m", "tpud.gang.coordinator", address],
                                        stdout=subprocess.DEVNULL, cwd=REPO)
         children = []
@@ -130,6 +129,8 @@ def measure(size: int, procs: int, peer_timeout: float, steady_s: float) -> dict
                 children.append(subprocess.Popen([sys.executable, __file__, "--member-proc", address, str(size),
                                                   str(first), str(min(per, size - first)), str(peer_timeout),
                                                   str(work)], cwd=REPO))
+            wait("every member process ready", lambda: len(list(work.glob("ready-*"))) == len(children), 120)
+            (work / "go").touch()
             formed = wait("every member formed", lambda: (len([r for r in records(work) if r["event"] == "formed"])
                                                           >= size) and records(work), 300)
             joining = min(r["t"] for r in formed if r["event"] == "joining")

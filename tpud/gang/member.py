@@ -89,6 +89,7 @@ class GangMember:
         self.record, self.clock = record, clock  # the job's gang.json: what this host knew, across restarts
         self.prefix = f"tpud/{job}/"
         self.store = None
+        self._clients: dict[int, object] = {}  # a connection per coordinator, kept across generations
         self.at = 0  # the index of the host whose coordinator this worker meets in
         self.generation = -1
         self._at = events.Heartbeat(0)  # the training thread's latest boundary
@@ -105,6 +106,7 @@ class GangMember:
         self.regroup_wanted: str | None = None  # why the training thread should leave for the next gang
         self._wanted_at = (0.0, 0)  # when it was asked, and the training thread's arrivals then
         self.path = "restart"  # how this worker came to its gang: a new process, or in_place
+        self._cut_off = False  # it left its gang finding every peer silent: it moves no generation
         self.source: int | None = None  # the rank holding the gang's newest live state (Hosts.source)
         self.transfer = False
 
@@ -190,7 +192,7 @@ class GangMember:
         coordinator than the one the last gang met in opens a generation above it there, and marks
         the host whose coordinator vanished as lost."""
         waited = self.clock()
-        while (found := stores.best(self.addresses, self.prefix)) is None:
+        while (found := stores.best(self.addresses, self.prefix, clients=self._clients)) is None:
             self.emit(events.Gang(self.host, self.hosts, 0, -1))
             if self._stop_asked():
                 return False
@@ -201,7 +203,6 @@ class GangMember:
         self.store, self.at = found.store, found.index
         known = stores.Known.read(self.record)
         store = self.store
-        store.set(self._host_key("mark", self.host), "")  # this host is back
         if known.generation >= 0 and found.index != known.coordinator:
             stores.raise_generation(store, self.prefix + "gen", known.generation + 1)
             if known.coordinator != self.host and known.coordinator in known.members:
@@ -263,6 +264,7 @@ class GangMember:
         store.set(self._key(f"holds/{self.host}"), str(self._holds))
         for name in ("beat", "arrivals"):  # before the seat: once the gang forms, every member's exist
             store.add(self._key(f"{name}/{self.host}"), 0)
+        store.set(self._host_key("mark", self.host), "")  # this host is back
         store.append(self._key("roster"), f"{self.host},")
         reported, told, probed, observed = None, 0.0, self.clock(), {}
         while True:
@@ -296,7 +298,7 @@ class GangMember:
     def _better_elsewhere(self, g: int, seats: int) -> bool:
         """Whether another coordinator holds a newer gang than this one (this host was cut off)."""
         here = (g, seats, -self.at)
-        found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at}))
+        found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at}), clients=self._clients)
         if found is None or found.rank <= here:
             return False
         log.warning("another coordinator holds a newer gang: moving there", coordinator=self.addresses[found.index],
@@ -444,6 +446,7 @@ class GangMember:
             return
         if self.in_place:
             if self.regroup_wanted is None:
+                self._cut_off = not bump
                 log.warning("the gang changed; leaving the step to form the next gang in place", reason=reason,
                             host=self.host, generation=self.generation)
                 self.regroup_wanted, self._wanted_at = reason, (self.clock(), self._arrivals)
@@ -493,18 +496,24 @@ class GangMember:
             return False
         log.warning("forming the next gang in place", host=self.host, generation=self.generation,
                     reason=str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
-        self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001  (a group whose peer is gone may fail to shut down: it is gone too)
                 pass
-        self._end_generation()  # the first to notice opens the next one; the others' watchers see it
-        self._stop, self._watcher, self._read_at = threading.Event(), None, None
-        self.regroup_wanted, self.path = None, "in_place"
+        self.leave_generation()
         return True
+
+    def leave_generation(self) -> None:
+        """Stop watching this generation and end it (the first to notice opens the next one; the
+        others' watchers see it), saying this host comes back: the next gang waits for it (REJOIN_S)
+        rather than take a slow regroup for a lost host."""
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        self._restarting(bump=not self._cut_off)
+        self._stop, self._watcher, self._read_at = threading.Event(), None, None
+        self.regroup_wanted, self.path, self._cut_off = None, "in_place", False
 
     # --- leaving ---
 

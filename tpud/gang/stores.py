@@ -20,6 +20,9 @@ from pathlib import Path
 from engine.layout import atomic_write
 
 CONNECT_TIMEOUT_S = 2.0
+# Every store call's bound: a coordinator that stopped answering (a paused VM) fails a call after
+# this long, and the worker looks for another one.
+STORE_TIMEOUT_S = 10.0
 
 
 def split(address: str) -> tuple[str, int]:
@@ -40,39 +43,69 @@ class Candidate:
         return self.generation, self.seats, -self.index
 
 
+DOWN: set[str] = set()  # addresses where nothing answered at the last try
+
+
 def open_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
-    """A TCPStore client, or None when nothing answers there. A plain TCP probe first: TCPStore's
-    own failed attempts each log a C++ stack trace."""
+    """A TCPStore client, or None when nothing answers there.
+
+    Where nothing answered before, a plain TCP probe first: each failed attempt of TCPStore's own
+    logs a C++ stack trace. Not otherwise: the store's server waits on a silent connection, and a
+    burst of probes (a gang of hundreds regrouping) held every handshake behind them for seconds.
+    """
     import torch.distributed as dist
 
     host, port = split(address)
     try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
+        if address in DOWN:
+            socket.create_connection((host, port), timeout=timeout_s).close()
         store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
                               timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError):  # torch's DistNetworkError is a RuntimeError
+        DOWN.add(address)
         return None
+    DOWN.discard(address)
     return store
 
 
-def look(index: int, address: str, prefix: str) -> Candidate | None:
-    """One coordinator as a candidate: its generation for the job and the seats taken in it."""
+def look(index: int, address: str, prefix: str, client=None) -> Candidate | None:
+    """One coordinator as a candidate: its generation for the job and the seats taken in it.
+    `client`: a connection to it kept from before (a new one costs a quarter of a second)."""
+    try:
+        if client is not None:
+            return _candidate(index, address, prefix, client)
+    except (RuntimeError, OSError):
+        pass
     store = open_store(address)
     if store is None:
         return None
     try:
-        generation = int(store.add(prefix + "gen", 0))
-        seats = len(hosts_in(store, f"{prefix}g{generation}/roster") - hosts_in(store, f"{prefix}g{generation}/unseated"))
-        store.set_timeout(datetime.timedelta(seconds=30))
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return _candidate(index, address, prefix, store)
     except (RuntimeError, OSError):
         return None
+
+
+def _candidate(index: int, address: str, prefix: str, store) -> Candidate:
+    generation = int(store.add(prefix + "gen", 0))
+    seats = len(hosts_in(store, f"{prefix}g{generation}/roster") - hosts_in(store, f"{prefix}g{generation}/unseated"))
     return Candidate(index, address, store, generation, seats)
 
 
-def best(addresses: list[str] | tuple[str, ...], prefix: str,
-         skip: frozenset[int] = frozenset()) -> Candidate | None:
-    """The coordinator to meet in among those that answer (module docstring); None when none does."""
-    found = [c for i, a in enumerate(addresses) if i not in skip and (c := look(i, a, prefix)) is not None]
+def best(addresses: list[str] | tuple[str, ...], prefix: str, skip: frozenset[int] = frozenset(),
+         clients: dict[int, object] | None = None) -> Candidate | None:
+    """The coordinator to meet in among those that answer (module docstring); None when none does.
+    `clients`: connections kept by coordinator index, reused and updated."""
+    clients = {} if clients is None else clients
+    found = []
+    for i, address in enumerate(addresses):
+        if i in skip:
+            continue
+        if (candidate := look(i, address, prefix, clients.get(i))) is None:
+            clients.pop(i, None)
+        else:
+            clients[i] = candidate.store
+            found.append(candidate)
     return max(found, key=lambda c: c.rank, default=None)
 
 
