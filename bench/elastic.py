@@ -35,6 +35,7 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +112,14 @@ def wait(what: str, probe, timeout: float):
             return got
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def dump_stacks(hosts: list[Host]) -> None:
+    """Where every worker stands, when a drill timed out (py-spy, where installed)."""
+    for h in hosts:
+        if (pid := h.worker()) is not None and shutil.which("py-spy"):
+            print(f"--- host {h.index} worker {pid}", flush=True)
+            subprocess.run(["py-spy", "dump", "--pid", str(pid)], check=False)
 
 
 def settings(index: int, count: int, ports: list[int], in_place: bool, min_hosts: int, peer_timeout: float) -> str:
@@ -221,7 +230,11 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
                  300)
         drills = []
         for n, victim in enumerate(victims, 1):
-            drills.append(drill(hosts, hosts[victim], rng))
+            try:
+                drills.append(drill(hosts, hosts[victim], rng))
+            except TimeoutError:
+                dump_stacks(hosts)
+                raise
             d = drills[-1]
             print(f"  {name} drill {n}: host {d['victim']}: recovery {d['recovery_s']:.2f} s, pids unchanged "
                   f"{d['pids_unchanged']}, committed lost {d['committed_lost']}, back {d['back_s']:.2f} s from "

@@ -126,3 +126,41 @@ def test_survivors_keep_their_processes_and_a_blank_host_0_comes_back_from_a_pee
     assert not hosts[0].records("checkpoint restored")
     assert final_state(hosts[0], steps, tmp_path) == final_state(hosts[1], steps, tmp_path) == final_state(
         hosts[2], steps, tmp_path)
+
+
+def test_a_paused_host_0_commits_nothing_for_the_generation_it_lost_and_rejoins(tmp_path):
+    """Split brain: host 0's daemon and worker SIGSTOPped (its coordinator runs on) for longer than
+    the others take to go on without it (min_hosts 2): they form a gang of two; SIGCONT: host 0
+    wakes with its old view, commits nothing for the generation it lost (the fence), rejoins, and
+    all three finish with the same weights."""
+    steps = 700
+    hosts = elastic(tmp_path, 3, min_hosts=2)
+    for h in hosts:
+        h.start(f"train.max_steps={steps}", "checkpoint.interval_steps=10")
+    wait_step(hosts[0], 15)
+    paused = [hosts[0].worker(), hosts[0].proc.pid]
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    for h in hosts[1:]:
+        wait_until(lambda h=h: [r for r in h.records("gang formed") if r["members"] == [1, 2]], "a gang of two",
+                   timeout=60)
+    wait_until(lambda: hosts[1].step() >= 15 + 20, "the two training on", timeout=60)
+    time.sleep(max(0.0, stopped + 12 - time.time()))
+    resumed = time.time()
+    for pid in reversed(paused):
+        os.kill(pid, signal.SIGCONT)
+    assert [h.wait() for h in hosts] == [0, 0, 0]
+    formed = [r for r in hosts[0].records("gang formed")]
+    rejoined = next(r for r in formed if r["members"] == [0, 1, 2] and r["generation"] > formed[0]["generation"])
+    rejoined_at = stamp(rejoined)
+    # Between waking and rejoining, host 0 committed nothing: its old generation was over.
+    assert not [r for r in hosts[0].records("checkpoint committed") if resumed < stamp(r) < rejoined_at]
+    assert final_state(hosts[0], steps, tmp_path) == final_state(hosts[1], steps, tmp_path) == final_state(
+        hosts[2], steps, tmp_path)
+
+
+def stamp(record: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(record["timestamp"]).timestamp()

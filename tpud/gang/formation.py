@@ -2,10 +2,11 @@
 
 A generation forms once every host is seated or excused. Excused are, only with `min_hosts`
 below the host count: hosts left out (quarantined or evicted: `out`), hosts another worker
-judged lost (`lost`: its beat stood still, or its coordinator vanished), and members of the
-last gang whose liveness counter this worker saw stand still for the peer timeout (a host
-that was stopped or preempted, or vanished while no worker was watching), unless that host
-said it is restarting (`rejoin`) and has not been gone for long.
+judged lost (`lost`: its beat stood still, or its coordinator vanished), hosts that were no
+members of the last gang (a gang that shrank goes on without them; one that comes back grows
+it), and members of the last gang whose liveness counter this worker saw stand still for the
+peer timeout (a host that was stopped or preempted, or vanished while no worker was watching),
+unless that host said it is restarting (`rejoin`) and has not been gone for long.
 
 Shrinking is safe only for a majority: the seated hosts must be more than half of the last
 gang's members, or exactly half with its lowest host among them. Two groups of one gang (a

@@ -141,14 +141,16 @@ class GangMember:
 
     # --- joining ---
 
-    def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict, holds: int = -1) -> bool:
+    def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict, holds: int = -1,
+             committed: int = -1) -> bool:
         """Wait until the gang is complete, then form the process group (not under xla, whose
         xla:// initialisation finds its peers through the TPU runtime). False when a stop was asked
         meanwhile; ConfigError when the members' job specs (their fingerprints) differ. `holds`:
-        the step whose state this worker holds live (it kept it through a change of its gang), or -1."""
+        the step whose state this worker holds live (it kept it through a change of its gang), or -1;
+        `committed`: the newest step globally committed on this host's disk, or -1."""
         import torch.distributed as dist
 
-        self._stop_asked, self._holds = stop_asked, holds
+        self._stop_asked, self._holds = stop_asked, f"{holds},{committed}"
         # Only gloo's gang changes in place: nccl's abort and xla's runtime are not built on here.
         self.in_place = self.allow_in_place and self.restart_peers and backend == "cpu"
         while True:
@@ -220,11 +222,15 @@ class GangMember:
                 store.compare_set(self._host_key("mark", h), "", "")
         return True
 
-    def _last(self) -> tuple[int, tuple[int, ...]]:
+    def _last(self, before: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """The newest gang formed (before generation `before`: a peer may have formed this one
+        already, and its members are no guide to whom this one may go on without)."""
         try:
             if not self.store.check([self.prefix + "last"]):
                 return -1, ()
             record = json.loads(self.store.get(self.prefix + "last"))
+            if before is not None and int(record["generation"]) >= before:
+                return int(record.get("previous", -1)), tuple(record.get("before", ()))
             return int(record["generation"]), tuple(record["members"])
         except (ValueError, KeyError, TypeError):
             return -1, ()
@@ -235,14 +241,14 @@ class GangMember:
         roster = stores.hosts_in(store, self._key("roster", g)) - stores.hosts_in(store, self._key("unseated", g))
         alive = [int(v) for v in store.multi_get([self._host_key("alive", h) for h in range(self.hosts)])]
         marks = [v.decode() for v in store.multi_get([self._host_key("mark", h) for h in range(self.hosts)])]
-        now, last = self.clock(), self._last()[1]
+        now, last = self.clock(), self._last(before=g)[1]
         lost = set()
         for h in range(self.hosts):
             before = observed.get(h)
             if before is None or before[0] != alive[h]:
                 observed[h] = (alive[h], now)
             waited = now - observed[h][1]
-            if marks[h].startswith("lost"):
+            if marks[h].startswith("lost") or (last and h not in last):  # gone, or not in the gang before
                 lost.add(h)
             elif h in last and waited > (REJOIN_S if marks[h] == "rejoin" else self.peer_timeout_s):
                 lost.add(h)
@@ -261,7 +267,7 @@ class GangMember:
             return False
         self.generation = g
         store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
-        store.set(self._key(f"holds/{self.host}"), str(self._holds))
+        store.set(self._key(f"holds/{self.host}"), self._holds)
         for name in ("beat", "arrivals"):  # before the seat: once the gang forms, every member's exist
             store.add(self._key(f"{name}/{self.host}"), 0)
         store.set(self._host_key("mark", self.host), "")  # this host is back
@@ -283,7 +289,7 @@ class GangMember:
                 self.emit(events.Gang(self.host, self.hosts, present, g, missing=seats.waiting_for(),
                                       coordinator=self.addresses[self.at]))
                 reported, told = present, self.clock()
-            if seats.complete():
+            if seats.complete() or store.check([self._key("members", g)]):  # or a peer found it complete
                 return self._form(sorted(seats.seated), seats.last)
             if self._stop_asked():
                 store.append(self._key("unseated"), f"{self.host},")
@@ -298,7 +304,8 @@ class GangMember:
     def _better_elsewhere(self, g: int, seats: int) -> bool:
         """Whether another coordinator holds a newer gang than this one (this host was cut off)."""
         here = (g, seats, -self.at)
-        found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at}), clients=self._clients)
+        down = {i for i, address in enumerate(self.addresses) if address in stores.DOWN}  # each look costs seconds
+        found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at, *down}), clients=self._clients)
         if found is None or found.rank <= here:
             return False
         log.warning("another coordinator holds a newer gang: moving there", coordinator=self.addresses[found.index],
@@ -315,7 +322,9 @@ class GangMember:
         if self.host not in self.members:
             store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
             return False
-        store.set(self.prefix + "last", json.dumps({"generation": self.generation, "members": self.members}))
+        previous = self._last(before=self.generation)
+        store.set(self.prefix + "last", json.dumps({"generation": self.generation, "members": self.members,
+                                                    "previous": previous[0], "before": list(previous[1])}))
         store.set(self._key("started"), "1")
         stores.Known(self.generation, tuple(self.members), self.at).write(self.record)
         if last and tuple(self.members) != tuple(last):
@@ -324,11 +333,15 @@ class GangMember:
         return True
 
     def _live_state(self) -> None:
-        """Whether some member kept a live state (a gang changed in place): the newest one, on the
-        lowest such member, is what every member trains on (Hosts.source); else all restore."""
-        holds = [int(v) for v in self.store.multi_get([self._key(f"holds/{h}") for h in self.members])]
+        """Whether some member kept a live state (a gang changed in place) at least as new as every
+        member's newest commit: the newest one, on the lowest such member, is what every member
+        trains on (Hosts.source); else all restore the newest global commit. (A host that was
+        paused holds an old live state: the others, restarted meanwhile, may have committed past it.)"""
+        published = [v.decode().split(",") for v in self.store.multi_get([self._key(f"holds/{h}")
+                                                                           for h in self.members])]
+        holds, commits = [int(v[0]) for v in published], [int(v[1]) for v in published]
         newest = max(holds)
-        self.source = holds.index(newest) if newest >= 0 else None
+        self.source = holds.index(newest) if newest >= 0 and newest >= max(commits) else None
         self.transfer = self.source is not None and any(h != newest for h in holds)
 
     def _same_spec(self) -> None:

@@ -49,18 +49,18 @@ DOWN: set[str] = set()  # addresses where nothing answered at the last try
 def open_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
     """A TCPStore client, or None when nothing answers there.
 
-    Where nothing answered before, a plain TCP probe first: each failed attempt of TCPStore's own
-    logs a C++ stack trace. Not otherwise: the store's server waits on a silent connection, and a
-    burst of probes (a gang of hundreds regrouping) held every handshake behind them for seconds.
+    A plain TCP probe first: TCPStore's client retries a refused connection until its timeout,
+    logging a C++ stack trace each time, where the probe is refused at once. The probe stays open
+    until the store has connected: closed first, the store's server would hold the store's
+    handshake behind it for half a second.
     """
     import torch.distributed as dist
 
     host, port = split(address)
     try:
-        if address in DOWN:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-        store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        with socket.create_connection((host, port), timeout=timeout_s):
+            store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError):  # torch's DistNetworkError is a RuntimeError
         DOWN.add(address)
         return None

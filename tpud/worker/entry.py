@@ -156,6 +156,15 @@ def run_and_exit(run: Callable[[], int | None]) -> NoReturn:
     os._exit(code or 0)
 
 
+def newest_commit(spec: JobSpec, state_dir: Path) -> int:
+    """The newest step globally committed in this host's local tier, or -1."""
+    from engine.checkpoint.manifest import committed_steps
+    from engine.layout import StateLayout
+
+    steps = committed_steps(StateLayout(state_dir).checkpoints(spec.name, spec.checkpoint.dir))
+    return steps[-1][0] if steps else -1
+
+
 def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> int:
     """early_signals: SIGTERM and SIGUSR1 that __main__'s handlers recorded before the hooks."""
     parser = argparse.ArgumentParser(prog="python -m tpud.worker", description="tpud training worker (internal).")
@@ -181,7 +190,8 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     kept: list = []  # the model and optimizer this worker keeps when its gang changes in place
     while True:
         try:
-            joined = gang.join(backend, hooks.stop_asked, fingerprint(spec), kept[0].progress.step if kept else -1)
+            joined = gang.join(backend, hooks.stop_asked, fingerprint(spec), kept[0].progress.step if kept else -1,
+                               newest_commit(spec, args.state_dir))
         except ConfigError as e:
             log.error("job cannot run here", key=e.key, error=str(e))
             return exit_codes.BAD_INPUT
