@@ -6,7 +6,8 @@ after the other, on the same seeded schedule of victims:
 - in_place (tpud as shipped): the survivors keep their processes and form the next gang where
   they stand; a host that comes back takes the newest state from a peer;
 - restart (`gang.in_place: false`): every change of the gang restarts every worker, which
-  resumes from the newest global commit (a blank host's part from a peer's memory tier).
+  resumes from the newest global commit (a blank host's part from a peer's memory tier, which
+  both arms keep every 5 steps: without GCS the restart path has no other way back).
 
 Each drill SIGKILLs a seeded victim's daemon, worker and coordinator together (a vanished VM;
 the first drill's victim is host 0) at a random moment, then starts the victim again with an
@@ -52,7 +53,9 @@ from tpud.paths import Paths  # noqa: E402
 
 JOB = ["data.corpus_bytes=400000", "data.seq_len=32", "data.micro_batch_size=2", "train.global_batch_size=12",
        "model.dim=64", "model.n_layers=2", "model.ffn_dim=128", "scheduler.warmup_steps=1", "train.log_interval=1",
-       "train.max_steps=100000000", "checkpoint.interval_steps=20", "health.replicas.interval_steps=10"]
+       "train.max_steps=100000000", "checkpoint.interval_steps=20", "health.replicas.interval_steps=10",
+       # The restart path's only way back for a blank host without GCS: a peer's memory state.
+       "checkpoint.memory.interval_steps=5", "checkpoint.memory.max_overhead=1"]
 
 
 class Host:
@@ -81,8 +84,8 @@ class Host:
         started = self.records("worker started")
         return started[-1]["pid"] if started else None
 
-    def vanish(self) -> None:
-        """The VM gone: worker, daemon and coordinator at once, then its disk and memory blank."""
+    def vanish(self, blank: bool = True) -> None:
+        """The VM gone: worker, daemon and coordinator at once, then (blank) its disk and memory."""
         if (pid := self.worker()) is not None:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -90,7 +93,8 @@ class Host:
                 pass
         kill_group(self.proc.pid)
         self.proc.wait()
-        shutil.rmtree(self.home / "state", ignore_errors=True)
+        if blank:
+            shutil.rmtree(self.home / "state", ignore_errors=True)
         shutil.rmtree(Paths.resolve(self.home).memory, ignore_errors=True)
 
     def formed(self, since: float, members: list[int] | None = None) -> dict | None:
@@ -128,14 +132,14 @@ def settings(index: int, count: int, ports: list[int], in_place: bool, min_hosts
             f"in_place: {str(in_place).lower()}, peer_timeout_seconds: {peer_timeout}}}\n")
 
 
-def drill(hosts: list[Host], victim: Host, rng: random.Random) -> dict:
+def drill(hosts: list[Host], victim: Host, rng: random.Random, blank: bool) -> dict:
     alive = [h for h in hosts if h is not victim]
     time.sleep(rng.uniform(0.5, 2.0))
     pids = {h.index: h.worker() for h in alive}
     members = [h.index for h in alive]
     killed = time.time()
     committed = max(h.committed(killed) for h in alive)
-    victim.vanish()
+    victim.vanish(blank)
     formed = {h.index: wait(f"host {h.index} formed without host {victim.index}",
                             lambda h=h: h.formed(killed, members), 60) for h in alive}
     steps = {h.index: wait(f"host {h.index} training again", lambda h=h: h.first_step_after(formed[h.index]["_t"]),
@@ -159,14 +163,14 @@ def drill(hosts: list[Host], victim: Host, rng: random.Random) -> dict:
             "path": formed[alive[0].index].get("path")}
 
 
-def shrink_drill(hosts: list[Host], peer_timeout: float) -> dict:
+def shrink_drill(hosts: list[Host], peer_timeout: float, blank: bool) -> dict:
     """Down to 2 hosts one at a time (it goes on), then to 1 (under min_hosts: it waits, and says so)."""
     out = {}
     alive = list(hosts)
     for count in (3, 2):
         victim = alive.pop(0)
         killed = time.time()
-        victim.vanish()
+        victim.vanish(blank)
         members = [h.index for h in alive]
         for h in alive:
             formed = wait(f"a gang of {count}", lambda h=h: h.formed(killed, members), 60)
@@ -174,7 +178,7 @@ def shrink_drill(hosts: list[Host], peer_timeout: float) -> dict:
         out[f"goes_on_with_{count}"] = True
     victim = alive.pop(0)
     killed = time.time()
-    victim.vanish()
+    victim.vanish(blank)
     last = alive[0]
     time.sleep(2 * peer_timeout + 5)
     waiting = last.records("waiting for hosts", killed)
@@ -217,6 +221,111 @@ def final_states(hosts: list[Host], scratch: Path) -> dict:
     return {"step": step, "equal": all(same(states[0], s) for s in states[1:])}
 
 
+def loss_curve(root: Path, args) -> dict:
+    """The same job (a fixed length, the same global batch) uninterrupted on 4 hosts, and across two
+    shrinks and a grow in place (host 3 lost at step 40, host 2 at 80, host 2 back at 120): each
+    step's loss as host 0 logged it, and their largest relative difference."""
+    steps, curves = args.curve_steps, {}
+    for name in ("uninterrupted", "shrunk_and_grown"):
+        ports = [free_port() for _ in range(args.hosts)]
+        hosts = [Host(root / f"curve-{name}", i, settings(i, args.hosts, ports, True, 2, args.peer_timeout))
+                 for i in range(args.hosts)]
+        for h in hosts:
+            h.start(f"train.max_steps={steps}")
+        try:
+            if name == "shrunk_and_grown":
+                for at, host in ((40, 3), (80, 2)):
+                    wait(f"step {at}", lambda a=at: hosts[0].records("step") and hosts[0].records("step")[-1]["step"] >= a,
+                         300)
+                    hosts[host].vanish()
+                wait("step 120", lambda: hosts[0].records("step")[-1]["step"] >= 120, 300)
+                hosts[2].start(f"train.max_steps={steps}")
+            for h in hosts:
+                if h.proc.poll() is None or h.index == 0:
+                    wait(f"host {h.index} done", lambda h=h: h.proc.poll() is not None, 600)
+        finally:
+            for h in hosts:
+                if h.proc.poll() is None:
+                    kill_group(h.proc.pid)
+                    h.proc.wait()
+                shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
+        curves[name] = {r["step"]: r["loss"] for r in hosts[0].records("step")}
+        if name == "shrunk_and_grown":
+            curves["members"] = [(r["generation"], r["members"], r.get("path")) for r in hosts[0].records("gang formed")]
+    ref, got = curves["uninterrupted"], curves["shrunk_and_grown"]
+    common = sorted(set(ref) & set(got))
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in common)
+    return {"steps": steps, "max_relative_difference": worst, "steps_compared": len(common), **curves}
+
+
+def split_brain(root: Path, args) -> dict:
+    """Host 0's daemon and worker SIGSTOPped for --pause s (its coordinator runs on), then SIGCONT:
+    the others go on without it; it must commit nothing for the generation it lost, rejoin, and
+    every host end with the same weights."""
+    steps = 100000000
+    ports = [free_port() for _ in range(3)]
+    hosts = [Host(root / "split-brain", i, settings(i, 3, ports, True, 2, args.peer_timeout)) for i in range(3)]
+    for h in hosts:
+        h.start()
+    try:
+        wait("host 0 training", lambda: hosts[0].records("step") and hosts[0].records("step")[-1]["step"] >= 15, 300)
+        paused = [hosts[0].worker(), hosts[0].proc.pid]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        went_on = wait("a gang of two", lambda: hosts[1].formed(stopped, [1, 2]), 120)
+        time.sleep(max(0.0, stopped + args.pause - time.time()))
+        resumed = time.time()
+        for pid in reversed(paused):
+            os.kill(pid, signal.SIGCONT)
+        rejoined = wait("host 0 rejoined", lambda: hosts[0].formed(resumed, [0, 1, 2]), 120)
+        committed = [r["step"] for r in hosts[0].records("checkpoint committed", resumed) if r["_t"] < rejoined["_t"]]
+        fenced = [r.get("error") for r in hosts[0].records("checkpoint failed", resumed) if "fenced" in str(r.get("error"))]
+        wait("host 0 training again", lambda: hosts[0].first_step_after(rejoined["_t"]), 120)
+        time.sleep(3)  # a commit or two of the three together
+        for h in hosts:
+            h.proc.send_signal(signal.SIGTERM)  # checkpoint and stop: the same step on every host
+        for h in hosts:
+            h.proc.wait(120)
+    finally:
+        for h in hosts:
+            if h.proc.poll() is None:
+                kill_group(h.proc.pid)
+                h.proc.wait()
+            shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
+    final = final_states(hosts, root / "split-brain")
+    return {"pause_s": args.pause, "others_went_on_s": round(went_on["_t"] - stopped, 2),
+            "rejoined_s": round(rejoined["_t"] - resumed, 2), "commits_for_the_lost_generation": committed,
+            "fenced": fenced, "path": rejoined.get("path"), "final": final, "steps": steps}
+
+
+def refusals(root: Path, runs: int) -> dict:
+    """Two hosts under `tpud run` whose optimizer.lr differ: both must exit 78 naming the key."""
+    outcomes = []
+    for n in range(runs):
+        port = free_port()
+        hosts = []
+        for i, lr in enumerate(("0.001", "0.01")):
+            h = Host(root / f"refusal-{n}", i, f"gang: {{host_index: {i}, host_count: 2, coordinator: '127.0.0.1:{port}'}}\n")
+            JOB.append(f"optimizer.lr={lr}")
+            started = h.start()
+            JOB.pop()
+            hosts.append(h)
+        codes = []
+        for h in hosts:
+            try:
+                codes.append(h.proc.wait(60))
+            except Exception:  # noqa: BLE001  (still waiting: the failure this phase looks for)
+                kill_group(h.proc.pid)
+                h.proc.wait()
+                codes.append(None)
+        named = all(any(r.get("key") == "optimizer.lr" for r in h.records("job cannot run here")) for h in hosts)
+        outcomes.append({"codes": codes, "seconds": round(time.time() - started, 2), "named": named})
+        print(f"  refusal {n + 1}: exits {codes}, {outcomes[-1]['seconds']} s, key named {named}", flush=True)
+    held = sum(o["codes"] == [78, 78] and o["seconds"] <= 30 and o["named"] for o in outcomes)
+    return {"runs": runs, "held": held, "outcomes": outcomes}
+
+
 def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
     rng = random.Random(seed)
     ports = [free_port() for _ in range(args.hosts)]
@@ -231,7 +340,9 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
         drills = []
         for n, victim in enumerate(victims, 1):
             try:
-                drills.append(drill(hosts, hosts[victim], rng))
+                # The restart path cannot bring back a blank host without GCS ("no globally committed step
+                # is held by every host"): its victims keep their disk (a VM restarted, not replaced).
+                drills.append(drill(hosts, hosts[victim], rng, blank=name == "in_place"))
             except TimeoutError:
                 dump_stacks(hosts)
                 raise
@@ -239,7 +350,7 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
             print(f"  {name} drill {n}: host {d['victim']}: recovery {d['recovery_s']:.2f} s, pids unchanged "
                   f"{d['pids_unchanged']}, committed lost {d['committed_lost']}, back {d['back_s']:.2f} s from "
                   f"{d['from']}", flush=True)
-        shrink = shrink_drill(hosts, args.peer_timeout)
+        shrink = shrink_drill(hosts, args.peer_timeout, blank=name == "in_place")
         print(f"  {name} shrink drill: {shrink}", flush=True)
         time.sleep(2)
         mismatches = sum(1 for h in hosts for r in h.tail.records
@@ -255,7 +366,7 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
         shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
     recovery = [d["recovery_s"] for d in drills]
     back = [d["back_s"] for d in drills]
-    return {"drills": drills, "shrink": shrink, "replica_mismatches": mismatches, "final": final,
+    return {"victims_blank": name == "in_place", "drills": drills, "shrink": shrink, "replica_mismatches": mismatches, "final": final,
             "recovery_s": {"median": statistics.median(recovery), "max": max(recovery)},
             "back_s": {"median": statistics.median(back), "max": max(back)},
             "pids_unchanged": sum(d["pids_unchanged"] for d in drills),
@@ -272,6 +383,9 @@ def main() -> None:
     parser.add_argument("--arms", default="in_place,restart")
     parser.add_argument("--peer-timeout", type=float, default=3.0, help="gang.peer_timeout_seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--curve-steps", type=int, default=400, help="the loss-curve run's length; 0: no such run")
+    parser.add_argument("--pause", type=float, default=60.0, help="the split-brain drill's SIGSTOP; 0: no such drill")
+    parser.add_argument("--refusals", type=int, default=20, help="runs of the refusal race; 0: none")
     parser.add_argument("--workdir", type=Path, help="keep every host's home here (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "elastic.json")
     args = parser.parse_args()
@@ -280,11 +394,23 @@ def main() -> None:
     print(f"victims: {victims}", flush=True)
     arms = {}
     with tempfile.TemporaryDirectory(prefix="tpud-elastic-") as tmp:
-        for name in args.arms.split(","):
+        for name in filter(None, args.arms.split(",")):  # --arms '': the loss curve alone
             print(f"{name} arm: {args.drills} drills on {args.hosts} hosts", flush=True)
-            arms[name] = run_arm(name, args.workdir or Path(tmp), args, victims, args.seed)
+            try:
+                arms[name] = run_arm(name, args.workdir or Path(tmp), args, victims, args.seed)
+            except TimeoutError as e:  # reported, and the other phases still run
+                print(f"  {name} arm failed: {e}", flush=True)
+                arms[name] = {"error": str(e)}
+        curve = loss_curve(args.workdir or Path(tmp), args) if args.curve_steps else None
+        brain = split_brain(args.workdir or Path(tmp), args) if args.pause else None
+        if brain is not None:
+            print(f"  split brain: {brain}", flush=True)
+        refused = refusals(args.workdir or Path(tmp), args.refusals) if args.refusals else None
     checks = []
-    if (a := arms.get("in_place")) is not None:
+    failed = {name: a["error"] for name, a in arms.items() if "error" in a}
+    arms_done = {name: a for name, a in arms.items() if "error" not in a}
+    checks += [(f"{name} arm ran to its end", False) for name in failed]
+    if (a := arms_done.get("in_place")) is not None:
         n = len(a["drills"])
         checks += [("in place: survivors train within 5 s of the kill (max over the drills)", a["recovery_s"]["max"] <= 5),
                    ("in place: survivors' worker PIDs unchanged in every drill", a["pids_unchanged"] == n),
@@ -295,24 +421,38 @@ def main() -> None:
                     a["shrink"]["goes_on_with_2"] and a["shrink"]["under_min_hosts_waits"]),
                    ("in place: no replica mismatch, the newest common commit bitwise alike",
                     a["replica_mismatches"] == 0 and a["final"]["equal"] is True)]
-    for name, a in arms.items():
+    for name, a in arms_done.items():
         if name != "in_place":
             checks.append((f"{name}: 0 committed steps lost", a["committed_lost"] == 0))
+    if brain is not None:
+        checks.append(("split brain: the paused host committed nothing for the generation it lost, rejoined, and "
+                       "every host's newest common commit is bitwise alike",
+                       not brain["commits_for_the_lost_generation"] and brain["final"]["equal"] is True))
+    if refused is not None:
+        checks.append((f"a refusal seen by both hosts (exit 78, key named, within 30 s) in every run",
+                       refused["held"] == refused["runs"]))
+    if curve is not None:
+        checks.append(("loss curve across two shrinks and a grow within 1 % of the uninterrupted run's",
+                       curve["max_relative_difference"] <= 0.01))
     missed = [what for what, held in checks if not held]
     print(f"\n{'arm':<10}{'recovery s med':>15}{'max':>7}{'pids kept':>10}{'lost':>6}{'back s med':>11}{'max':>7}"
           f"{'from peer':>10}{'peer MB/s':>10}{'mismatch':>9}{'equal':>7}")
-    for name, a in arms.items():
+    for name, a in arms_done.items():
         print(f"{name:<10}{a['recovery_s']['median']:>15.2f}{a['recovery_s']['max']:>7.2f}"
               f"{a['pids_unchanged']:>7}/{len(a['drills']):<2}{a['committed_lost']:>6}{a['back_s']['median']:>11.2f}"
               f"{a['back_s']['max']:>7.2f}{a['from_peer']:>7}/{len(a['drills']):<2}"
               f"{a['peer_bytes_per_s_median'] / 1e6:>10.1f}{a['replica_mismatches']:>9}{str(a['final']['equal']):>7}")
-    if "in_place" in arms and "restart" in arms:
+    if "in_place" in arms_done and "restart" in arms_done:
         ratio = arms["restart"]["recovery_s"]["median"] / arms["in_place"]["recovery_s"]["median"]
         print(f"\nrecovery restart / in place (medians): {ratio:.2f}x")
+    if curve is not None:
+        print(f"loss curve, {curve['steps_compared']} steps: largest relative difference "
+              f"{curve['max_relative_difference']:.2e} (gangs {curve['members']})")
     print("targets missed: " + "; ".join(missed) if missed else "targets met")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
-                                    "victims": victims, "arms": arms,
+                                    "victims": victims, "arms": arms, "loss_curve": curve,
+                                    "split_brain": brain, "refusals": refused,
                                     "checks": [{"target": what, "held": held} for what, held in checks],
                                     "missed": missed, "machine": describe()}, indent=2, default=str))
     print(f"wrote {args.out}")

@@ -83,7 +83,7 @@ def test_hosts_whose_job_files_differ_both_refuse_under_tpud_run(tmp_path):
     """`tpud run` on two hosts whose optimizer.lr differ: both exit 78 naming the key, every time.
     Before, host 0's refusal ended its `tpud run` and the coordinator with it, and host 1 could be
     left waiting for a coordinator for ever."""
-    for attempt in range(3):
+    for attempt in range(2):
         hosts = [Host(tmp_path / str(attempt), i, 2, port) for port in [free_port()] for i in range(2)]
         started = time.monotonic()
         for h, lr in zip(hosts, ("0.001", "0.01")):
@@ -133,7 +133,7 @@ def test_a_paused_host_0_commits_nothing_for_the_generation_it_lost_and_rejoins(
     the others take to go on without it (min_hosts 2): they form a gang of two; SIGCONT: host 0
     wakes with its old view, commits nothing for the generation it lost (the fence), rejoins, and
     all three finish with the same weights."""
-    steps = 700
+    steps = 450
     hosts = elastic(tmp_path, 3, min_hosts=2)
     for h in hosts:
         h.start(f"train.max_steps={steps}", "checkpoint.interval_steps=10")

@@ -87,12 +87,15 @@ class GangView:
         if g is None:
             return "not joined"
         if g.generation < 0:
-            return f"waiting for the coordinator {self.place.coordinator}"
+            return f"no gang coordinator answers ({', '.join(self.place.addresses)}): waiting for one"
         if g.members is not None and len(g.members) < g.hosts:
             left_out = sorted(set(range(g.hosts)) - set(g.members))
             return f"formed without host(s) {', '.join(map(str, left_out))} (lost, stopped, quarantined or evicted)"
         if g.present < g.hosts and g.members is None:
             waiting = f": waiting for host(s) {', '.join(map(str, g.missing))}" if g.missing else ""
+            least = self.place.min_hosts or g.hosts
+            if g.present < least < g.hosts:
+                waiting += f" (it goes on with at least {least}: gang.min_hosts)"
             return f"waiting for hosts ({g.present} of {g.hosts}){waiting}"
         return "formed"
 
