@@ -182,8 +182,10 @@ class GangMember:
             self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
             self._watcher.start()
         if backend != "xla":
+            # A connection of its own: the group's rendezvous blocks in its store calls, and the watcher
+            # must reach the coordinator meanwhile (a gang that changes under the rendezvous).
             dist.init_process_group("nccl" if backend == "cuda" else "gloo",
-                                    store=dist.PrefixStore(self._key("pg/"), self.store),
+                                    store=dist.PrefixStore(self._key("pg/"), self.store.clone()),
                                     rank=self.rank, world_size=len(self.members),
                                     timeout=datetime.timedelta(minutes=10))
         return True
@@ -274,6 +276,8 @@ class GangMember:
         store.append(self._key("roster"), f"{self.host},")
         reported, told, probed, observed = None, 0.0, self.clock(), {}
         while True:
+            if store.check([self._key("members", g)]):  # a peer found it complete: join it, even if the
+                return self._form([], ())              # next one opened meanwhile (it then changes in turn)
             if int(store.add(gen, 0)) != g:
                 return False
             store.add(self._host_key("alive", self.host), 1)
@@ -289,7 +293,7 @@ class GangMember:
                 self.emit(events.Gang(self.host, self.hosts, present, g, missing=seats.waiting_for(),
                                       coordinator=self.addresses[self.at]))
                 reported, told = present, self.clock()
-            if seats.complete() or store.check([self._key("members", g)]):  # or a peer found it complete
+            if seats.complete():
                 return self._form(sorted(seats.seated), seats.last)
             if self._stop_asked():
                 store.append(self._key("unseated"), f"{self.host},")
