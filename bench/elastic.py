@@ -67,12 +67,12 @@ class Host:
         (self.home / "tpud.yaml").write_text(settings)
         self.proc, self.tail, self.runs = None, None, 0
 
-    def start(self) -> float:
+    def start(self, *overrides: str) -> float:
         self.runs += 1
         log = self.home / f"run{self.runs}.log"
         started = time.time()
         self.proc = spawn([sys.executable, "-m", "tpud", "run", str(REPO / "configs/jobs/tiny-cpu.yaml"), *JOB,
-                           "--home", str(self.home)], log, OMP_NUM_THREADS="1")
+                           *overrides, "--home", str(self.home)], log, OMP_NUM_THREADS="1")
         self.tail = Tail(log)
         return started
 
@@ -147,20 +147,24 @@ def drill(hosts: list[Host], victim: Host, rng: random.Random, blank: bool) -> d
     recovery = max(r["_t"] for r in steps.values()) - killed
     went_on_from = min(r["step"] for r in steps.values()) - 1
     started = victim.start()
-    back = wait(f"host {victim.index} back in the gang", lambda: victim.formed(started, sorted(h.index for h in hosts)),
-                120)
-    wait("every host training after the victim's return",
-         lambda: all(h.first_step_after(back["_t"]) for h in hosts), 120)
+    result = {"victim": victim.index, "recovery_s": round(recovery, 3),
+              "pids_unchanged": all(h.worker() == pids[h.index] for h in alive),
+              "committed_before": committed, "went_on_from": went_on_from,
+              "committed_lost": max(0, committed - went_on_from), "path": formed[alive[0].index].get("path")}
+    try:
+        back = wait(f"host {victim.index} back in the gang",
+                    lambda: victim.formed(started, sorted(h.index for h in hosts)), 120)
+        wait("every host training after the victim's return",
+             lambda: all(h.first_step_after(back["_t"]) for h in hosts), 120)
+    except TimeoutError as e:
+        failed = [r.get("reason") for h in hosts for r in h.records("job state") if r.get("state") == "FAILED"]
+        return {**result, "back_error": f"{e}; {failed[-1] if failed else ''}"[:600]}
     taken = victim.records("state taken from a peer", started)
     restored = victim.records("checkpoint restored", started)
-    return {"victim": victim.index, "recovery_s": round(recovery, 3),
-            "pids_unchanged": all(h.worker() == pids[h.index] for h in alive),
-            "committed_before": committed, "went_on_from": went_on_from,
-            "committed_lost": max(0, committed - went_on_from), "back_s": round(back["_t"] - started, 3),
+    return {**result, "back_s": round(back["_t"] - started, 3),
             "from": "peer" if taken else "restore" if restored else "none",
             "peer_bytes_per_s": taken[0]["bytes_per_s"] if taken else None,
-            "restored_from": restored[0]["path"].split("/checkpoints/")[0].rsplit("/", 1)[-1] if restored else None,
-            "path": formed[alive[0].index].get("path")}
+            "restored_from": restored[0]["path"].split("/checkpoints/")[0].rsplit("/", 1)[-1] if restored else None}
 
 
 def shrink_drill(hosts: list[Host], peer_timeout: float, blank: bool) -> dict:
@@ -347,10 +351,16 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
                 dump_stacks(hosts)
                 raise
             d = drills[-1]
+            if "back_error" in d:  # the gang cannot go on: this arm ends here
+                print(f"  {name} drill {n}: host {d['victim']}: recovery {d['recovery_s']:.2f} s, pids unchanged "
+                      f"{d['pids_unchanged']}, committed lost {d['committed_lost']}; the host never came back: "
+                      f"{d['back_error']}", flush=True)
+                break
             print(f"  {name} drill {n}: host {d['victim']}: recovery {d['recovery_s']:.2f} s, pids unchanged "
                   f"{d['pids_unchanged']}, committed lost {d['committed_lost']}, back {d['back_s']:.2f} s from "
                   f"{d['from']}", flush=True)
-        shrink = shrink_drill(hosts, args.peer_timeout, blank=name == "in_place")
+        shrink = None if "back_error" in drills[-1] else shrink_drill(hosts, args.peer_timeout,
+                                                                          blank=name == "in_place")
         print(f"  {name} shrink drill: {shrink}", flush=True)
         time.sleep(2)
         mismatches = sum(1 for h in hosts for r in h.tail.records
@@ -365,15 +375,16 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
     for h in hosts:
         shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
     recovery = [d["recovery_s"] for d in drills]
-    back = [d["back_s"] for d in drills]
+    back = [d["back_s"] for d in drills if "back_s" in d] or [float("nan")]
     return {"victims_blank": name == "in_place", "drills": drills, "shrink": shrink, "replica_mismatches": mismatches, "final": final,
             "recovery_s": {"median": statistics.median(recovery), "max": max(recovery)},
             "back_s": {"median": statistics.median(back), "max": max(back)},
             "pids_unchanged": sum(d["pids_unchanged"] for d in drills),
             "committed_lost": sum(d["committed_lost"] for d in drills),
-            "from_peer": sum(d["from"] == "peer" for d in drills),
+            "from_peer": sum(d.get("from") == "peer" for d in drills),
             "peer_bytes_per_s_median": statistics.median([d["peer_bytes_per_s"] for d in drills
-                                                          if d["peer_bytes_per_s"]] or [0])}
+                                                          if d.get("peer_bytes_per_s")] or [0]),
+            "came_back": sum("back_s" in d for d in drills)}
 
 
 def main() -> None:
