@@ -112,7 +112,7 @@ class Host:
 def wait(what: str, probe, timeout: float):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (got := probe()) is not None and got is not False:
+        if got := probe():
             return got
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
