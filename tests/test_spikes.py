@@ -110,7 +110,7 @@ def test_random_windows_are_caught_rolled_back_skipped_and_a_replay_with_the_led
         tiny_spec, tmp_path, poisoned):
     """One window in fifty is random bytes (a mixture; a step is one window). Every step after the
     warm-up that holds one is a spike, caught at its own step, rolled back in place (no restart) and its batch skipped;
-    no other step is; the validation loss ends within 2 % of a run on the text alone; and a run from
+    no other step is; the validation loss ends no more than 2 % above a run on the text alone; and a run from
     scratch given the ledger's ranges in data.skip ends with bitwise the same weights."""
     mixture = (f"data.mixture=[{{dataset: {poisoned / 'text'}, weight: 0.98}}, "
                f"{{dataset: {poisoned / 'noise'}, weight: 0.02}}]",)
@@ -134,7 +134,9 @@ def test_random_windows_are_caught_rolled_back_skipped_and_a_replay_with_the_led
     text = Trainer(spike_job(tiny_spec, (f"data.dataset={poisoned / 'text'}",)), tmp_path / "text", clean := Recorder())
     assert text.run() == exit_codes.OK
     final, reference = script.of(events.Eval)[-1].loss, clean.of(events.Eval)[-1].loss
-    assert final == pytest.approx(reference, rel=0.02), (final, reference)
+    # No worse than the text alone (within 2 %): the skips shift which samples later steps see, so
+    # the healed run may also end lower (on some CPUs 7 % lower, on the code before this check too).
+    assert final <= reference * 1.02, (final, reference)
 
     ranges = ", ".join(f"[{e['samples'][0]}, {e['samples'][1]}]" for e in ledger)
     again = Trainer(spike_job(tiny_spec, mixture, f"data.skip=[{ranges}]", "health.spikes=null"), tmp_path / "again",
