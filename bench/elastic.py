@@ -109,6 +109,15 @@ class Host:
         return max(done, default=0)
 
 
+def end(hosts: list[Host]) -> None:
+    """Every host's `tpud run` that still runs killed, and every memory tier (/dev/shm) removed."""
+    for h in hosts:
+        if h.proc is not None and h.proc.poll() is None:
+            kill_group(h.proc.pid)
+            h.proc.wait()
+        shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
+
+
 def wait(what: str, probe, timeout: float):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -248,11 +257,7 @@ def loss_curve(root: Path, args) -> dict:
                 if h.proc.poll() is None or h.index == 0:
                     wait(f"host {h.index} done", lambda h=h: h.proc.poll() is not None, 600)
         finally:
-            for h in hosts:
-                if h.proc.poll() is None:
-                    kill_group(h.proc.pid)
-                    h.proc.wait()
-                shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
+            end(hosts)
         curves[name] = {r["step"]: r["loss"] for r in hosts[0].records("step")}
         if name == "shrunk_and_grown":
             curves["members"] = [(r["generation"], r["members"], r.get("path")) for r in hosts[0].records("gang formed")]
@@ -292,11 +297,7 @@ def split_brain(root: Path, args) -> dict:
         for h in hosts:
             h.proc.wait(120)
     finally:
-        for h in hosts:
-            if h.proc.poll() is None:
-                kill_group(h.proc.pid)
-                h.proc.wait()
-            shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
+        end(hosts)
     final = final_states(hosts, root / "split-brain")
     return {"pause_s": args.pause, "others_went_on_s": round(went_on["_t"] - stopped, 2),
             "rejoined_s": round(rejoined["_t"] - resumed, 2), "commits_for_the_lost_generation": committed,
@@ -367,13 +368,8 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
                          if str(r.get("event", "")).startswith("replica mismatch")
                          or (r.get("event") == "worker exited" and r.get("status") == 79))
     finally:
-        for h in hosts:
-            if h.proc is not None and h.proc.poll() is None:
-                kill_group(h.proc.pid)
-                h.proc.wait()
+        end(hosts)
     final = final_states(hosts, root / name)
-    for h in hosts:
-        shutil.rmtree(Paths.resolve(h.home).memory, ignore_errors=True)
     recovery = [d["recovery_s"] for d in drills]
     back = [d["back_s"] for d in drills if "back_s" in d] or [float("nan")]
     return {"victims_blank": name == "in_place", "drills": drills, "shrink": shrink, "replica_mismatches": mismatches, "final": final,

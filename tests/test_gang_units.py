@@ -128,7 +128,14 @@ def test_a_garbled_tpu_environment_runs_as_one_host_instead_of_failing_to_start(
                                   {"host_index": 0, "host_count": 2, "coordinator": "no-port"},
                                   {"host_index": 0, "host_count": 2, "coordinator": "h:99999"},
                                   {"host_index": 0, "host_count": 2, "coordinator": "h:1", "min_hosts": 3},
-                                  {"host_index": 0, "host_count": 2, "coordinator": "h:1", "min_hosts": 0}])
+                                  {"host_index": 0, "host_count": 2, "coordinator": "h:1", "min_hosts": 0},
+                                  {"host_index": 0, "host_count": 2},  # no coordinator at all
+                                  {"host_index": 0, "host_count": 2, "coordinators": ["h:1"]},  # one of two
+                                  {"host_index": 0, "host_count": 2, "coordinators": ["h:1", "h:1"]},
+                                  {"host_index": 0, "host_count": 2, "coordinators": ["h:1", "no-port"]},
+                                  {"host_index": 0, "host_count": 2, "coordinators": ["h:1", "h:0"]},
+                                  {"host_index": 0, "host_count": 2, "coordinator": "h:2",
+                                   "coordinators": ["h:1", "h:3"]}])  # host 0's twice, differently
 def test_bad_gang_settings_are_refused(gang):
     from pydantic import ValidationError
 
@@ -186,3 +193,14 @@ def test_the_gangs_first_member_uploads_to_gcs_and_logs_to_wandb_host_0_unless_t
         with capture_logs() as logs:
             tiers.on_checkpoint_committed(events.CheckpointCommitted(3, 0, "interval", str(tmp_path / "nowhere")))
         assert any("not a committed step directory" in e["event"] for e in logs) is uploads
+
+
+def test_every_host_runs_its_own_coordinator_when_the_gang_lists_them():
+    gang = {"host_count": 3, "coordinators": ["a:1", "b:2", "[::1]:3"]}
+    places = [discover(Settings.model_validate({"gang": {**gang, "host_index": i}}), {}) for i in range(3)]
+    assert [p.own_coordinator for p in places] == ["a:1", "b:2", "[::1]:3"]
+    assert places[2].worker_env()["TPUD_GANG_COORDINATOR"] == "a:1,b:2,[::1]:3"
+    alone = discover(Settings.model_validate({"gang": {"host_index": 1, "host_count": 2, "coordinator": "a:1"}}), {})
+    assert alone.own_coordinator is None  # only host 0 runs one
+    tpu = discover(Settings(), {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "w0,w1"})
+    assert tpu.addresses == ("w0:8476", "w1:8476") and tpu.own_coordinator == "w1:8476"
