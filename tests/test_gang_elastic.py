@@ -4,6 +4,7 @@ TCPStores on loopback; no worker process."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -172,3 +173,19 @@ def test_status_shows_the_members_who_is_missing_since_when_and_the_shrinks_and_
     for series in ('tpud_job_gang_members{host="1",job="j"} 3.0', 'tpud_job_gang_hosts_missing{host="1",job="j"} 0.0',
                    'tpud_job_gang_shrinks_total{host="1",job="j"} 1.0', 'tpud_job_gang_grows_total{host="1",job="j"} 1.0'):
         assert series in text, series
+
+
+def test_a_garbled_or_hostile_gang_record_is_ignored_not_fatal(tmp_path):
+    """gang.json only speeds up a failover: garbage, a directory or a FIFO in its place reads as
+    nothing known (and never blocks the worker), and a record that cannot be written is skipped."""
+    record = tmp_path / "gang.json"
+    for bad in ("{not json", '{"generation": "x", "members": []}', "[]"):
+        record.write_text(bad)
+        assert stores.Known.read(record) == stores.Known()
+    record.unlink()
+    os.mkfifo(record)
+    assert stores.Known.read(record) == stores.Known()
+    record.unlink()
+    record.mkdir()
+    stores.Known(3, (0, 1), 1).write(record)  # a directory in its place: not written, no error
+    assert stores.Known.read(record) == stores.Known()

@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.checkpoint.manifest import read_small
 from engine.layout import atomic_write
 
 CONNECT_TIMEOUT_S = 2.0
@@ -135,7 +136,7 @@ class Known:
     @classmethod
     def read(cls, path: Path | None) -> Known:
         try:
-            record = json.loads(path.read_text()) if path is not None else {}
+            record = json.loads(read_small(path, 1 << 20)) if path is not None else {}  # a FIFO there never blocks
             return cls(int(record["generation"]), tuple(int(h) for h in record["members"]),
                        int(record.get("coordinator", 0)))
         except (OSError, ValueError, KeyError, TypeError):
