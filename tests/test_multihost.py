@@ -281,9 +281,10 @@ def test_a_killed_worker_and_a_blank_host_rejoin_in_place_bitwise_like_an_uninte
     assert not [r for h in hosts for r in h.records("checkpoint restored")]
     for h, final in zip(hosts, reference[0]):
         assert h.final() == final, h.index  # bitwise the uninterrupted run's
-        # A step whose report was still being read when the gang changed has no line on that host.
+        # A step whose report was still being read when the gang changed has no line (on any host:
+        # the read is a collective of the gang that broke), at most one a change.
         assert h.losses().items() <= reference[1].items(), h.index
-    assert set().union(*(h.losses() for h in hosts)) == set(reference[1])
+    assert len(set(reference[1]) - set().union(*(h.losses() for h in hosts))) <= 2
 
 
 def test_three_hosts_then_two_then_three_keep_the_loss_curve(tmp_path, reference, gcs_server):
