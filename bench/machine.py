@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 
 
@@ -14,4 +15,15 @@ def describe(**extra) -> dict:
     torch = sys.modules.get("torch")
     if torch is not None:
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+        if torch.cuda.is_available():  # the GPU, its driver and CUDA: a figure means little without them
+            info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda, driver=_driver())
     return {**info, **extra}
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None

@@ -129,7 +129,8 @@ def others_cpu_share(start, end) -> float | None:
 # The engine side: the demo job with the preset's model section.
 
 
-def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, compile: bool, device: str) -> JobSpec:
+def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, compile: bool, device: str,
+                extra: tuple[str, ...] = ()) -> JobSpec:
     model = yaml.safe_load((REPO / "configs" / "models" / f"{preset}.yaml").read_text())["model"]
     overrides = [
         f"name=bench-{preset}",
@@ -141,6 +142,7 @@ def engine_spec(preset: str, seq_len: int, micro_batch_size: int, steps: int, co
         f"device.backend={device}",
         f"device.compile={str(compile).lower()}",
         "attention.kernel=sdpa",
+        *extra,  # --set: a variant of the engine's side (the loss, say); the baseline stays as it is
     ]
     return load_spec(JOB, overrides)
 
@@ -240,8 +242,8 @@ def sync() -> None:
 
 
 def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmup: int, compile: bool,
-             device: str) -> dict:
-    spec = engine_spec(preset, seq_len, micro_batch_size, warmup + steps, compile, device)
+             device: str, extra: tuple[str, ...] = ()) -> dict:
+    spec = engine_spec(preset, seq_len, micro_batch_size, warmup + steps, compile, device, extra)
     model, optimizer = baseline_model(spec, device)
     grad_clip = spec.train.grad_clip
     with tempfile.TemporaryDirectory(prefix="tpud-bench-") as state_dir:
@@ -290,7 +292,8 @@ def run_case(preset: str, seq_len: int, micro_batch_size: int, steps: int, warmu
     mfu = {"engine": flops / engine_med / peak, "baseline": flops / baseline_med / peak} if peak else None
     return {
         "device": device, "mfu": mfu, "mfu_target": MFU_TARGETS.get(preset) if peak else None,
-        "preset": preset, "compile": compile, "params": params, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
+        "preset": preset, "compile": compile, "overrides": list(extra), "loss": trainer.loss_name, "params": params,
+        "seq_len": seq_len, "micro_batch_size": micro_batch_size,
         "tokens_per_step": seq_len * micro_batch_size, "warmup": warmup, "steps": steps,
         "log_interval": spec.train.log_interval,
         "baseline_median_s": baseline_med, "engine_median_s": engine_med, "ratio": ratio,
@@ -322,6 +325,9 @@ def main() -> int:
                         help="cuda: both sides on the GPU in bf16 at seq 2048, with MFU (default cpu)")
     parser.add_argument("--compile", action="store_true",
                         help="the engine with device.compile=true (its first warm-up step compiles)")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of the engine's job (repeatable), e.g. loss.name=ce or "
+                        "data.micro_batch_size=32: the baseline runs the same geometry")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/train_overhead.json (train_overhead-compile.json with --compile)")
     args = parser.parse_args()
@@ -348,7 +354,9 @@ def main() -> int:
             case["warmup"] = args.warmup
         case["warmup"] = max(1, case["warmup"])  # step 0 (the loss check) is always a warm-up step
         print(f"running {preset}: {case}", flush=True)
-        r = run_case(preset, **case, compile=args.compile, device=args.device)
+        for key in ("seq_len", "micro_batch_size"):  # the baseline trains the same batches
+            case[key] = next((int(e.split("=", 1)[1]) for e in args.extra if e.startswith(f"data.{key}=")), case[key])
+        r = run_case(preset, **case, compile=args.compile, device=args.device, extra=tuple(args.extra))
         gc.collect()  # free this case's two models before the next one allocates
         loss0 = r["step0_loss"]
         engine = "not reported (fewer steps than log_interval)" if loss0["engine"] is None else f"{loss0['engine']:.6f}"
@@ -367,7 +375,8 @@ def main() -> int:
     for r in results:
         if r["mfu"]:
             target = r["mfu_target"]
-            print(f"{r['preset']:<7} MFU engine {r['mfu']['engine']:.1%}, baseline {r['mfu']['baseline']:.1%}"
+            print(f"{r['preset']:<7} MFU engine {r['mfu']['engine']:.1%} ({r['loss']} loss, compile "
+                  f"{'on' if r['compile'] else 'off'}), baseline {r['mfu']['baseline']:.1%}"
                   + (f" (target >= {target:.0%}: {'pass' if r['mfu']['engine'] >= target else 'MISS'})"
                      if target else ""))
     for r in results:

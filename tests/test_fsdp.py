@@ -9,6 +9,7 @@ processes add (collectives, resharding checkpoints) is tested in tests/test_dist
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -93,3 +94,18 @@ def test_the_mesh_over_processes():
     assert resolve_mesh(MeshConfig(), 3, gang=True) == {"data": 3, "fsdp": 1, **one}
     with pytest.raises(ConfigError, match="hosts of a gang are data replicas"):
         resolve_mesh(MeshConfig(fsdp=3), 3, gang=True)
+
+
+def test_device_deterministic_turns_on_reproducible_kernels(monkeypatch):
+    from engine.backends import build_backend
+    from engine.spec.schema import DeviceConfig
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        build_backend(DeviceConfig(backend="cpu"))
+        assert not torch.are_deterministic_algorithms_enabled()
+        build_backend(DeviceConfig(backend="cpu", deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # read when cuBLAS makes its first handle
+    finally:
+        torch.use_deterministic_algorithms(False)

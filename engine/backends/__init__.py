@@ -47,4 +47,4 @@ def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cach
 
     compiling = cfg.compile if cfg.compile != "auto" else name == "cuda"
     return TorchBackend(name, cfg.peak_flops, compiling, inductor_cache if cfg.compile_cache else None, cfg.mesh,
-                        gang)
+                        gang, cfg.deterministic)

@@ -48,8 +48,11 @@ class TorchBackend(Backend):
     checkpoint_fn = staticmethod(_checkpoint)
 
     def __init__(self, device_type: str, peak_flops: float | None = None, compiling: bool = False,
-                 cache_dir: str | None = None, mesh: MeshConfig | None = None, gang: bool = False):
+                 cache_dir: str | None = None, mesh: MeshConfig | None = None, gang: bool = False,
+                 deterministic: bool = False):
         self.name = device_type
+        if deterministic:
+            deterministic_kernels()
         self.compiling, self.gang = compiling, gang
         if compiling and cache_dir is not None:  # an operator's own setting wins
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
@@ -190,6 +193,16 @@ class TorchBackend(Backend):
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def deterministic_kernels() -> None:
+    """Every kernel bitwise reproducible (device.deterministic): torch refuses or replaces the ones
+    that are not (atomic scatter-adds, some attention backwards), and cuBLAS gets the fixed
+    workspace it needs to pick the same reduction order on every call. Its variable is read when
+    the first cuBLAS handle is made, which is after this: the worker has run no matmul yet."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def resolve_mesh(mesh: MeshConfig, world: int, gang: bool = False) -> dict[str, int]:

@@ -46,6 +46,7 @@ HOST_ONLY: dict[str, str] = {
 RESUMABLE: dict[str, str] = {
     "train.max_steps": "training longer or shorter is what a reload is for",
     "train.log_interval": "how often values are read and reported",
+    "device.deterministic": "the order kernels sum in, not what is trained",
     "checkpoint": "how and where states are saved, not what they hold",
     "eval": "evaluation reads the model and never changes it",
     "health": "what the supervisor does about a non-finite loss",

@@ -494,6 +494,10 @@ class DeviceConfig(Section):
     peak_flops: float | None = Field(
         None, gt=0, description="Peak FLOP/s per device for MFU; detected for known TPUs and GPUs."
     )
+    deterministic: bool = Field(
+        False, description="Bitwise-reproducible kernels on cpu and cuda (torch.use_deterministic_algorithms, "
+        "cuBLAS's fixed workspace): a run resumed from a checkpoint repeats the uninterrupted one bit for bit, at "
+        "some cost in speed. xla needs nothing: its compiled steps repeat by themselves.")
 
 
 def _interval(value: object) -> object:
