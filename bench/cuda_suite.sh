@@ -17,12 +17,12 @@
 set -u
 out=${1:?usage: cuda_suite.sh OUT_DIR [SECONDS] [PARTS]}
 budget=${2:-420}
-parts=${3:-step profile parity loss resume bitwise}
+parts=${3:-step profile parity loss resume bitwise step-eager step-ce}
 cd "$(dirname "$0")/.."
 mkdir -p "$out/results"
 exec > >(tee -a "$out/log.txt") 2>&1
 deadline=$((SECONDS + budget))
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -53,10 +53,6 @@ with_cache=(env "TORCHINDUCTOR_CACHE_DIR=$cache/inductor" "TRITON_CACHE_DIR=$cac
 
 part step 150 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --compile --presets 125m,1b \
     --warmup 3 --steps 12 --out "$out/results/train_overhead-cuda-compile.json"
-part step-eager 90 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --presets 125m,1b \
-    --warmup 2 --steps 8 --out "$out/results/train_overhead-cuda.json"
-part step-ce 90 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --compile --presets 125m,1b \
-    --warmup 3 --steps 12 --set loss.name=ce --out "$out/results/train_overhead-cuda-compile-ce.json"
 job=/tmp/cuda-125m.yaml
 cat > $job <<EOF
 name: cuda-125m
@@ -68,12 +64,16 @@ EOF
 part profile 70 "${with_cache[@]}" python3 -m tpud profile $job --warmup 3 --steps 4 --out /tmp/profile
 cp /tmp/profile/report.json "$out/results/profile-125m.json" 2>/dev/null
 part parity 80 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --out "$out/results/cuda_parity.json"
-part loss 50 python3 bench/cce.py --device cuda --compile --cases "bf16 V=128k N=16k D=2048" \
+part loss 60 python3 bench/cce.py --device cuda --compile --cases "bf16 V=128k N=16k D=2048" \
     --out "$out/results/cce-cuda.json"
-# Under tpud run each job keeps its own compile cache (the second start reads what the first wrote).
-part resume 110 python3 bench/cuda.py --presets 125m --seq-len 2048 --micro-batch-size 16 --steps 200 \
+# Under tpud run too: the operator's cache setting wins over the job's own (warm from the parts above).
+part resume 110 "${with_cache[@]}" python3 bench/cuda.py --presets 125m --seq-len 2048 --micro-batch-size 16 --steps 200 \
     --interval 100 --arms killed --no-export --out "$out/results/cuda-resume.json"
-part bitwise 90 python3 bench/cuda.py --presets tiny --deterministic --steps 120 --interval 50 --no-export \
+part bitwise 90 "${with_cache[@]}" python3 bench/cuda.py --presets tiny --deterministic --steps 120 --interval 50 --no-export \
     --out "$out/results/cuda-bitwise.json"
+part step-eager 90 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --presets 125m,1b \
+    --warmup 2 --steps 8 --out "$out/results/train_overhead-cuda.json"
+part step-ce 90 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --compile --presets 125m,1b \
+    --warmup 3 --steps 12 --set loss.name=ce --out "$out/results/train_overhead-cuda-compile-ce.json"
 tar -czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
 echo "=== done, $((deadline - SECONDS))s of ${budget}s left"
