@@ -17,7 +17,7 @@
 set -u
 out=${1:?usage: cuda_suite.sh OUT_DIR [SECONDS] [PARTS]}
 budget=${2:-420}
-parts=${3:-step profile parity loss resume bitwise step-eager step-ce}
+parts=${3:-step profile parity parity-fp32 loss resume bitwise step-eager step-ce}
 cd "$(dirname "$0")/.."
 mkdir -p "$out/results"
 exec > >(tee -a "$out/log.txt") 2>&1
@@ -47,6 +47,7 @@ part() {  # part NAME CAP COMMAND...: run COMMAND for at most CAP seconds, if th
     local started=$SECONDS
     timeout --kill-after=10 "$cap" "$@"
     echo "=== $name: exit $?, $((SECONDS - started))s"
+    tar -czf "$out/results.tgz" -C "$out" results  # after every part: a call cut short keeps what ran
 }
 
 with_cache=(env "TORCHINDUCTOR_CACHE_DIR=$cache/inductor" "TRITON_CACHE_DIR=$cache/triton")
@@ -64,7 +65,9 @@ EOF
 part profile 70 "${with_cache[@]}" python3 -m tpud profile $job --warmup 3 --steps 4 --out /tmp/profile
 cp /tmp/profile/report.json "$out/results/profile-125m.json" 2>/dev/null
 part parity 80 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --out "$out/results/cuda_parity.json"
-part loss 60 python3 bench/cce.py --device cuda --compile --cases "bf16 V=128k N=16k D=2048" \
+part parity-fp32 90 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --precision fp32 \
+    --out "$out/results/cuda_parity-fp32.json"
+part loss 130 python3 bench/cce.py --device cuda --compile --cases "bf16 V=128k N=16k D=2048" \
     --out "$out/results/cce-cuda.json"
 # Under tpud run too: the operator's cache setting wins over the job's own (warm from the parts above).
 part resume 110 "${with_cache[@]}" python3 bench/cuda.py --presets 125m --seq-len 2048 --micro-batch-size 16 --steps 200 \
@@ -72,7 +75,7 @@ part resume 110 "${with_cache[@]}" python3 bench/cuda.py --presets 125m --seq-le
 part bitwise 90 "${with_cache[@]}" python3 bench/cuda.py --presets tiny --deterministic --steps 120 --interval 50 --no-export \
     --out "$out/results/cuda-bitwise.json"
 part step-eager 90 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --presets 125m,1b \
-    --warmup 2 --steps 8 --out "$out/results/train_overhead-cuda.json"
+    --warmup 2 --steps 6 --out "$out/results/train_overhead-cuda.json"
 part step-ce 90 "${with_cache[@]}" python3 bench/train_overhead.py --device cuda --compile --presets 125m,1b \
     --warmup 3 --steps 12 --set loss.name=ce --out "$out/results/train_overhead-cuda-compile-ce.json"
 tar -czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
