@@ -148,6 +148,8 @@ def main() -> None:
             print(f"{case:<26} {method:<8} {r['peak_bytes'] / 2**20:>9.1f} {r['median_s']:>7.3f}{tail}")
     print("targets: " + ("all met" if met else "MISSED") + f" (ce {'compiled' if args.compile else 'eager'})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        import torch  # noqa: F401  (only now, after the cases' own processes: describe() names the GPU)
     args.out.write_text(json.dumps({
         "benchmark": "cce", "targets": {m: {k: v} for m, (k, v) in TARGETS.items()}, "compile": args.compile,
         "device": args.device, "machine": describe(), "cases": rows}, indent=2))

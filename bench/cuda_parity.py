@@ -14,7 +14,10 @@ Every step's loss is read (train.log_interval 1). In bf16 (the default) the arms
 differs (Inductor fuses the norms and casts that eager runs one by one), and training amplifies
 that: eager and compiled alone drift apart by about 1e-2 within 20 steps at this learning rate.
 `--precision fp32` (true fp32 matmuls) leaves only the order of sums to differ, which is where a
-real fault of the sharded or compiled path (a gradient scaled or reduced wrongly) stands out. Reported: the largest |loss difference| of
+real fault of the sharded or compiled path (a gradient scaled or reduced wrongly) stands out.
+A second eager arm measures the noise floor: what the same configuration differs by from run to
+run (nondeterministic kernels, such as an attention backward's atomic sums; `--deterministic`
+sets device.deterministic in every arm). Reported: the largest |loss difference| of
 fsdp+compiled and of compiled against eager over the steps, and fsdp+compiled against compiled
 (FSDP's own share); issue 41's target: fsdp+compiled within 1e-3 of eager at every step.
 `--device cpu` runs the same on the CPU over gloo (fp32), to check this script without a GPU.
@@ -83,7 +86,8 @@ def train_arm(args, compile: bool, fsdp: bool) -> dict[int, float]:
         f"device.compile={str(compile).lower()}", f"data.seq_len={args.seq_len}",
         f"data.micro_batch_size={args.micro_batch_size}", "train.grad_accum_steps=1", "train.log_interval=1",
         f"train.max_steps={args.steps + 100}", "scheduler.warmup_steps=5", "attention.kernel=sdpa",
-        "checkpoint.memory.interval_steps=0", f"train.mixed_precision={args.precision}"])
+        "checkpoint.memory.interval_steps=0", f"train.mixed_precision={args.precision}",
+        f"device.deterministic={str(args.deterministic).lower()}", f"optimizer.lr={args.lr}"])
     hooks = Losses(args.steps)
     train.build_backend = one_device_fsdp if fsdp else build_backend
     with tempfile.TemporaryDirectory(prefix="tpud-parity-") as state:
@@ -113,6 +117,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="train.mixed_precision (fp32: true fp32 matmuls, no TF32)")
+    parser.add_argument("--deterministic", action="store_true", help="device.deterministic: true in every arm")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: the demo job's)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cuda_parity.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -123,6 +129,7 @@ def main() -> int:
                                 init_method=f"file://{rendezvous}/store", rank=0, world_size=1)
         try:
             arms = {"eager": train_arm(args, compile=False, fsdp=False),
+                    "eager again": train_arm(args, compile=False, fsdp=False),  # the noise floor: run to run
                     "compiled": train_arm(args, compile=True, fsdp=False),
                     "fsdp+compiled": train_arm(args, compile=True, fsdp=True)}
         finally:
@@ -133,10 +140,11 @@ def main() -> int:
 
     result = {
         "benchmark": "cuda_parity", "machine": describe(), "preset": args.preset, "device": args.device,
-        "precision": args.precision,
+        "precision": args.precision, "deterministic": args.deterministic, "lr": args.lr,
         "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
         "losses": arms, "target": TARGET,
         "max_abs_diff": {"fsdp+compiled vs eager": worst("fsdp+compiled", "eager"),
+                         "eager vs eager again": worst("eager again", "eager"),
                          "compiled vs eager": worst("compiled", "eager"),
                          "fsdp+compiled vs compiled": worst("fsdp+compiled", "compiled")},
     }

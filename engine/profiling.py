@@ -7,11 +7,13 @@ backward, optimizer: engine.train), so the shares come from the same trace a per
 
 - the trace itself, `trace.json` (Chrome trace format: Perfetto and chrome://tracing open it);
 - a table of the top operations by self time, and each phase's share of the measured step
-  time; what no phase covers is the host's own time between them (polls, reports, saves);
+  time; what no phase covers is the host's own time between them (polls, reports, saves), on
+  cuda the time the device stood idle;
 - advice where a known waste shows: host syncs per step, a loss that takes a large share
   while a faster one would fit, a data loader that stalls the step, compilation left off.
 
-On cuda a phase's time is its kernels' time on the device; on cpu and xla it is the host's
+On cuda a phase's time is its kernels' time on the device (backward's: the device's busy time
+less the other phases', as autograd launches its kernels from a thread of its own); on cpu and xla it is the host's
 (under xla the host traces the graph and the device runs it at the step's end, so the
 optimizer phase holds the device time: torch_xla's metrics add the compile and transfer counts).
 """
@@ -143,7 +145,10 @@ def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool) -> Report:
             phases[e.key[len(SCOPE):]] = total(e) / steps
     # The loss runs inside forward: forward's own share is what is left of it.
     phases["forward"] = max(0.0, phases["forward"] - phases["loss"])
-    gaps = max(0.0, step_s - sum(phases.values()))
+    if cuda:
+        phases, gaps = _device_phases(phases, device_busy_s(hooks.profiler.events()) / steps, step_s)
+    else:
+        gaps = max(0.0, step_s - sum(phases.values()))
 
     def self_time(e) -> float:
         return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
@@ -156,6 +161,21 @@ def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool) -> Report:
     report = Report(spec.name, trainer.backend.name, steps, step_s, phases, gaps, top, syncs, xla)
     report.advice = _advice(report, trainer)
     return report
+
+
+def device_busy_s(trace_events) -> float:
+    """Seconds the GPU ran kernels and copies in a profiler's events."""
+    from torch.autograd import DeviceType
+
+    return sum(e.time_range.elapsed_us() for e in trace_events if e.device_type == DeviceType.CUDA) / 1e6
+
+
+def _device_phases(phases: dict[str, float], busy_s: float, step_s: float) -> tuple[dict[str, float], float]:
+    """On cuda: backward's kernels are launched by autograd's own device thread, outside the loop's
+    tpud.backward scope, so the profiler credits them to no phase. Backward is the device's busy time
+    less the other phases', and the gaps are the time the device stood idle (the host behind)."""
+    others = sum(seconds for name, seconds in phases.items() if name != "backward")
+    return {**phases, "backward": max(phases["backward"], busy_s - others)}, max(0.0, step_s - busy_s)
 
 
 def _advice(r: Report, trainer) -> list[str]:
@@ -171,7 +191,9 @@ def _advice(r: Report, trainer) -> list[str]:
         advice.append(f"data takes {share['data']:.0%} of the step: the loader stalls it")
     if r.host_gaps_s / r.step_s > 0.20:
         advice.append(f"{r.host_gaps_s / r.step_s:.0%} of the step is outside the model's phases "
-                      "(the host between kernels: try device.compile=true, a larger micro-batch)")
+                      "(the host between kernels: try device.compile=true, a larger micro-batch)"
+                      if r.backend != "cuda" else f"the GPU stands idle {r.host_gaps_s / r.step_s:.0%} of the step "
+                      "(the host launches too slowly: try device.compile=true, a larger micro-batch)")
     if trainer.backend.name == "cuda" and not getattr(trainer.backend, "compiling", False):
         advice.append("device.compile is off on cuda: each block runs op by op")
     if r.xla and r.xla["transfers_to_host"] >= r.steps:

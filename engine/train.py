@@ -140,8 +140,9 @@ class Trainer:
         micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
-        self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device)
-        loss_fn = build_loss(spec.loss, spec.model, per_device, self.backend.compile)
+        capacity = self.backend.memory_capacity()
+        self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device, capacity)
+        loss_fn = build_loss(spec.loss, spec.model, per_device, self.backend.compile, capacity)
         language_model = LanguageModel(self.model, loss_fn)
         if warm is None:
             for block in self.model.layers:

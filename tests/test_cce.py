@@ -118,6 +118,12 @@ def test_auto_uses_the_full_logits_while_they_fit_the_budget_else_token_chunks()
     assert resolve_loss_name(LossConfig(), model, 8192) == "ce"  # 1 GiB of fp32 logits: the default budget
     assert resolve_loss_name(LossConfig(), model, 8193) == "chunked"
     assert resolve_loss_name(LossConfig(logits_budget_mib=4096), model, 16384) == "ce"
+    # auto's budget is a sixteenth of the device's memory where the backend knows it: on an 80 GiB
+    # GPU 5 GiB, which holds the 125m preset's 32k-token micro-batch (4 GiB), not one of 48k tokens.
+    gpu = 80 << 30
+    assert resolve_loss_name(LossConfig(), model, 32768, gpu) == "ce"
+    assert resolve_loss_name(LossConfig(), model, 49152, gpu) == "chunked"
+    assert resolve_loss_name(LossConfig(logits_budget_mib=1024), model, 32768, gpu) == "chunked"  # a set budget wins
     assert resolve_loss_name(LossConfig(name="cce"), model, 1) == "cce"
     chosen = build_loss(LossConfig(chunk_tokens=40, z_loss=1e-3), ModelConfig(vocab_size=1000, dim=32, n_heads=4), 1 << 20)
     hidden, weight, targets = inputs()

@@ -88,3 +88,22 @@ def test_profile_under_xla_counts_compiles_and_transfers(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["xla"]["compiles"] == 0, report  # one graph, compiled during the warm-up
     assert report["xla"]["transfers_to_host"] < report["steps"], report
+
+
+def test_on_cuda_backward_is_the_busy_time_no_loop_scope_holds():
+    """As the H100 profile of the 125m step showed: autograd's device thread launches backward's
+    kernels outside tpud.backward (0.02 of 81 ms credited to it), which made backward look like
+    host gaps. The device's busy time, less the other phases, is backward's; the rest is idle."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(device, us):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    trace = [event(DeviceType.CUDA, 30_000), event(DeviceType.CPU, 80_000), event(DeviceType.CUDA, 40_000)]
+    assert profiling.device_busy_s(trace) == pytest.approx(0.07)
+    phases = {"data": 0.0002, "forward": 0.018, "loss": 0.015, "backward": 0.00002, "optimizer": 0.0009}
+    fixed, idle = profiling._device_phases(phases, 0.07, 0.0814)
+    assert fixed["backward"] == pytest.approx(0.07 - 0.0341) and idle == pytest.approx(0.0114)
+    assert {k: v for k, v in fixed.items() if k != "backward"} == {k: v for k, v in phases.items() if k != "backward"}

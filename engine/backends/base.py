@@ -195,6 +195,10 @@ class Backend:
         """Peak device memory in use, where the runtime can tell."""
         return None
 
+    def memory_capacity(self) -> int | None:
+        """The memory of one device in bytes, where the runtime can tell (it sizes loss.name auto)."""
+        return None
+
     def peak_flops(self) -> float | None:
         return None
 

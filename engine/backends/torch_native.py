@@ -185,6 +185,9 @@ class TorchBackend(Backend):
     def memory_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
+    def memory_capacity(self) -> int | None:
+        return torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+
     def peak_flops(self) -> float | None:
         if self._peak_flops or self.device.type != "cuda":
             return self._peak_flops  # no meaningful peak for a CPU

@@ -2,8 +2,9 @@
 
 `loss.name: auto` picks by size: the full-logits cross-entropy while one micro-batch's fp32
 logits on one device fit `loss.logits_budget_mib` (it is the fastest there: one matmul, and
-XLA and torch.compile fuse the rest), else the token-chunked one. Cut cross-entropy, the
-least memory and the slowest, is only ever picked by name.
+XLA and torch.compile fuse the rest), else the token-chunked one. The budget's own auto is a
+sixteenth of the device's memory where the backend knows it (cuda), else 1 GiB. Cut
+cross-entropy, the least memory and the slowest, is only ever picked by name.
 """
 
 from __future__ import annotations
@@ -21,19 +22,31 @@ from engine.spec.schema import LossConfig, ModelConfig
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def resolve_loss_name(cfg: LossConfig, model: ModelConfig, tokens_per_device: int) -> str:
+DEFAULT_BUDGET_MIB = 1024  # where the device's memory is unknown (cpu, xla): a TPU v5e's HBM / 16
+DEVICE_SHARE = 16  # auto budget: this fraction of the device's memory (bench/results/train_overhead-cuda-compile*.json)
+
+
+def logits_budget_bytes(cfg: LossConfig, device_bytes: int | None) -> int:
+    if cfg.logits_budget_mib != "auto":
+        return cfg.logits_budget_mib << 20
+    return device_bytes // DEVICE_SHARE if device_bytes else DEFAULT_BUDGET_MIB << 20
+
+
+def resolve_loss_name(cfg: LossConfig, model: ModelConfig, tokens_per_device: int,
+                      device_bytes: int | None = None) -> str:
+    """device_bytes: the memory of one device (Backend.memory_capacity), for the auto budget."""
     if cfg.name != "auto":
         return cfg.name
     logits_bytes = tokens_per_device * model.vocab_size * 4
-    return "ce" if logits_bytes <= cfg.logits_budget_mib << 20 else "chunked"
+    return "ce" if logits_bytes <= logits_budget_bytes(cfg, device_bytes) else "chunked"
 
 
 def build_loss(cfg: LossConfig, model: ModelConfig, tokens_per_device: int,
-               compile: Callable[[Callable], Callable] = lambda fn: fn) -> LossFn:
+               compile: Callable[[Callable], Callable] = lambda fn: fn, device_bytes: int | None = None) -> LossFn:
     """The loss function; `compile` (the backend's) is applied to the full-logits math it runs."""
     terms = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=cfg.softcap,
                  focal_gamma=cfg.focal_gamma)
-    name = resolve_loss_name(cfg, model, tokens_per_device)
+    name = resolve_loss_name(cfg, model, tokens_per_device, device_bytes)
     if name == "cce":  # its own hand-written backward: nothing for a compiler to fuse across
         return functools.partial(linear_cross_entropy, chunk_size=cfg.chunk_size, **terms)
     if name == "chunked":

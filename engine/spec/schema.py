@@ -412,8 +412,10 @@ class LossConfig(Section):
         "tokens at a time, each chunk's backward done in forward; cce: cut cross-entropy, never holds more than "
         "a small tile of logits (the least memory, the slowest). auto: ce while one micro-batch's fp32 logits "
         "on one device fit logits_budget_mib, else chunked.")
-    logits_budget_mib: PositiveInt = Field(
-        1024, description="auto: the most memory a micro-batch's fp32 logits may take on one device for ce.")
+    logits_budget_mib: PositiveInt | Literal["auto"] = Field(
+        "auto", description="The most memory a micro-batch's fp32 logits may take on one device for loss.name auto "
+        "to pick ce. auto: a sixteenth of the device's memory on cuda (5 GiB on an 80 GB H100, where ce's steps took "
+        "5-15 % less time than chunked's), 1024 MiB on cpu and xla.")
     chunk_tokens: PositiveInt | None = Field(
         None, description="chunked only: tokens per chunk (default: an eighth of the micro-batch's, at least 256).")
     label_smoothing: float = Field(0.0, ge=0, lt=1)
