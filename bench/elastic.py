@@ -5,14 +5,15 @@ Four `tpud run` supervisors on this machine (loopback, gloo), each running its o
 after the other, on the same seeded schedule of victims:
 - in_place (tpud as shipped): the survivors keep their processes and form the next gang where
   they stand; a host that comes back takes the newest state from a peer;
-- restart (`gang.in_place: false`): every change of the gang restarts every worker, which
-  resumes from the newest global commit (a blank host's part from a peer's memory tier, which
-  both arms keep every 5 steps: without GCS the restart path has no other way back).
+- restart (the gang before the elastic work: `gang.in_place: false`, `min_hosts` = every host):
+  the others wait for the victim, whose VM comes straight back with its disk, and every worker
+  restarts and resumes from the newest global commit.
 
 Each drill SIGKILLs a seeded victim's daemon, worker and coordinator together (a vanished VM;
-the first drill's victim is host 0) at a random moment, then starts the victim again with an
-empty state directory. Per drill: recovery s = from the kill until every survivor has trained a
-step in a gang without the victim (median and max; target <= 5 s in place); whether the
+the first drill's victim is host 0) at a random moment, then starts the victim again (in place:
+with an empty state directory, once the others went on). Per drill: recovery s = from the kill
+until every survivor has trained a step in a gang without the victim (restart: in the whole gang
+again; median and max; target <= 5 s in place); whether the
 survivors' worker PIDs are unchanged; committed steps lost = the newest global commit before the
 kill minus the step the survivors went on from (target 0); back s = from the victim's
 `tpud run` start until it is a member again (target <= 10 s in place), and where its state came
@@ -54,7 +55,7 @@ from tpud.paths import Paths  # noqa: E402
 JOB = ["data.corpus_bytes=400000", "data.seq_len=32", "data.micro_batch_size=2", "train.global_batch_size=12",
        "model.dim=64", "model.n_layers=2", "model.ffn_dim=128", "scheduler.warmup_steps=1", "train.log_interval=1",
        "train.max_steps=100000000", "checkpoint.interval_steps=20", "health.replicas.interval_steps=10",
-       # The restart path's only way back for a blank host without GCS: a peer's memory state.
+       # A memory state every 5 steps, in both arms.
        "checkpoint.memory.interval_steps=5", "checkpoint.memory.max_overhead=1"]
 
 
@@ -174,6 +175,30 @@ def drill(hosts: list[Host], victim: Host, rng: random.Random, blank: bool) -> d
             "from": "peer" if taken else "restore" if restored else "none",
             "peer_bytes_per_s": taken[0]["bytes_per_s"] if taken else None,
             "restored_from": restored[0]["path"].split("/checkpoints/")[0].rsplit("/", 1)[-1] if restored else None}
+
+
+def waiting_drill(hosts: list[Host], victim: Host, rng: random.Random) -> dict:
+    """The restart path as it was before the elastic gang: min_hosts = every host, so the others wait
+    for the victim, whose VM comes straight back with its disk (at once: kinder than any real VM
+    restart); every worker then restarts and resumes from the newest global commit."""
+    time.sleep(rng.uniform(0.5, 2.0))
+    pids = {h.index: h.worker() for h in hosts if h is not victim}
+    killed = time.time()
+    committed = max(h.committed(killed) for h in hosts if h is not victim)
+    victim.vanish(blank=False)
+    started = victim.start()
+    everyone = sorted(h.index for h in hosts)
+    formed = {h.index: wait(f"host {h.index} in the gang again", lambda h=h: h.formed(killed, everyone), 120)
+              for h in hosts}
+    steps = {h.index: wait(f"host {h.index} training again", lambda h=h: h.first_step_after(formed[h.index]["_t"]),
+                           120) for h in hosts}
+    went_on_from = min(r["step"] for r in steps.values()) - 1
+    restored = victim.records("checkpoint restored", started)
+    return {"victim": victim.index, "recovery_s": round(max(r["_t"] for r in steps.values()) - killed, 3),
+            "pids_unchanged": all(h.worker() == pids[h.index] for h in hosts if h is not victim),
+            "committed_before": committed, "went_on_from": went_on_from,
+            "committed_lost": max(0, committed - went_on_from), "path": formed[victim.index].get("path"),
+            "back_s": round(formed[victim.index]["_t"] - started, 3), "from": "restore" if restored else "none"}
 
 
 def shrink_drill(hosts: list[Host], peer_timeout: float, blank: bool) -> dict:
@@ -334,7 +359,9 @@ def refusals(root: Path, runs: int) -> dict:
 def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
     rng = random.Random(seed)
     ports = [free_port() for _ in range(args.hosts)]
-    hosts = [Host(root / name, i, settings(i, args.hosts, ports, name == "in_place", 2, args.peer_timeout))
+    # The restart arm is the gang before this work: it waits for every host (min_hosts = all of them).
+    min_hosts = 2 if name == "in_place" else args.hosts
+    hosts = [Host(root / name, i, settings(i, args.hosts, ports, name == "in_place", min_hosts, args.peer_timeout))
              for i in range(args.hosts)]
     try:
         for h in hosts:
@@ -345,9 +372,8 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
         drills = []
         for n, victim in enumerate(victims, 1):
             try:
-                # The restart path cannot bring back a blank host without GCS ("no globally committed step
-                # is held by every host"): its victims keep their disk (a VM restarted, not replaced).
-                drills.append(drill(hosts, hosts[victim], rng, blank=name == "in_place"))
+                drills.append(drill(hosts, hosts[victim], rng, blank=True) if name == "in_place"
+                              else waiting_drill(hosts, hosts[victim], rng))
             except TimeoutError:
                 dump_stacks(hosts)
                 raise
@@ -360,8 +386,8 @@ def run_arm(name: str, root: Path, args, victims: list[int], seed: int) -> dict:
             print(f"  {name} drill {n}: host {d['victim']}: recovery {d['recovery_s']:.2f} s, pids unchanged "
                   f"{d['pids_unchanged']}, committed lost {d['committed_lost']}, back {d['back_s']:.2f} s from "
                   f"{d['from']}", flush=True)
-        shrink = None if "back_error" in drills[-1] else shrink_drill(hosts, args.peer_timeout,
-                                                                          blank=name == "in_place")
+        # Only an elastic gang can shrink: the restart arm's waits for every host.
+        shrink = shrink_drill(hosts, args.peer_timeout, blank=True) if name == "in_place" else None
         print(f"  {name} shrink drill: {shrink}", flush=True)
         time.sleep(2)
         mismatches = sum(1 for h in hosts for r in h.tail.records

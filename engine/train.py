@@ -185,7 +185,11 @@ class Trainer:
                 if warm is not None:
                     self.loader.skips = merge_skips(self.loader.skips, warm.skips)
                 if hosts.transfer:
-                    self._take_live_state(hosts.source)
+                    try:
+                        self._take_live_state(hosts.source)
+                    except BaseException:  # the gang changed again: the next trainer wraps this model anew
+                        self.backend.release(self.module)
+                        raise
                 self.checkpointer.schedule.restored(self.progress.step)
             else:
                 self.progress = self.checkpointer.restore() or Progress()

@@ -114,3 +114,27 @@ def test_manifests_carry_the_wandb_run_id_and_old_manifests_still_read(tiny_spec
     assert mf.Manifest.from_json(json.dumps(old)) == mf.Manifest.from_json(json.dumps({**data, "wandb_run_id": None}))
     newer = {**data, "data_skips": [[4, 2]], "added_later": 1}  # a newer writer's field is ignored
     assert mf.Manifest.from_json(json.dumps(newer)).data_skips == ((4, 2),)
+
+
+def test_a_gang_change_while_taking_a_peers_state_takes_the_wrapper_off_the_kept_model(tiny_spec, tmp_path,
+                                                                                        monkeypatch):
+    """A peer lost during the live-state broadcast fails the next trainer's construction: it must
+    unhook its wrapper (DDP's gradient hooks) from the model the worker keeps, or the trainer after
+    it would sum every gradient through a dead process group as well as its own."""
+    import engine.train as train
+    from engine.checkpoint.hosts import Hosts
+    from engine.errors import GangChanged
+
+    spec = tiny_spec("train.max_steps=2", "scheduler.warmup_steps=1")
+    first = Trainer(spec, tmp_path / "a", Recorder())
+    first.run()
+    warm, released = first.warm(), []
+    monkeypatch.setattr(type(first.backend), "release", lambda self, module: released.append(module))
+
+    def peer_lost(self, source):
+        raise GangChanged("a peer left while its state was sent")
+
+    monkeypatch.setattr(train.Trainer, "_take_live_state", peer_lost)
+    with pytest.raises(GangChanged):
+        Trainer(spec, tmp_path / "a", Recorder(), Hosts(0, 1, source=0, transfer=True), warm)
+    assert len(released) == 1 and released[0].model is warm.model
