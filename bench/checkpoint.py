@@ -18,8 +18,8 @@ step per parameter: 742 MB more). All four measurements run on it in one process
    before each restore (echo 3 > /proc/sys/vm/drop_caches, needs root; the JSON says whether
    it worked). The CRC phase is timed separately, and the CRC computation alone over the same
    bytes in memory. Reference: a plain read of the same files from a cold cache. Target >= 1 GB/s.
-4. GCS upload: tpud.checkpoints.gcs.GcsTier.upload_step of the committed step directory to a local
-   fake-gcs-server (tests/gcs_server.py's GcsServer, filesystem backend, fresh bucket)
+4. GCS upload: tpud.gcs.tier.GcsTier.upload_step of the committed step directory to a local
+   fake-gcs-server (testkit/gcs_server.py's GcsServer, filesystem backend, fresh bucket)
    against transfer_manager.upload_many_from_filenames of the same files to the same bucket
    under another prefix, with the tier's settings (threads, 8 workers). Target >= 90%.
 
@@ -69,7 +69,7 @@ from google.cloud.storage import transfer_manager
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.gcs_server (tests/ is not an installed package)
+sys.path.insert(0, str(REPO))  # testkit.gcs_server (tests/ is not an installed package)
 
 from engine.layout import fsync_path  # noqa: E402
 from engine import logs  # noqa: E402
@@ -78,8 +78,8 @@ from engine.checkpoint import state as ckstate  # noqa: E402
 from engine.checkpoint import manifest as mf  # noqa: E402
 from engine.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
 from engine.spec.schema import CheckpointConfig  # noqa: E402
-from tests.gcs_server import GcsServer  # noqa: E402
-from tpud.checkpoints.gcs import GcsTier  # noqa: E402
+from testkit.gcs_server import GcsServer  # noqa: E402
+from tpud.gcs.tier import GcsTier  # noqa: E402
 from machine import describe  # noqa: E402
 
 TARGETS = {"save_ratio": 0.80, "async_blocking_ratio": 0.15, "restore_gb_s": 1.0, "upload_ratio": 0.90,
@@ -245,7 +245,7 @@ def memory_tier(steps: int) -> dict:
     from engine import events
     from engine.spec.loader import load_spec
     from engine.train import Trainer
-    from tests.recorders import Recorder
+    from testkit.recorders import Recorder
 
     model = yaml.safe_load((REPO / "configs" / "models" / "125m.yaml").read_text())["model"]
     common = [f"model={json.dumps(model)}", "data.seq_len=256", "data.micro_batch_size=8",
@@ -521,7 +521,7 @@ def main() -> None:
         "gcs_upload": {"bytes": upload_total, "files": names, "ours_s": ours_up, "plain_s": plain_up,
                        "ours_gb_s": up_ours, "plain_gb_s": up_plain, "ratio": up_ours / up_plain,
                        "warmup_plain_s": upload_warmup_s,
-                       "server": "fake-gcs-server (tests/gcs_server.py), filesystem backend, loopback; "
+                       "server": "fake-gcs-server (testkit/gcs_server.py), filesystem backend, loopback; "
                                  "others_cpu_share of this phase counts the server as ours"},
         "memory_tier": {**memory, "preset": "125m", "geometry": "seq_len 256, micro_batch_size 8, CPU",
                         "ratio": memory_ratio, "step_cost_ratio": memory_cost},

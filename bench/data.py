@@ -5,7 +5,7 @@ file a document, repeated with a distinct first line until the size is reached) 
 byte-level BPE tokenizer.json of 8192 tokens trained on it, all three with --workers
 processes, measured in this run on this machine:
 
-- tpud:     engine.data.pipeline.prepare, end to end: reading and parsing the jsonl,
+- tpud:     engine.prepare.pipeline.prepare, end to end: reading and parsing the jsonl,
             tokenizing in worker processes, writing shards, the index and the manifest.
 - limit:    the same tokenizer's own batch encode (`encode_batch_fast`, as tpud calls it)
             over the same texts in the same number of processes, each holding its share in
@@ -100,8 +100,8 @@ def make_tokenizer(directory: Path, paths: list[Path]) -> Path:
 # --- prepare: tpud, the limit, datasets ---
 
 def run_tpud(paths: list[Path], tokenizer: Path, out: Path, workers: int) -> dict:
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
 
     started = time.perf_counter()
     manifest = prepare(Options(inputs=tuple(map(str, paths)), tokenizer=str(tokenizer), out=str(out),
@@ -231,7 +231,7 @@ def data_wait(dataset: Path, steps: int) -> dict:
     from engine import events
     from engine.spec.loader import load_spec
     from engine.train import Trainer
-    from tests.recorders import Recorder
+    from testkit.recorders import Recorder
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = yaml.safe_load((REPO / "configs" / "models" / "125m.yaml").read_text())["model"]

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from goodput import Tail, kill_group, spawn  # noqa: E402
 from machine import describe  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from testkit.helpers import free_port  # noqa: E402
 from tpud.paths import Paths  # noqa: E402
 
 JOB = ["data.corpus_bytes=400000", "data.seq_len=32", "data.micro_batch_size=2", "train.global_batch_size=12",

@@ -1,8 +1,8 @@
 """The gang's control plane at scale, without training: 64 and 256 members on loopback.
 
-Each member is a tpud.gang.member.GangMember (the real join, formation rule, watcher and store
+Each member is a tpud.worker.gang.member.GangMember (the real join, formation rule, watcher and store
 keys), run as a thread; --procs processes hold them, all meeting in one real coordinator
-(`python -m tpud.gang.coordinator`, a TCPStore). No process group is formed (as under xla) and
+(`python -m tpud.worker.gang.coordinator`, a TCPStore). No process group is formed (as under xla) and
 nothing trains: what is measured is the protocol. A member's disruption is recorded instead of
 ending its process, and it then joins the next generation as a worker kept in place does.
 
@@ -35,14 +35,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from machine import describe  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from testkit.helpers import free_port  # noqa: E402
 
 SPEC = {"name": "scale", "train.seed": 0}
 
 
 def member_process(address: str, hosts: int, first: int, count: int, peer_timeout: float, work: Path) -> None:
     """`count` members (hosts first..first+count-1) as threads; their times as JSON lines in work/."""
-    from tpud.gang.member import GangMember
+    from tpud.worker.gang.member import GangMember
 
     out = open(work / f"members-{first}.jsonl", "a", buffering=1)
     lock = threading.Lock()
@@ -119,7 +119,7 @@ def measure(size: int, procs: int, peer_timeout: float, steady_s: float) -> dict
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="tpud-gang-scale-") as tmp:
         work = Path(os.environ.get("GANG_SCALE_KEEP") or tmp)
-        coordinator = subprocess.Popen([sys.executable, "-m", "tpud.gang.coordinator", address],
+        coordinator = subprocess.Popen([sys.executable, "-m", "tpud.worker.gang.coordinator", address],
                                        stdout=subprocess.DEVNULL, cwd=REPO)
         children = []
         try:

@@ -3,7 +3,7 @@
 For each job and seed, three arms, one after the other (their order rotated by the seed), run
 `tpud daemon` on the job (a log line per step, and one per save, async disk checkpoints every
 --checkpoint-interval s, hung after 5 s without a heartbeat, 1 s kill grace, 0.5 s first backoff; preemption notices from our metadata server,
-tests/metadata_server.py) for --minutes each, differing only in checkpoint.memory:
+testkit/metadata_server.py) for --minutes each, differing only in checkpoint.memory:
 - off:   `memory: null` (the disk tier alone);
 - every: `memory: {interval_steps: 1}` (issue 16's default: every step, within max_overhead);
 - auto:  `memory: {interval_steps: auto}` (engine/checkpoint/policy.py), the job's prior
@@ -68,7 +68,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.metadata_server import MetadataServer  # noqa: E402
+from testkit.metadata_server import MetadataServer  # noqa: E402
 from tpud.control import ControlClient  # noqa: E402
 from tpud.paths import Paths  # noqa: E402
 from machine import describe  # noqa: E402

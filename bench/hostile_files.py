@@ -2,7 +2,7 @@
 
 One run against a real `tpud daemon --home TMP` supervising the tiny demo job:
 1. baseline: `status` over the control socket every 50 ms for --seconds, daemon RSS sampled;
-2. the corpus of tests/hostile.py (alias bombs, 10,000-deep nesting, a 50 MB file, binary,
+2. the corpus of testkit/hostile.py (alias bombs, 10,000-deep nesting, a 50 MB file, binary,
    invalid UTF-8, a FIFO, a symlink to /dev/zero, a directory) written into jobs.d/ at once,
    then the same polling for --seconds: status latency (targets: every answer < 100 ms),
    peak daemon RSS (target < 300 MB), and the time from the drop until each file shows
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from machine import describe
 from supervised import ENV, REPO, supervised_job
-from tests.hostile import write_corpus
+from testkit.hostile import write_corpus
 from tpud.control import ControlClient
 
 TARGETS = {"status_max_ms": 100.0, "rss_peak_mb": 300.0, "validate_max_s": 2.0}

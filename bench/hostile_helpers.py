@@ -40,8 +40,8 @@ from pathlib import Path
 
 from machine import describe
 from supervised import REPO
-from tests.gcs_server import free_port
-from tests.helpers import Daemon, children_by_kind, exited, job_text
+from testkit.gcs_server import free_port
+from testkit.helpers import Daemon, children_by_kind, exited, job_text
 
 ARMS = ("baseline", "worker", "reader", "forkserver", "all", "coordinator")
 SEEN = {"worker": "worker exited", "reader": "the job-file reader exited; starting it again",

@@ -33,7 +33,7 @@ from machine import describe
 from supervised import ENV, REPO
 
 sys.path.insert(0, str(REPO))
-from tests import corpus  # noqa: E402
+from testkit import corpus  # noqa: E402
 
 TARGET_PEAK_MB = 2048.0
 CHUNK = 64 << 20

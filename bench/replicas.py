@@ -62,8 +62,8 @@ from goodput import kill_group, spawn  # noqa: E402
 from engine.models.llama import Transformer  # noqa: E402
 from engine.spec.loader import load_spec  # noqa: E402
 from machine import describe  # noqa: E402
-from tests.conftest import TINY_JOB  # noqa: E402
-from tests.helpers import data_parallel, free_port  # noqa: E402
+from testkit import TINY_JOB  # noqa: E402
+from testkit.helpers import data_parallel, free_port  # noqa: E402
 from tpud.paths import Paths  # noqa: E402
 
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from goodput import Tail, kill_group, spawn  # noqa: E402
 from machine import describe  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from testkit.helpers import free_port  # noqa: E402
 
 TINY = ["train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32", "data.micro_batch_size=2",
         "data.corpus_bytes=400000", "device.mesh.data=-1", "device.mesh.fsdp=1", "checkpoint.interval_steps=0",
@@ -58,7 +58,7 @@ def rank_main(job: str, state_dir: str, out: str, gathers: int, *overrides: str)
     from engine import events
     from engine.spec.loader import load_spec
     from engine.train import Trainer
-    from tests.recorders import Recorder
+    from testkit.recorders import Recorder
 
     hooks = Recorder()
     trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), hooks)

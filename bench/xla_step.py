@@ -10,7 +10,7 @@ are the window, which holds at least one more of each, the final evaluation and 
 checkpoint. Measured, against an ideal computed in the same run:
 
 (a) recompiles: torch_xla's CompileTime count at the boundary after the warm-up and after the
-    run (tests.recorders.XlaCounters); ideal 0.
+    run (testkit.recorders.XlaCounters); ideal 0.
 (b) device-to-host transfers: its TransferFromDeviceTime count at every step boundary, after
     waiting for the backend's reader thread, so a transfer counts at the step whose report
     asked for it. Steps that neither report (log_interval), evaluate nor checkpoint must show
@@ -30,7 +30,7 @@ checkpoint. Measured, against an ideal computed in the same run:
     + 4 L H Dh T per token (engine.models.llama.recompute_flops_per_token), which is what it is
     compared with (MFU itself never counts recomputation).
 (d) collectives in the same graphs, per kind: count and bytes (the whole tensor each moves:
-    an all-gather's output, a reduce-scatter's input; tests/hlo.py). XLA's CPU pipeline has
+    an all-gather's output, a reduce-scatter's input; testkit/hlo.py). XLA's CPU pipeline has
     no pass that turns an all-reduce whose users only keep their device's slice (dynamic-slice
     by partition id) into a reduce-scatter, as TPU's does, so that pattern is counted as a
     reduce-scatter. An all-gather whose operand comes from a sharded entry parameter (through
@@ -114,7 +114,7 @@ class GraphLog:
 
 
 def timed_counters():
-    from tests.recorders import XlaCounters
+    from testkit.recorders import XlaCounters
 
     class Timed(XlaCounters):
         """Also the wall time at each step boundary."""
@@ -165,7 +165,7 @@ def measure(args) -> dict:
     from engine.backends.xla import weight_partition
     from engine.models.llama import flops_per_token, recompute_flops_per_token
     from engine.train import Trainer
-    from tests.hlo import Hlo, collective_totals
+    from testkit.hlo import Hlo, collective_totals
 
     logs.configure("warning")
     spec = job_spec(args, args.data)
@@ -257,8 +257,8 @@ def measure(args) -> dict:
 def prepare_dataset(directory: Path) -> Path:
     """The stdlib corpus (engine.data.corpus) as byte-tokenized documents, 5% held out for eval."""
     from engine.data.corpus import stdlib_corpus
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
 
     text = stdlib_corpus(2_000_000).tobytes().decode("utf-8", errors="replace")
     source = directory / "docs.jsonl"

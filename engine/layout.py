@@ -34,7 +34,7 @@ class StateLayout:
         return self.state / "jobs" / job
 
     def gang_file(self, job: str) -> Path:
-        """The newest gang this host's workers formed for the job (tpud/gang/stores.py: Known)."""
+        """The newest gang this host's workers formed for the job (tpud/worker/gang/stores.py: Known)."""
         return self.job_dir(job) / "gang.json"
 
     def record_file(self, job: str) -> Path:

@@ -40,7 +40,7 @@ from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader, batch_geometry
 from engine.data.skips import merge_skips
 from engine.data.prefetch import Prefetcher
-from engine.errors import ConfigError
+from engine.errors import ConfigError, WorkerExit
 from engine.checkpoint.checkpointer import Checkpointer, Progress
 from engine.checkpoint.hosts import Hosts
 from engine.evaluation import Evaluator
@@ -58,7 +58,7 @@ from engine.checkpoint.manifest import parts
 from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
-from engine.models.moe import STATS, router_terms
+from engine.models.moe import STATS, require_static_capacity, router_terms
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
 from engine.report import Reporter, StepResult
@@ -115,14 +115,39 @@ class Trainer:
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
                                      inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
-        moe = spec.model.moe
-        if moe is not None and moe.capacity_factor is None and self.backend.name == "xla":  # backend auto on a TPU
-            raise ConfigError("model.moe.capacity_factor", "must be set on the xla backend: XLA compiles static "
-                              "shapes, so each expert gets a fixed number of seats (1.25 is usual)")
+        require_static_capacity(spec.model.moe, self.backend.name)
+        checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
+        micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
+        kernel, source = self._build_model(layout, checkpoints, micro_batch_size, accum, warm)
+        data = self._open_data(layout, source, micro_batch_size, accum)
+        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
+                                         self.backend, self.model, self.optimizer, self.loader.state_dict(),
+                                         self.hooks.emit, hosts, memory_dir=memory_dir(),
+                                         disruptions_per_hour=disruption_rate())
+        with self.badput.timing("restore"):
+            self._restore(hosts, warm)
+        self._watch_health()
+        self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
+                                 self.guard, self.badput, self.hooks.emit, router_stats=spec.model.moe is not None,
+                                 intervals=self.checkpointer.intervals)
+        self._deferred: Request | None = None
+        self.hooks.on_request(self._between_boundaries)
+        self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
+                 loss=self.loss_name, resumed_at=self.progress.step,
+                 precision="bf16" if self.bf16 else "fp32", **data.description,
+                 data_skips=[list(s) for s in self.loader.skips], **self.backend.describe())
+        self.badput.startup_ends()
+
+    def _build_model(self, layout: StateLayout, checkpoints: Path, micro_batch_size: int, accum,
+                     warm: Warm | None) -> tuple[str, str | None]:
+        """The model (kept, or built and given its weights), its loss, wrapper and optimizer; (the
+        attention kernel, the init_from directory when this start takes its weights)."""
+        spec = self.spec
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
-        checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
-        source = None  # the init_from directory, when this start takes its weights
+        source = None
         if warm is not None:
             self.model, weights = warm.model, None
         else:
@@ -137,13 +162,12 @@ class Trainer:
                 weights = hf_values(self.model, source)
             else:
                 weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
-        micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
         capacity = self.backend.memory_capacity()
         self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device, capacity)
-        loss_fn = build_loss(spec.loss, spec.model, per_device, self.backend.compile, capacity)
-        language_model = LanguageModel(self.model, loss_fn)
+        language_model = LanguageModel(self.model, build_loss(spec.loss, spec.model, per_device, self.backend.compile,
+                                                              capacity))
         if warm is None:
             for block in self.model.layers:
                 self.backend.compile(block)
@@ -159,7 +183,13 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)  # a step in flight is redone
         else:
             self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
-        data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source)
+        return kernel, source
+
+    def _open_data(self, layout: StateLayout, source: str | None, micro_batch_size: int, accum):
+        """The training batches (loader, prefetcher, skip ledger) and the evaluator: the opened data."""
+        spec = self.spec
+        data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source,
+                         validation=spec.eval is not None)
         self.ledger = SkipLedger(layout.skips_file(spec.name), micro_batch_size * self.backend.data.world,
                                  spec.data.skip)
         self.loader = PackedLoader(data.train, micro_batch_size, accum,
@@ -168,40 +198,40 @@ class Trainer:
         self.batches = Prefetcher(self.loader, self.backend.host_ready)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
-        self.evaluator = None
-        if spec.eval is not None:
-            if data.val is None:
-                raise ConfigError("eval", "the dataset has no validation split: prepare it with --val-fraction "
-                                  "or --val-docs")
-            self.evaluator = Evaluator(spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module,
-                                       self.bf16, self.badput, self.hooks.emit, spec.data.document_mask)
-        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
-                                         self.backend, self.model, self.optimizer, self.loader.state_dict(),
-                                         self.hooks.emit, hosts, memory_dir=memory_dir(),
-                                         disruptions_per_hour=disruption_rate())
-        with self.badput.timing("restore"):
-            if hosts is not None and hosts.source is not None:  # a live gang: its state, not a checkpoint
-                self.progress = Progress(warm.progress.step, 0, warm.progress.tokens_seen) if warm else Progress()
-                if warm is not None:
-                    self.loader.skips = merge_skips(self.loader.skips, warm.skips)
-                if hosts.transfer:
-                    try:
-                        self._take_live_state(hosts.source)
-                    except BaseException:  # the gang changed again: the next trainer wraps this model anew
-                        self.backend.release(self.module)
-                        raise
-                self.checkpointer.schedule.restored(self.progress.step)
-            else:
-                self.progress = self.checkpointer.restore() or Progress()
+        self.evaluator = None if spec.eval is None else Evaluator(
+            spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module, self.bf16, self.badput,
+            self.hooks.emit, spec.data.document_mask)
+        return data
+
+    def _restore(self, hosts: Hosts | None, warm: Warm | None) -> None:
+        """Where training goes on from: a live gang's state (kept, or sent by a peer), else the newest
+        checkpoint (checked against this spec and data), else step 0."""
+        if hosts is not None and hosts.source is not None:  # a live gang: its state, not a checkpoint
+            self.progress = Progress(warm.progress.step, 0, warm.progress.tokens_seen) if warm else Progress()
+            if warm is not None:
+                self.loader.skips = merge_skips(self.loader.skips, warm.skips)
+            if hosts.transfer:
+                try:
+                    self._take_live_state(hosts.source)
+                except BaseException:  # the gang changed again: the next trainer wraps this model anew
+                    self.backend.release(self.module)
+                    raise
+            self.checkpointer.schedule.restored(self.progress.step)
+        else:
+            self.progress = self.checkpointer.restore() or Progress()
         if (restored := self.checkpointer.restored) is not None:
             if hosts is not None or restored.hosts > 1:  # a gang's commit, or a gang resuming
                 check_resume(restored.fingerprint, self.checkpointer.fingerprint,
-                             spec.checkpoint.allow_spec_changes, restored.step)
+                             self.spec.checkpoint.allow_spec_changes, restored.step)
             self._check_same_data(self.checkpointer.restored_loader)
             # A checkpoint made on another host carries skips that this host's state file lacks.
             self.ledger.adopt(restored.data_skips)
             self.loader.skips = merge_skips(self.loader.skips, restored.data_skips)
         self.checkpointer.data_skips = self.loader.skips
+
+    def _watch_health(self) -> None:
+        """The bad-step guard, the replicas' check, the healer and the straggler watch."""
+        spec = self.spec
         self.guard = StepGuard(spec.health, self.backend, self.loader, self.ledger, self.hooks.emit, self.progress)
         self.replicas = ReplicaCheck(spec.health.replicas, self.backend, self.model, self.optimizer, self.job_dir)
         self.replicas.restored(self.progress)
@@ -209,18 +239,6 @@ class Trainer:
         self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
                              self.hooks.emit, self.replicas)
         self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
-        self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
-                                 self.guard, self.badput, self.hooks.emit, router_stats=moe is not None,
-                                 intervals=self.checkpointer.intervals)
-        self._deferred: Request | None = None
-        self.hooks.on_request(self._between_boundaries)
-        self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
-        n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
-                 loss=self.loss_name, resumed_at=self.progress.step,
-                 precision="bf16" if self.bf16 else "fp32", **data.description,
-                 data_skips=[list(s) for s in self.loader.skips], **self.backend.describe())
-        self.badput.startup_ends()
 
     @property
     def step(self) -> int:
@@ -276,7 +294,7 @@ class Trainer:
 
     def run(self) -> int:
         """Train to max_steps, or until a request, a bad step that cannot be healed or a fault ends
-        it: the exit code."""
+        it: the exit code (each of those raises WorkerExit where it is decided)."""
         p, max_steps = self.progress, self.spec.train.max_steps
         self.hooks.emit(events.Started(p.step, p.micro_step, self.badput.snapshot()))
         self.badput.startup_begins()  # until the first step is done: under XLA it compiles
@@ -286,31 +304,29 @@ class Trainer:
                 self.faults.at_step_boundary(0)
             while True:  # once more when the final save finds the last steps bad and rolls them back
                 while p.step < max_steps:
-                    if (request := self._request()) is not None and (code := self._act(request)) is not None:
-                        return code
+                    if (request := self._request()) is not None:
+                        self._act(request)
                     self.micro_batch()
                     if p.micro_step < self.loader.accum.at(p.step):
                         continue
                     result = self.optimizer_step()
                     self.replicas.record(result.step, result.values)
                     self.reporter.record(result)
-                    if (code := self._judge_stragglers()) is not None:
-                        return code
+                    self._judge_stragglers()
                     if self.guard.found is not None:
-                        if (code := self.healer.heal(self)) is not None:
-                            return code
+                        self.healer.heal(self)
                         continue
                     self.faults.at_step_boundary(p.step, self.model, self.backend.data.rank)
-                    if self.replicas.due(p.step) and (code := self._compare_replicas()) is not None:
-                        return code
+                    if self.replicas.due(p.step):
+                        self._compare_replicas()
                     if self.evaluator is not None and self.evaluator.due(p.step, max_steps):
                         self.evaluator.run(p.step)
-                    if (code := self._save_if_due()) is not None:
-                        return code
+                    self._save_if_due()
                 if self.evaluator is not None and self.evaluator.last_step != p.step:
                     self.evaluator.run(p.step)
-                if (code := self._final_save()) is not None:
-                    return code
+                self._final_save()
+        except WorkerExit as e:
+            return e.code
         finally:
             self.batches.close()
             self.backend.flush()
@@ -391,37 +407,34 @@ class Trainer:
             self._deferred = None
         return now
 
-    def _act(self, request: Request) -> int | None:
-        """Carry out a request; an exit code when the worker must stop."""
+    def _act(self, request: Request) -> None:
+        """Carry out a request; WorkerExit when the worker must stop."""
         if request.action is Action.STOP:
             log.info("stopping on request", step=self.step)
-            return exit_codes.STOPPED
+            raise WorkerExit(exit_codes.STOPPED)
         exiting = request.action is Action.CHECKPOINT_AND_EXIT
-        if (code := self._save("request", wait=exiting)) is not None:
-            return code
+        self._save("request", wait=exiting)
         if exiting:
             if self._committed_everywhere():
                 log.info("checkpointed, stopping on request", step=self.step, micro_step=self.progress.micro_step)
             else:  # stopping was asked for; the newest committed checkpoint is untouched and resumes
                 log.error("stopping on request without a checkpoint: it failed", step=self.step,
                           resumes_from=self.checkpointer.last_committed_step())
-            return exit_codes.STOPPED
-        return None
+            raise WorkerExit(exit_codes.STOPPED)
 
     def _committed_everywhere(self) -> bool:
         """Whether every rank committed the save just waited for (a rank may fail alone)."""
         failed = Request(Action.CHECKPOINT) if self.checkpointer.failures else None
         return self.backend.agree(failed) is None
 
-    def _final_save(self) -> int:
+    def _final_save(self) -> None:
         """The checkpoint at max_steps, retried until it commits: the trained state exists only in
         this process, so giving up would lose the whole run's work. Requests are still served
-        (and heartbeats sent) while waiting: a stop ends the wait, exiting 75. None when the last
-        steps were bad and rolled back: the loop trains on to max_steps."""
-        if (code := self._save("final", wait=True)) is not None:
-            return code
+        (and heartbeats sent) while waiting: a stop ends the wait, exiting 75. Returns when the last
+        steps were bad and rolled back: the loop trains on to max_steps; else WorkerExit(0)."""
+        self._save("final", wait=True)
         if self.step < self.spec.train.max_steps:
-            return None
+            return
         attempt = 0  # counted here, not by the checkpointer: every rank must wait (poll, agree) alike
         while not self._committed_everywhere():
             attempt += 1
@@ -431,29 +444,28 @@ class Trainer:
             for _ in range(round(delay / 0.2)):  # counted, not timed: every rank polls (agrees) alike
                 request = self._request()
                 if request is not None and request.action is not Action.CHECKPOINT:
-                    return self._act(request)
+                    self._act(request)  # a stop: it raises
                 if request is not None:
                     break
                 time.sleep(0.2)
             self._save("final", wait=True)
         log.info("training finished", step=self.step)
-        return exit_codes.OK
+        raise WorkerExit(exit_codes.OK)
 
-    def _save_if_due(self) -> int | None:
+    def _save_if_due(self) -> None:
         """An interval checkpoint when the checkpointer says one is due (to disk, or to the memory
         tier only); at max_steps the final save follows."""
         self.checkpointer.step_done()
         if self.step >= self.spec.train.max_steps:
-            return None
+            return
         if self.checkpointer.due(self.step):
-            return self._save("interval")
-        if self.checkpointer.memory_due(self.step):
-            return self._save("interval", memory_only=True)
-        return None
+            self._save("interval")
+        elif self.checkpointer.memory_due(self.step):
+            self._save("interval", memory_only=True)
 
-    def _save(self, reason: str, *, wait: bool = False, memory_only: bool = False) -> int | None:
+    def _save(self, reason: str, *, wait: bool = False, memory_only: bool = False) -> None:
         """Checkpoint, unless the state holds a bad step: then it is healed (rolled back) instead,
-        or the exit code when it cannot be."""
+        or WorkerExit when it cannot be."""
         with self.badput.timing("checkpoint"):
             if memory_only:  # the finished steps' values, for the guard to check
                 self.reporter.check_pending()
@@ -461,24 +473,23 @@ class Trainer:
                 self.reporter.report_pending()
             clean = self.guard.state_is_clean(self.progress)
         if not clean:
-            return self.healer.heal(self)
+            self.healer.heal(self)
+            return
         # No commit of a state the replicas differ on (a replay's time is not the checkpoint's; a
         # save before exiting has a deadline near, and no time for one).
-        exiting = reason == "request" and wait
-        if not memory_only and (code := self._compare_replicas(replay=not exiting)) is not None:
-            return code
+        if not memory_only:
+            self._compare_replicas(replay=not (reason == "request" and wait))
         with self.badput.timing("checkpoint"):
             if memory_only:
                 self.checkpointer.save_memory(self.progress)
             else:
                 self.checkpointer.save(self.progress, reason, wait=wait)
-        return None
 
-    def _compare_replicas(self, replay: bool = True) -> int | None:
-        """The replicas' fingerprints (engine.health.replicas): None when they agree or a replay
-        healed them in place, else the exit code."""
+    def _compare_replicas(self, replay: bool = True) -> None:
+        """The replicas' fingerprints (engine.health.replicas): returns when they agree or a replay
+        healed them in place, else WorkerExit."""
         if (mismatch := self.replicas.compare(self.step)) is None:
-            return None
+            return
         self.checkpointer.wait()
         self.checkpointer.forget_after(self.replicas.agreed)
         if not mismatch.odd and replay:
@@ -486,15 +497,14 @@ class Trainer:
                 mismatch = self.replicas.replay(mismatch, self)
             self.guard.rewound(self.progress)
             self.stragglers.reset()
-        return self.replicas.settle(mismatch, self.hooks.emit)
+        self.replicas.settle(mismatch, self.hooks.emit)
 
-    def _judge_stragglers(self) -> int | None:
-        """Every process's forward time against the others' (engine.health.stragglers): the exit
-        code when a straggler is evicted, after a save of the step all reached."""
-        if (code := self.stragglers.eviction(self.stragglers.step_done(self.step))) is None:
-            return None
-        saved = self._save("evict", wait=True)
-        return code if saved is None else saved
+    def _judge_stragglers(self) -> None:
+        """Every process's forward time against the others' (engine.health.stragglers): WorkerExit
+        when a straggler is evicted, after a save of the step all reached."""
+        if (code := self.stragglers.eviction(self.stragglers.step_done(self.step))) is not None:
+            self._save("evict", wait=True)
+            raise WorkerExit(code)
 
     # --- healing (engine.health.healing) ---
 

@@ -2,16 +2,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 # Fixtures that start real servers: fake-gcs-server, Debian's Prometheus, our GCE metadata server.
-pytest_plugins = ("tests.gcs_server", "tests.prometheus", "tests.metadata_server")
+pytest_plugins = ("testkit.gcs_server", "tests.prometheus", "testkit.metadata_server")
 
-REPO = Path(__file__).resolve().parent.parent
-TINY_JOB = REPO / "configs" / "jobs" / "tiny-cpu.yaml"
+from testkit import PYTHON, REPO, TINY_JOB, python_env  # noqa: F401  (tests import them from here too)
 
 
 def tiny(*overrides: str):
@@ -34,19 +32,6 @@ def memory(tmp_path, monkeypatch):
     return root / "tiny-cpu"
 
 
-def python_env(**extra: str) -> dict[str, str]:
-    """Environment for child Python processes that must import this checkout."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "TPUD_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    # Two trainers sharing the 2 cores (a reference beside the run under test, a worker beside its
-    # daemon's tests) each spin OpenMP's idle threads at every barrier: 8x slower steps with
-    # libgomp's active wait, 1.5x with the passive one. Numerically the same.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env.update(extra)
-    return env
-
-
-PYTHON = sys.executable
 
 
 def drop_memory_tiers(root: Path, depth: int = 4) -> None:

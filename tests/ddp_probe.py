@@ -14,7 +14,7 @@ from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests.recorders import StepLosses
+from testkit.recorders import StepLosses
 
 
 class RankZeroRequest(StepLosses):

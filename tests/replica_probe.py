@@ -11,7 +11,7 @@ import torch.distributed as dist
 from engine import events
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 
 def main(job: str, state_dir: str, *overrides: str) -> int:

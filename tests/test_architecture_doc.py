@@ -24,7 +24,7 @@ from tpud import cli
 from tpud.job import goodput
 from tpud.job.health import crashes
 from tpud.job.states import State
-from tpud.metrics import NOTICE_SOURCES, Metrics
+from tpud.metrics.series import NOTICE_SOURCES, Metrics
 from tpud.paths import Paths
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,20 +15,20 @@ import pytest
 import torch
 
 from engine.data import manifest as mf
-from engine.data import tokenizer as tk
+from engine.prepare import tokenizer as tk
 from engine.data.batch import IGNORE
 from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader
-from engine.data.packing import Packer
-from engine.data.pipeline import prepare
-from engine.data.prepare import Options, PrepareError
+from engine.prepare.packing import Packer
+from engine.prepare.pipeline import prepare
+from engine.prepare.command import Options, PrepareError
 from engine.data.shards import TokenStream, document_index
 from engine.errors import ConfigError
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests import corpus
+from testkit import corpus
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -197,7 +197,7 @@ def test_overlong_conversations_are_dropped_or_truncated_and_counted(tmp_path, t
 
 def test_a_conversation_of_thousands_of_turns_renders_only_the_turns_a_window_can_keep(tmp_path, tokenizer_dir,
                                                                                        monkeypatch):
-    from engine.data import chat
+    from engine.prepare import chat
 
     renders = []
     real = chat.Template.render
@@ -235,7 +235,7 @@ def test_a_conversation_the_template_refuses_is_named_or_skipped(tmp_path):
 
 
 def test_a_template_that_never_ends_fails_its_record_instead_of_stalling_prepare(tmp_path, monkeypatch):
-    from engine.data import chat
+    from engine.prepare import chat
 
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
     endless = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m['role'] == 'tool' %}"

@@ -1,4 +1,4 @@
-"""engine.data.chat: templates render as transformers renders them; records become messages; trained spans."""
+"""engine.prepare.chat: templates render as transformers renders them; records become messages; trained spans."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.data.chat import ChatError, Template, conversation, trained_spans
+from engine.prepare.chat import ChatError, Template, conversation, trained_spans
 
 LLAMA3 = """{{- bos_token }}
 {%- for message in messages %}

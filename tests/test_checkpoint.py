@@ -12,7 +12,7 @@ from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.train import Trainer
 from tests.conftest import tiny
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 # Each test trains and checkpoints for real, a few seconds each: with the end-to-end tests, not the unit tests.
 pytestmark = [pytest.mark.slow, pytest.mark.in_process]

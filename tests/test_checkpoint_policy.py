@@ -12,7 +12,7 @@ from engine.checkpoint.policy import DisruptionRate, IntervalPolicy, SecondsPoli
 from engine.checkpoint.schedule import SaveSchedule
 from engine.spec.schema import CheckpointConfig
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 
 def decided(save_s: float, per_hour: float, step_s: float = 0.05, **bounds) -> int:
@@ -143,7 +143,7 @@ def test_under_the_daemon_the_memory_tier_follows_its_policy(tiny_spec, tmp_path
 
 
 def test_the_daemon_hands_each_worker_the_rate_it_has_seen(tiny_spec, tmp_path):
-    from tpud.checkpoints.tiers import CheckpointTiers
+    from tpud.gcs.tiers import CheckpointTiers
     from tpud.job.health.restarts import Restarts
     from tpud.paths import Paths
 

@@ -10,12 +10,12 @@ import subprocess
 import pytest
 
 from tests.conftest import PYTHON, REPO, python_env
-from tests.gcs_server import free_port
-from tests.helpers import tpud_imports
+from testkit.gcs_server import free_port
+from testkit.helpers import tpud_imports
 from engine.checkpoint.hosts import record_holdings
 from engine.checkpoint.manifest import read_manifest, write_global, write_manifest
 from tests.test_gcs import BUCKET, FAST, make_step
-from tpud.checkpoints.gcs import GcsTier
+from tpud.gcs.tier import GcsTier
 
 
 def tpud(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from engine.checkpoint import manifest as mf
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 from tests.test_checkpoint import assert_same_training_state, job_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.in_process]

@@ -10,7 +10,7 @@ import pytest
 
 from engine.spec.loader import OVERRIDE_FILE, Problem, SpecError, dump_schema, load_job, load_spec
 from tpud.cli import main
-from tests.helpers import write
+from testkit.helpers import write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -302,8 +302,8 @@ def test_tpu_examples_select_splash_on_xla_and_the_8b_preset_is_llama3():
 
 
 def test_validate_checks_a_prepared_dataset_against_the_model(tmp_path, capsys):
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
 
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
     prepare(Options(inputs=(str(tmp_path / "in.jsonl"),), tokenizer="bytes", out=str(tmp_path / "data" / "ds"),

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.helpers import tpud_imports
+from testkit.helpers import tpud_imports
 from tpud.cli import main
 from tpud.control import MAX_CONNECTIONS, MAX_LINE, ControlClient, ControlError, ControlServer, DaemonUnreachable
 

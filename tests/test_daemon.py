@@ -15,7 +15,7 @@ import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO
-from tests.helpers import Daemon, cpu_seconds, job_text
+from testkit.helpers import Daemon, cpu_seconds, job_text
 from tpud.control import ControlClient
 from tpud.paths import Paths
 

@@ -6,7 +6,7 @@ from engine.backends.base import DataPosition
 from engine.data.batch import Batch
 from engine.data.corpus import stdlib_corpus
 from engine.errors import ConfigError
-from tests.recorders import array_loader
+from testkit.recorders import array_loader
 
 
 def test_stdlib_corpus_is_bounded_deterministic_python_source():

@@ -14,16 +14,16 @@ from engine.data import order
 from engine.data.dataset import Prepared, open_data
 from engine.data.batch import Batch
 from engine.data.loader import PackedLoader
-from engine.data.pipeline import prepare
-from engine.data.options import Options
+from engine.prepare.pipeline import prepare
+from engine.prepare.options import Options
 from engine.errors import ConfigError
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests import corpus
+from testkit import corpus
 from tests.conftest import TINY_JOB
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 TEXTS = corpus.docstrings(300)
 

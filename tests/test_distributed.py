@@ -10,7 +10,7 @@ from engine.checkpoint import manifest as mf
 from engine.checkpoint.manifest import read_manifest
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.recorders import StepLosses
+from testkit.recorders import StepLosses
 
 pytestmark = pytest.mark.slow
 COMMON = ["train.max_steps=4", "train.log_interval=2", "scheduler.warmup_steps=1", "data.seq_len=64",
@@ -46,9 +46,9 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tiny_spec, t
 def test_two_ddp_ranks_weigh_uneven_document_masked_targets_like_one_process(tiny_spec, tmp_path):
     """Short documents: each rank's slice holds its own number of targets; the gradients' average
     over ranks must still be the loss over every target of the global batch."""
-    from engine.data.pipeline import prepare
-    from engine.data.prepare import Options
-    from tests import corpus
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.command import Options
+    from testkit import corpus
 
     source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(300), "jsonl")
     prepare(Options(inputs=(str(source),), tokenizer="bytes", out=str(tmp_path / "docs"), workers=1, progress=False))

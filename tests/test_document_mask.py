@@ -20,8 +20,8 @@ from engine.backends.torch_native import KERNELS
 from engine.data.batch import IGNORE, Batch
 from engine.data.dataset import Shuffled, Windows, open_data
 from engine.data.loader import PackedLoader
-from engine.data.pipeline import prepare
-from engine.data.prepare import Options
+from engine.prepare.pipeline import prepare
+from engine.prepare.command import Options
 from engine.data.shards import ArrayStream
 from engine.errors import ConfigError
 from engine.hooks import Boundary
@@ -31,9 +31,9 @@ from engine.models.llama import Transformer, document_mask
 from engine.spec.loader import load_spec
 from engine.spec.schema import AttentionConfig, ModelConfig
 from engine.train import Trainer
-from tests import corpus
+from testkit import corpus
 from tests.conftest import TINY_JOB
-from tests.recorders import Recorder, StepLosses
+from testkit.recorders import Recorder, StepLosses
 
 TINY = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64)
 KERNEL_FNS = {"eager": eager_attention, "sdpa": sdpa_attention}

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from engine.checkpoint.manifest import committed_steps
-from tests.helpers import free_port, wait_until
+from testkit.helpers import free_port, wait_until
 from tests.test_multihost import STARTED, Host, wait_step
 
 pytestmark = pytest.mark.slow

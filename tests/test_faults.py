@@ -19,7 +19,7 @@ from engine.data.loader import AccumSchedule
 from engine.health.faults import SPIKE, Faults, NoFaults
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 ARGS = ("train.max_steps=6", "train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2",
         "data.seq_len=32", "data.corpus_bytes=400000", "checkpoint.interval_steps=2")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import committed, exited, wait_until
+from testkit.helpers import committed, exited, wait_until
 from tpud.paths import Paths
 from tpud.worker.forkserver import ForkServer
-from tpud.worker.process import WorkerProcess
+from tpud.children.process import WorkerProcess
 
 pytestmark = pytest.mark.slow  # real worker processes importing torch
 

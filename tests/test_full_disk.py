@@ -18,7 +18,7 @@ from engine import events, exit_codes
 from engine.checkpoint import manifest as mf
 from engine.requests import Action, Request
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 QUICK = ("train.log_interval=1", "scheduler.warmup_steps=1", "data.micro_batch_size=2", "data.seq_len=32",
          "checkpoint.interval_steps=4")
@@ -207,7 +207,7 @@ def test_a_checkpoint_directory_deleted_under_the_job_is_made_again(tiny_spec, t
 def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, small_fs):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.helpers import Daemon, job_text
+    from testkit.helpers import Daemon, job_text
 
     (tmp_path / "jobs.d").mkdir()
     job_dir = small_fs.mount / "disk"
@@ -262,8 +262,8 @@ def test_a_failure_after_the_commit_does_not_report_the_committed_step_as_failed
 
 def test_prepare_on_a_full_disk_fails_cleanly_and_a_rerun_after_making_room_succeeds(small_fs, tmp_path):
     from engine.data import manifest as dm
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
 
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"text": "x" * 1000 + str(i)}) + "\n" for i in range(3000)))  # ~3 MB

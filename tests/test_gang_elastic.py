@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from tpud.gang import stores
-from tpud.gang.formation import Seats, quorum
-from tpud.gang.member import GangMember
-from tests.helpers import free_port
+from tpud.worker.gang import stores
+from tpud.worker.gang.formation import Seats, quorum
+from tpud.worker.gang.member import GangMember
+from testkit.helpers import free_port
 
 
 def seats(seated, hosts=4, min_hosts=2, out=(), lost=(), last=(0, 1, 2, 3)) -> Seats:
@@ -148,7 +148,7 @@ def test_status_shows_the_members_who_is_missing_since_when_and_the_shrinks_and_
     from engine import events
     from tpud.gang.discovery import GangPlace
     from tpud.job.gang import GangView
-    from tpud.metrics import Metrics
+    from tpud.metrics.series import Metrics
     from tpud.view.status import gang_line
 
     now = [1000.0]

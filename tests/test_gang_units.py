@@ -85,7 +85,7 @@ def test_a_host_finds_its_place_in_settings_then_the_tpu_environment():
 
 
 def test_the_worker_gets_its_place_and_whether_to_watch_its_peers(monkeypatch):
-    from tpud.gang.member import GangMember
+    from tpud.worker.gang.member import GangMember
 
     for restart_peers in (True, False):
         settings = Settings.model_validate({"gang": {"host_index": 1, "host_count": 2, "coordinator": "[::1]:5000",
@@ -165,10 +165,10 @@ def test_the_gangs_first_member_uploads_to_gcs_and_logs_to_wandb_host_0_unless_t
     from structlog.testing import capture_logs
 
     from engine import events
-    from tpud.checkpoints.tiers import CheckpointTiers
+    from tpud.gcs.tiers import CheckpointTiers
     from tpud.gang.discovery import GangPlace
     from tpud.job.gang import GangView
-    from tpud.metrics import Metrics
+    from tpud.metrics.series import Metrics
     from tpud.paths import Paths
     from tpud.tracking import JobTracker
 

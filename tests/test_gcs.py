@@ -1,4 +1,4 @@
-"""The GCS tier against a real GCS server (fake-gcs-server, tests/gcs_server.py)."""
+"""The GCS tier against a real GCS server (fake-gcs-server, testkit/gcs_server.py)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from engine.checkpoint.manifest import (
     write_manifest,
 )
 from engine.checkpoint.policy import SecondsPolicy, young_seconds
-from tests.gcs_server import GcsServer
-from tpud.checkpoints.gcs import GcsTier, RemoteConflict, RemoteCorrupt, RemoteUnavailable, RetryPolicy
-from tpud.checkpoints.uploader import Uploader, ensure_newest_local
+from testkit.gcs_server import GcsServer
+from tpud.gcs.tier import GcsTier, RemoteConflict, RemoteCorrupt, RemoteUnavailable, RetryPolicy
+from tpud.gcs.uploader import Uploader, ensure_newest_local
 
 BUCKET = "tpud-test"
 REMOTE = f"gs://{BUCKET}/ckpt/run1"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import Daemon, children_by_kind, exits, metric
+from testkit.helpers import Daemon, children_by_kind, exits, metric
 from tests.test_tracking import history_rows, offline_runs
 
 pytestmark = pytest.mark.slow

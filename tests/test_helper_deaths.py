@@ -12,8 +12,8 @@ import time
 import pytest
 
 from engine.checkpoint import manifest as mf
-from tests.gcs_server import free_port
-from tests.helpers import Daemon, children_by_kind, exited, job_text, wait_until
+from testkit.gcs_server import free_port
+from testkit.helpers import Daemon, children_by_kind, exited, job_text, wait_until
 
 pytestmark = pytest.mark.slow
 

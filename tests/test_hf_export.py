@@ -11,15 +11,15 @@ import transformers
 from safetensors import safe_open
 
 from engine.attention.sdpa import sdpa_attention
-from engine.data.pipeline import prepare
-from engine.data.options import Options
+from engine.prepare.pipeline import prepare
+from engine.prepare.options import Options
 from engine.hf.export import ExportError, export
 from engine.requests import Action, Request
 from engine.models.llama import Transformer
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.corpus import docstrings, make_tokenizer, write
-from tests.recorders import Recorder
+from testkit.corpus import docstrings, make_tokenizer, write
+from testkit.recorders import Recorder
 from tests.test_hf_import import hf_model, job
 from tpud.cli import main
 
@@ -194,7 +194,7 @@ def test_cli_picks_steps_and_explains_what_is_missing(trained, tmp_path, capsys)
 @pytest.mark.slow
 def test_export_from_the_gcs_tier_on_a_fresh_host(trained, tmp_path, gcs_server):
     """The checkpoint exists only on GCS (a recreated VM): `tpud export --tier gcs` downloads and exports it."""
-    from tpud.checkpoints.gcs import GcsTier
+    from tpud.gcs.tier import GcsTier
 
     spec, home, _ = trained
     remote = "gs://tpud-test/ckpt"

@@ -15,7 +15,7 @@ from engine.models.llama import Transformer
 from engine.spec.loader import SpecError, load_spec
 from engine.train import Trainer
 from tests.conftest import TINY_JOB
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -127,9 +127,9 @@ def test_a_model_on_gcs_is_read_through_the_host_cache(tmp_path, gcs_server):
 
 
 def test_a_dataset_must_use_the_tokenizer_of_the_model_it_trains(tmp_path, capsys):
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
-    from tests.corpus import docstrings, make_tokenizer, write
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
+    from testkit.corpus import docstrings, make_tokenizer, write
     from tpud.cli import main
 
     texts = docstrings(200)
@@ -152,3 +152,18 @@ def test_a_dataset_must_use_the_tokenizer_of_the_model_it_trains(tmp_path, capsy
     with pytest.raises(ConfigError, match="data.dataset: prepared with another tokenizer"):
         Trainer(load_spec(tmp_path / "other.yaml"), tmp_path / "state", Recorder())
     Trainer(load_spec(tmp_path / "same.yaml"), tmp_path / "state", Recorder())
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_rope_scaling_keeps_a_mixture_of_experts_and_qwen3s_norms(tmp_path, model_type):
+    """The rope scaling's type once overwrote the model's: a Mixtral or Qwen3-MoE with llama3 rope
+    scaling read as a dense model (and a Qwen3 without its q/k norms)."""
+    from engine.hf.config import model_fields
+
+    config = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+              "intermediate_size": 128, "vocab_size": 256, "rope_scaling": ROPE_LLAMA3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fields = model_fields(tmp_path)
+    assert fields["moe"]["top_k"] == (2 if model_type == "mixtral" else 8)
+    assert fields.get("qk_norm", False) == (model_type == "qwen3_moe")
+    assert fields["rope_scaling"]["rope_type"] == "llama3"

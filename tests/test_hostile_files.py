@@ -16,7 +16,7 @@ from engine import exit_codes
 from engine.spec import loader as specfile
 from engine.spec.loader import LIMITS, SpecError, load_spec
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.hostile import TOO_DEEP, TOO_MANY, write_corpus
+from testkit.hostile import TOO_DEEP, TOO_MANY, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +235,8 @@ def test_run_refuses_a_hostile_file_as_bad_input(corpus, tmp_path):
         assert took < bound, (name, took, bound)
 
 
-def test_the_limits_are_stated_in_the_readme():
-    readme = (REPO / "README.md").read_text()
+def test_the_limits_are_stated_in_the_job_files_guide():
+    readme = (REPO / "docs" / "job-files.md").read_text()
     assert "1 MiB" in readme and f"{LIMITS.nodes:,}" in readme and f"{LIMITS.depth} levels" in readme
 
 
@@ -251,7 +251,7 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-DAEMON_RSS_BOUND = 300 << 20  # README: what the daemon stays under while reading hostile files
+DAEMON_RSS_BOUND = 300 << 20  # docs/job-files.md: what the daemon stays under while reading hostile files
 # A stall, not a speed target: a loop blocked on a FIFO or parsing a bomb answers in seconds or never.
 # bench/hostile_files.py holds the daemon to 100 ms on a quiet machine; here the other lane of
 # `make test` shares the 2 cores, and one answer took 150 ms that way.
@@ -261,7 +261,7 @@ STATUS_BOUND_S = 0.5
 @pytest.mark.slow
 def test_a_running_daemon_rejects_the_corpus_while_training_and_answering(tmp_path):
     from tpud.control import ControlClient
-    from tests.helpers import Daemon, job_text
+    from testkit.helpers import Daemon, job_text
 
     jobs_dir = tmp_path / "jobs.d"
     jobs_dir.mkdir()

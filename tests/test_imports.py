@@ -105,7 +105,7 @@ def circle_through(graph: dict[str, set[str]], component: set[str]) -> list[str]
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "engine.spec.schema" in graph["engine.spec.loader"]  # from engine.spec.schema import ...
-    assert "engine.checkpoint.manifest" in graph["tpud.job.checkpoints"]  # from engine.checkpoint import manifest
+    assert "engine.checkpoint.manifest" in graph["tpud.job.commits"]  # from engine.checkpoint import manifest
     assert "engine.train" in graph["tpud.worker.entry"]  # an import inside a function
     assert "engine.events" in graph["tpud.worker.entry"]  # from engine import events
 
@@ -135,3 +135,27 @@ def test_the_job_class_and_the_checkpoint_modules_stay_small():
     assert job.end_lineno - job.lineno + 1 <= 300, "the Job class grew past 300 lines: route the event to its owner"
     for path in sorted((ROOT / "engine/checkpoint").glob("*.py")):
         assert len(path.read_text().splitlines()) <= 400, f"{path.name} grew past 400 lines: split a responsibility out"
+
+
+def test_benchmarks_import_the_shared_testkit_not_the_tests():
+    """bench/ and tests/ share servers, recorders and helpers through testkit/: a benchmark that
+    imported tests/ would run its conftest and tie the two together."""
+    offenders = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {name}" for name in names if name == "tests" or name.startswith("tests.")]
+    assert not offenders, offenders
+
+
+def test_no_function_is_longer_than_a_screen():
+    """A function over 60 lines mixes phases: split it where they change (issue 43)."""
+    long = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

@@ -367,7 +367,7 @@ def test_a_damaged_job_record_starts_afresh(make_job, tmp_path):
 
 
 def test_workers_never_inherit_the_service_managers_sockets(monkeypatch):
-    from tpud.worker.process import worker_env
+    from tpud.children.process import worker_env
 
     for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"):
         monkeypatch.setenv(name, "x")
@@ -503,7 +503,7 @@ def test_a_transition_outside_the_table_is_refused():
 
 
 def test_a_validation_loss_reaches_status_and_metrics(make_job):
-    from tpud.metrics import Metrics as RealMetrics
+    from tpud.metrics.series import Metrics as RealMetrics
 
     make, now = make_job
     job = make(metrics=(metrics := RealMetrics()))
@@ -514,7 +514,7 @@ def test_a_validation_loss_reaches_status_and_metrics(make_job):
 
 
 def test_the_checkpoint_interval_metric_is_the_shorter_of_the_step_and_time_intervals(make_job):
-    from tpud.metrics import Metrics as RealMetrics
+    from tpud.metrics.series import Metrics as RealMetrics
 
     make, now = make_job
     metrics = RealMetrics()
@@ -530,7 +530,7 @@ def test_the_checkpoint_interval_metric_is_the_shorter_of_the_step_and_time_inte
 def test_a_checkpoint_committed_before_the_daemon_started_is_in_status_and_metrics_from_the_start(make_job, tmp_path):
     """Else a daemon restarted on a job whose saves then stall never raises TpudCheckpointOverdue."""
     from engine.checkpoint.manifest import Manifest, step_dir_name, write_manifest
-    from tpud.metrics import Metrics as RealMetrics
+    from tpud.metrics.series import Metrics as RealMetrics
 
     job_dir = Paths.resolve(tmp_path).layout.checkpoints("j", None)
     for step, at in ((40, 1_700_000_000.0), (80, 1_700_000_600.0)):
@@ -547,7 +547,7 @@ def test_a_checkpoint_committed_before_the_daemon_started_is_in_status_and_metri
 
 
 def test_a_failed_upload_is_a_failing_gcs_tier_in_status_until_the_next_upload(make_job):
-    from tpud.checkpoints.gcs import Transfer
+    from tpud.gcs.tier import Transfer
 
     make, _ = make_job
     job = make(checkpoint={"remote": "gs://bucket/ckpt"})

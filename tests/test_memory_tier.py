@@ -22,8 +22,8 @@ from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 from engine.train import Trainer
 from tests.conftest import tiny
-from tests.helpers import Daemon, metric, wait_until, write
-from tests.recorders import Recorder
+from testkit.helpers import Daemon, metric, wait_until, write
+from testkit.recorders import Recorder
 from tests.test_checkpoint import assert_same_training_state, job_dir
 from tpud.job.memory import JobMemory, MemoryBudget, state_bytes
 from tpud.paths import Paths

@@ -1,6 +1,6 @@
-"""tpud.metadata against our own metadata server (tests/metadata_server.py): real sockets and threads.
+"""tpud.metadata against our own metadata server (testkit/metadata_server.py): real sockets and threads.
 
-Run with the plugin that provides the metadata_server fixture: pytest -p tests.metadata_server.
+Run with the plugin that provides the metadata_server fixture: pytest -p testkit.metadata_server.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from structlog.testing import capture_logs
 
-from tests.helpers import wait_until as wait
-from tests.metadata_server import MetadataServer
+from testkit.helpers import wait_until as wait
+from testkit.metadata_server import MetadataServer
 from tpud.metadata import OFF_CLOUD_MESSAGE, MetadataWatcher, Notice, resolve_host
 
 PREEMPTED = "instance/preempted"

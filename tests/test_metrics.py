@@ -1,4 +1,4 @@
-"""tpud.metrics: every series scraped over HTTP and parsed, and one scrape by a real Prometheus."""
+"""tpud.metrics.series: every series scraped over HTTP and parsed, and one scrape by a real Prometheus."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 import tpud
-from tpud import exporter
-from tpud.metrics import (
+from tpud.metrics import listener as exporter
+from tpud.metrics.series import (
     CHECKPOINT_BUCKETS,
     JOB_STATES,
     Metrics,
@@ -330,7 +330,7 @@ def test_real_prometheus_scrapes_the_exporter(prometheus):  # noqa: F811
         m.close()
 
 
-# --- the HTTP listener (tpud/exporter.py) ------------------------------------------------------------
+# --- the HTTP listener (tpud/metrics/listener.py) ------------------------------------------------------------
 
 def http(address: tuple[str, int], request: bytes, timeout: float = 10) -> bytes:
     """Send `request` raw and read the whole answer (the listener closes after it)."""
@@ -414,7 +414,7 @@ def test_the_auto_intervals_of_the_worker_and_the_uploader_reach_status_and_metr
     from engine import events
     from engine.checkpoint.policy import Interval
     from engine.spec.schema import CheckpointConfig
-    from tpud.job.checkpoints import JobCheckpoints
+    from tpud.job.commits import JobCheckpoints
     from tpud.view.status import lines
 
     posted = []
@@ -445,7 +445,7 @@ def test_the_auto_intervals_of_the_worker_and_the_uploader_reach_status_and_metr
 def test_rollbacks_reach_the_counters_and_status_with_the_skip_ledger(metrics, tmp_path):
     from engine import events
     from engine.health.ledger import SkipLedger
-    from tests.recorders import array_loader
+    from testkit.recorders import array_loader
     from tpud.job.report import WorkerReport
     from tpud.view.status import lines
 

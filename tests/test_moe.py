@@ -25,8 +25,8 @@ from engine.spec.loader import SpecError, load_mapping, load_spec
 from engine.spec.schema import ModelConfig, MoEConfig
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.helpers import metric, read_records
-from tests.recorders import Recorder
+from testkit.helpers import metric, read_records
+from testkit.recorders import Recorder
 from tests.states import assert_same_state, checkpoint_state
 from tests.test_hf_export import weights
 from tests.test_hf_import import job
@@ -344,7 +344,7 @@ def test_a_tiny_moe_under_tpud_run_shows_its_routers_and_resumes_bit_for_bit_aft
 
 def test_the_routers_figures_reach_status_and_prometheus():
     from tpud.job.report import WorkerReport
-    from tpud.metrics import Metrics
+    from tpud.metrics.series import Metrics
     from tpud.view.status import lines
 
     metrics = Metrics()

@@ -20,7 +20,7 @@ import pytest
 
 from engine.checkpoint.manifest import committed_steps
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.helpers import Daemon, free_port, job_text, metric, wait_until
+from testkit.helpers import Daemon, free_port, job_text, metric, wait_until
 from tpud.paths import Paths
 
 pytestmark = pytest.mark.slow

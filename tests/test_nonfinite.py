@@ -18,13 +18,13 @@ from engine.checkpoint import manifest as mf
 from engine.data.batch import Batch
 from engine.data.loader import AccumSchedule, merge_skips
 from engine.health.ledger import SkipLedger
-from tests.recorders import array_loader
+from testkit.recorders import array_loader
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.layout import StateLayout
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 # --- the loader's skips ---
 

@@ -16,9 +16,9 @@ from structlog.testing import capture_logs
 from tpud.daemon import Daemon
 from tpud.jobfiles.offloop import OffLoop
 from tpud.paths import Paths
-from tpud.respawn import BACKOFF
+from tpud.children.respawn import BACKOFF
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.helpers import children_of, exited, wait_until
+from testkit.helpers import children_of, exited, wait_until
 
 
 # Reads run in the helper process: module-level, so that they can be pickled.
@@ -166,7 +166,7 @@ def test_a_process_whose_reader_was_killed_exits_at_once(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
         import os, queue, signal, sys, time
-        from tests.helpers import children_of
+        from testkit.helpers import children_of
         from tests.test_offloop import echo
         from tpud.jobfiles.offloop import OffLoop
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.conftest import PYTHON, REPO, python_env
-from tests.helpers import Daemon, job_text, wait_until, write
+from testkit.helpers import Daemon, job_text, wait_until, write
 from tests.prometheus import prometheus  # noqa: F401  (the fixture)
 from tpud.paths import Paths
 
@@ -60,14 +60,14 @@ def test_the_alert_rules_pass_promtool_check_and_their_unit_tests():
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
 
 
-def test_every_alert_has_a_summary_a_runbook_in_the_readme_and_a_unit_test():
+def test_every_alert_has_a_summary_a_runbook_in_the_monitoring_guide_and_a_unit_test():
     rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
     tests = (ALERTS.parent / "tpud-alerts.test.yml").read_text()
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "monitoring.md").read_text()
     assert len(rules) >= 9
     for rule in rules:
         name = rule["alert"]
-        assert rule["annotations"]["summary"] and rule["annotations"]["runbook"] == f"README.md#alerts: {name}"
+        assert rule["annotations"]["summary"] and rule["annotations"]["runbook"] == f"docs/monitoring.md#alerts: {name}"
         assert re.search(rf"^\| `{name}` \|.+\|.+\|$", readme, re.MULTILINE), f"no runbook line for {name}"
         assert f"alertname: {name}\n" in tests, f"no promtool test of {name}"
 
@@ -153,9 +153,9 @@ class Terminal:
 
 @pytest.fixture
 def dataset(tmp_path) -> Path:
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
-    from tests import corpus
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
+    from testkit import corpus
 
     source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(200), "jsonl")
     out = tmp_path / "dataset"

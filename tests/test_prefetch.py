@@ -7,7 +7,7 @@ import torch
 
 from engine.data.loader import AccumSchedule
 from engine.data.prefetch import Prefetcher
-from tests.recorders import array_loader
+from testkit.recorders import array_loader
 
 
 def test_batches_are_the_loaders_in_order_after_jumps_and_when_skips_change():

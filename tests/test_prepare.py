@@ -14,9 +14,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.data import manifest as mf
-from engine.data.pipeline import prepare
-from engine.data.options import Options, PrepareError
-from tests import corpus
+from engine.prepare.pipeline import prepare
+from engine.prepare.options import Options, PrepareError
+from testkit import corpus
 from tests.conftest import PYTHON, REPO, python_env
 
 TEXTS = corpus.docstrings(120)
@@ -172,7 +172,7 @@ def test_the_validation_split_is_chosen_by_document(tmp_path):
 def test_an_interrupted_prepare_leaves_no_dataset_and_a_rerun_finishes_it(tmp_path):
     big = corpus.write(tmp_path / "big.jsonl", list(TEXTS) * 150, "jsonl")  # ~10 MB
     out = tmp_path / "out"
-    args = [PYTHON, "-m", "engine.data.prepare", str(big), "--tokenizer", "bytes", "--out", str(out),
+    args = [PYTHON, "-m", "engine.prepare.command", str(big), "--tokenizer", "bytes", "--out", str(out),
             "--shard-tokens", "100000", "--workers", "1", "--no-progress"]
     proc = subprocess.Popen(args, cwd=REPO, env=python_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -273,7 +273,7 @@ def test_a_record_past_max_doc_bytes_is_a_named_problem_and_skip_keeps_the_rest(
 def test_reading_a_decompression_bomb_holds_no_more_than_the_limit(tmp_path):
     import tracemalloc
 
-    from engine.data import sources
+    from engine.prepare import sources
 
     bomb = _bomb(tmp_path / "bomb.jsonl", 64 << 20, ".gz")  # 64 MiB in one line, 64 KiB on disk
     [source] = sources.discover([str(bomb)])
@@ -301,7 +301,7 @@ def test_a_text_file_past_the_limit_is_cut_into_documents_at_line_breaks(tmp_pat
 
 
 def test_a_long_document_encodes_in_pieces_to_the_same_ids(hf_tokenizer):
-    from engine.data import tokenizer as tk
+    from engine.prepare import tokenizer as tk
 
     tok = tk.load(str(hf_tokenizer))
     texts = [" ".join(TEXTS[:40]), TEXTS[0], "\n\n".join(TEXTS[40:60])]

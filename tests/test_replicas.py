@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.errors import WorkerExit
 from engine.health.faults import flip_bit
 from engine.health.replicas import (NEVER, Mismatch, ReplicaCheck, departure, fingerprint, first_to_depart,
                                     odd_ones, where)
 from engine.spec.schema import BitFlip
-from tests.helpers import committed, data_parallel
+from testkit.helpers import committed, data_parallel
 
 
 def model_and_optimizer(seed: int = 0):
@@ -109,7 +110,9 @@ def test_a_mismatch_that_cannot_be_recorded_still_quarantines_and_restarts(tmp_p
     for rank, code in ((0, 79), (1, 77)):
         check = ReplicaCheck(ReplicaConfig(), SimpleNamespace(data=SimpleNamespace(world=1, rank=rank)),
                              *model_and_optimizer(), tmp_path / "job")
-        assert check.settle(Mismatch(6, [1, 2], [0], "replay"), emitted.append) == code
+        with pytest.raises(WorkerExit) as exited:
+            check.settle(Mismatch(6, [1, 2], [0], "replay"), emitted.append)
+        assert exited.value.code == code
     assert [e.odd for e in emitted] == [[0], [0]]
 
 

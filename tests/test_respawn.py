@@ -1,8 +1,8 @@
-"""When a helper process that died starts again (tpud/respawn.py), with an injected clock."""
+"""When a helper process that died starts again (tpud/children/respawn.py), with an injected clock."""
 
 import pytest
 
-from tpud.respawn import Respawn
+from tpud.children.respawn import Respawn
 
 
 def test_a_helper_that_lived_starts_again_at_once_and_one_that_keeps_dying_young_backs_off():

@@ -10,7 +10,7 @@ import pytest
 
 from engine import exit_codes
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.helpers import read_records
+from testkit.helpers import read_records
 
 pytestmark = pytest.mark.slow
 QUICK = ["data.corpus_bytes=400000", "data.micro_batch_size=4", "data.seq_len=64", "scheduler.warmup_steps=1",
@@ -135,9 +135,9 @@ def test_run_uploads_each_commit_and_a_fresh_host_resumes_from_gcs(tmp_path, gcs
 
 
 def test_run_trains_on_a_gs_dataset_fetched_by_the_supervisor_and_reports_eval_loss(tmp_path, gcs_server):
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
-    from tests import corpus
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
+    from testkit import corpus
 
     texts = corpus.docstrings(200)
     source = corpus.write(tmp_path / "docs.jsonl", texts, "jsonl")

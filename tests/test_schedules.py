@@ -9,13 +9,13 @@ from engine.backends.base import DataPosition
 from engine.spec.schema import SchedulerConfig, TrainConfig
 from engine.data.batch import Batch
 from engine.data.loader import AccumSchedule
-from tests.recorders import array_loader
+from testkit.recorders import array_loader
 from engine import events
 from engine.hooks import Boundary
 from engine.optim.schedule import decay_start, lr_factor
 from engine.spec.loader import SpecError, load_spec
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 
 def factors(cfg, max_steps):

@@ -14,7 +14,7 @@ from engine import events, exit_codes
 from engine.health.spikes import SpikeDetector
 from engine.spec.schema import SpikeConfig
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 
 def series(n: int, seed: int, start: float = 4.0, end: float = 2.0, noise: float = 0.05) -> list[tuple[float, float]]:
@@ -83,9 +83,9 @@ STEPS = 400
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory):
     """Learnable text (the standard library's docstrings, bytes) and a dataset of random bytes."""
-    from engine.data.options import Options
-    from engine.data.pipeline import prepare
-    from tests import corpus
+    from engine.prepare.options import Options
+    from engine.prepare.pipeline import prepare
+    from testkit import corpus
 
     root = tmp_path_factory.mktemp("spikes")
     rng = random.Random(0)

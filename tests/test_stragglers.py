@@ -11,7 +11,7 @@ import pytest
 from engine.health.faults import Faults
 from engine.health.stragglers import StragglerJudge
 from engine.spec.schema import InjectConfig
-from tests.helpers import committed, data_parallel
+from testkit.helpers import committed, data_parallel
 
 
 def noisy(rng: random.Random, ranks: int, slow: dict[int, float] | None = None) -> list[float]:

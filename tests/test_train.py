@@ -11,7 +11,7 @@ from engine.checkpoint import manifest as mf
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.train import Trainer
-from tests.recorders import Recorder, StepLosses
+from testkit.recorders import Recorder, StepLosses
 
 SHORT = ("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=2", "data.micro_batch_size=4",
          "data.seq_len=64")

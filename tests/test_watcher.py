@@ -14,7 +14,7 @@ import pytest
 import tpud.jobfiles.reading as reading
 from tpud.jobfiles.reading import JobFile, is_job_file, scan
 from tpud.jobfiles.watcher import Watcher
-from tests.helpers import write
+from testkit.helpers import write
 
 pytestmark = pytest.mark.timeout(60)
 

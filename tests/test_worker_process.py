@@ -1,11 +1,11 @@
-"""tpud.worker.process without a worker: what it reads of a process from /proc."""
+"""tpud.children.process without a worker: what it reads of a process from /proc."""
 
 import os
 import signal
 import subprocess
 
-from tests.helpers import wait_until
-from tpud.worker.process import process_stopped
+from testkit.helpers import wait_until
+from tpud.children.process import process_stopped
 
 
 def test_a_stopped_process_is_recognised():

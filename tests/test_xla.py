@@ -13,7 +13,7 @@ import pytest
 
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.recorders import StepLosses
+from testkit.recorders import StepLosses
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -148,12 +148,12 @@ def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_b
 
     from engine.attention.eager import eager_attention
     from engine.backends.xla import weight_partition
-    from engine.data.pipeline import prepare
-    from engine.data.options import Options
+    from engine.prepare.pipeline import prepare
+    from engine.prepare.options import Options
     from engine.models.llama import Transformer
     from engine.spec.loader import load_spec
-    from tests import corpus
-    from tests.hlo import collective_totals, step_graph
+    from testkit import corpus
+    from testkit.hlo import collective_totals, step_graph
 
     source = corpus.write(tmp_path / "docs.jsonl", corpus.docstrings(300), "jsonl")
     prepare(Options(inputs=(str(source),), tokenizer="bytes", out=str(tmp_path / "docs"), val_fraction=0.1,
@@ -199,7 +199,7 @@ def test_after_warm_up_a_step_is_one_fsdp_graph_never_recompiled_nor_read_back_b
 def test_activation_checkpointing_recomputes_each_block_in_the_step_graph(xla_run, tmp_path):
     from engine.models.llama import flops_per_token, recompute_flops_per_token
     from engine.spec.loader import load_spec
-    from tests.hlo import step_graph
+    from testkit.hlo import step_graph
 
     dump = tmp_path / "hlo"
     run = run_xla(tmp_path, "model.activation_checkpointing=true",

@@ -10,7 +10,7 @@ import pytest
 
 from engine.train import Trainer
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
-from tests.recorders import StepLosses
+from testkit.recorders import StepLosses
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla

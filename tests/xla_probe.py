@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests.recorders import XlaCounters
+from testkit.recorders import XlaCounters
 
 
 def attention_checks(backend) -> dict:

@@ -15,7 +15,7 @@ import torch
 from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
-from tests.recorders import Recorder
+from testkit.recorders import Recorder
 
 
 def main(job: str, home: str, stop: str, *overrides: str) -> None:

@@ -85,7 +85,7 @@ def _add_validate(subparsers: Subparsers) -> None:
 
 
 def _add_prepare(subparsers: Subparsers) -> None:
-    from engine.data import prepare
+    from engine.prepare import command as prepare
 
     parser = subparsers.add_parser("prepare", help="tokenize texts into a dataset jobs train on",
                                    description=prepare.DESCRIPTION)
@@ -95,7 +95,7 @@ def _add_prepare(subparsers: Subparsers) -> None:
 
 
 def _add_export(subparsers: Subparsers) -> None:
-    from tpud import export
+    from tpud.commands import export
 
     parser = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model",
                                    description=export.DESCRIPTION)
@@ -105,7 +105,7 @@ def _add_export(subparsers: Subparsers) -> None:
 
 
 def _add_profile(subparsers: Subparsers) -> None:
-    from tpud import profile
+    from tpud.commands import profile
 
     parser = subparsers.add_parser("profile", help="where a job's step time goes", description=profile.DESCRIPTION)
     profile.add_arguments(parser)
@@ -198,109 +198,9 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
-    import json
-    import time
+    from tpud.commands.checkpoints import run
 
-    from engine.checkpoint.hosts import holders
-    from engine.checkpoint.manifest import is_global, parts, problems
-    from engine.health.ledger import summary_of
-    from engine.spec.loader import SpecError, load_spec
-    from tpud.paths import Paths
-
-    try:
-        spec = load_spec(args.job)
-    except SpecError as e:
-        print(e, file=sys.stderr)
-        return EXIT_FAILED
-    now = time.time()
-    paths = Paths.resolve(args.home)
-    job_dir = paths.layout.checkpoints(spec.name, spec.checkpoint.dir)
-    memory_dir = paths.memory / spec.name
-    tiers: dict[str, list[dict]] = {"memory": []} if memory_dir.is_dir() else {}
-    tiers["local"] = []
-    errors: dict[str, str] = {}
-    held = holders(job_dir)
-    for tier_name, directory_of_tier in (("memory", memory_dir), ("local", job_dir)):
-        for step, directory, manifest in parts(directory_of_tier) if tier_name in tiers else ():
-            issues = problems(directory, manifest, checksums=False)
-            # A memory state is its host's own: it restores only when every host holds the step.
-            committed = tier_name == "memory" or is_global(directory, manifest)
-            tiers[tier_name].append(dict(
-                step=step, micro_step=manifest.micro_step, bytes=manifest.total_bytes, files=len(manifest.files),
-                reason=manifest.reason, created_unix=manifest.created_unix,
-                age_seconds=round(now - manifest.created_unix, 1), ok=not issues, problems=issues,
-                location=str(directory), data_skips=[list(r) for r in manifest.data_skips],
-                **_hosts_of(manifest, held if tier_name == "local" else {}, committed)))
-    if spec.checkpoint.remote:
-        import logging
-
-        import structlog  # only the GCS tier logs: 0.2 s of imports a local listing need not wait for
-
-        from tpud.checkpoints.gcs import GcsTier, RemoteError, RetryPolicy
-
-        # Only errors are logged, to stderr: stdout is the table or the JSON; retries are quiet.
-        structlog.configure(processors=[structlog.processors.add_log_level,
-                                        structlog.dev.ConsoleRenderer(colors=False)],
-                            logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-                            wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-        tiers["gcs"] = []
-        tier = GcsTier(spec.checkpoint.remote, spec.name,
-                       retry=RetryPolicy(initial=0.2, maximum=2.0, deadline=args.timeout,
-                                         request_timeout=max(1.0, args.timeout)))
-        try:
-            for remote in tier.committed_steps():
-                m = remote.manifest
-                tiers["gcs"].append(dict(
-                    step=remote.step, micro_step=m.micro_step, bytes=m.total_bytes, files=len(m.files),
-                    reason=m.reason, created_unix=m.created_unix, age_seconds=round(now - m.created_unix, 1),
-                    ok=remote.complete, problems=list(remote.problems), location=remote.url,
-                    data_skips=[list(r) for r in m.data_skips], **_hosts_of(m, {}, True)))
-        except RemoteError as e:
-            errors["gcs"] = str(e) if tier.url in str(e) else f"{tier.url}: {e}"
-            print(f"tpud checkpoints: cannot read the GCS tier: {errors['gcs']}", file=sys.stderr)
-    ledger = summary_of(paths.layout.skips_file(spec.name))
-    if args.output == "json":
-        print(json.dumps({"job": spec.name, "tiers": tiers, "skip_ledger": ledger,
-                          **({"errors": errors} if errors else {})}, indent=2))
-    else:
-        print(f"job {spec.name}: " + (f"memory {memory_dir}, " if "memory" in tiers else "") + f"local {job_dir}"
-              + (f", gcs {spec.checkpoint.remote}" if spec.checkpoint.remote else ""))
-        rows = [("TIER", "STEP", "MICRO", "SIZE", "FILES", "AGE", "REASON", "HOSTS", "SKIPPED", "STATUS")]
-        for tier_name, steps in tiers.items():
-            for s in reversed(steps):  # newest first
-                status = "ok" if s["global"] else "not globally committed: a host's part was never durable"
-                if not s["ok"]:
-                    status = f"damaged: {s['problems'][0]}" + (
-                        f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
-                skipped = sum(count for _, count in s["data_skips"])  # micro-batches a rollback left out
-                rows.append((tier_name, str(s["step"]), str(s["micro_step"]), fmt.size(s["bytes"]), str(s["files"]),
-                             fmt.age(s["age_seconds"]), s["reason"], _holders_column(s),
-                             str(skipped) if skipped else "-", status))
-            if not steps:
-                rows.append((tier_name, "-", "-", "-", "-", "-", "-", "-", "-", "no committed steps"
-                             if tier_name not in errors else "error (see stderr)"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-        for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-        if ledger:
-            print(f"skip ledger: {ledger['samples']} samples skipped in {ledger['ranges']} ranges "
-                  f"({paths.layout.skips_file(spec.name)}; data.skip takes its samples ranges)")
-    return EXIT_FAILED if errors else EXIT_OK
-
-
-def _hosts_of(manifest, held: dict, is_global: bool) -> dict:
-    """A step's place in a job on several hosts: its part's host, whether it is globally
-    committed, and which hosts held their part at the hosts' last exchange (None: not known)."""
-    return dict(host=manifest.host, hosts=manifest.hosts, held_by=held.get((manifest.step, manifest.micro_step))
-                if manifest.hosts > 1 else None, **{"global": is_global})
-
-
-def _holders_column(s: dict) -> str:
-    if s["hosts"] <= 1:
-        return "-"
-    if s["held_by"] is None:
-        return f"{s['host']} of {s['hosts']}"
-    return f"{','.join(map(str, s['held_by']))} of {s['hosts']}"
+    return run(args)
 
 
 def _add_checkpoints(subparsers: Subparsers) -> None:

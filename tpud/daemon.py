@@ -7,7 +7,7 @@ directly). Job files and tpud.yaml are read and validated in a helper process (t
 so a hostile file never delays `tpud status` or the watchdog. Signal handlers only
 record; the loop acts (supervisord's discipline). A helper process that dies (the reader, the
 fork server that starts workers warm, host 0's gang coordinator) is seen as it happens and started
-again (tpud/respawn.py), and none can hold up the daemon's exit.
+again (tpud/children/respawn.py), and none can hold up the daemon's exit.
 
 Preemption: the GCE metadata server's preempted and TERMINATE maintenance notices make
 every job commit a checkpoint within the deadline and become PREEMPTED; a MIGRATE or an
@@ -19,6 +19,7 @@ never imports torch: workers are separate processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import selectors
@@ -43,10 +44,10 @@ from tpud.jobfiles.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
 from tpud.jobfiles.reading import JobFile
 from tpud.jobfiles.watcher import Watcher
 from tpud.metadata import MetadataWatcher, Notice, resolve_host
-from tpud.metrics import Metrics, write_address_file
+from tpud.metrics.series import Metrics, write_address_file
 from tpud.notify import Notifier
 from tpud.paths import Paths
-from tpud.gang.coordinator import Coordinator
+from tpud.worker.gang.coordinator import Coordinator
 from tpud.gang.discovery import discover
 from tpud.settings import load_settings
 from tpud.worker.forkserver import ForkServer
@@ -355,33 +356,12 @@ class Daemon:
         return True
 
     def run(self) -> int:
-        for directory in (self.paths.jobs_dir, self.paths.state, self.paths.runtime):
-            directory.mkdir(parents=True, exist_ok=True)
-        host, port = self.metrics.serve(self.metrics_addr)
-        write_address_file(self.paths.runtime / "metrics.addr", host, port)
-        if self.view is not None:
-            self.view.metrics_address = f"{host}:{port}"
-        control = watcher = None
-        settings = self.settings
-        metadata = MetadataWatcher(
-            lambda notice: self.post(lambda: self.on_notice(notice)), host=resolve_host(settings.metadata_host),
-            timeout_sec=settings.metadata_timeout_seconds,
-            upcoming_poll_seconds=settings.upcoming_maintenance_poll_seconds)
-        metadata.start()
-        if self.single is None:
-            self.offloop = OffLoop(self.post)
-            control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
-            control.start()
-            watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
-            watcher.start()
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-        previous_wakeup = signal.set_wakeup_fd(self._wake_w)
-        self.watch(self._wake_r, self._drain_wake)
-        log.info("tpud started", version=__version__, jobs_dir=None if self.single else str(self.paths.jobs_dir),
-                 metrics=f"{host}:{port}", control=str(self.paths.runtime / "control.sock"),
-                 gang=None if self.gang is None else f"host {self.gang.host} of {self.gang.hosts}, coordinator "
-                 f"{','.join(self.gang.addresses)}")
-        try:
+        with contextlib.ExitStack() as services:
+            metrics_at = self._start_services(services)
+            log.info("tpud started", version=__version__, jobs_dir=None if self.single else str(self.paths.jobs_dir),
+                     metrics=metrics_at, control=str(self.paths.runtime / "control.sock"),
+                     gang=None if self.gang is None else f"host {self.gang.host} of {self.gang.hosts}, coordinator "
+                     f"{','.join(self.gang.addresses)}")
             if self.coordinator is not None:  # before any job: the workers meet there
                 self.coordinator.ensure()
             if self.single is None:
@@ -389,78 +369,125 @@ class Daemon:
             else:
                 self._start_single()
             self.notifier.ready(self._summary())
-            last_status = ""
-            while True:
-                for key, _ in self.selector.select(self._select_timeout()):
-                    # An earlier callback of this same batch may have released this object.
-                    if self.selector.get_map().get(key.fd) is key:
-                        self._guard(key.data)
-                while not self._calls.empty():
-                    fn, future = self._calls.get()
-                    try:
-                        future.set_result(fn())
-                    except Exception as e:
-                        future.set_exception(e)
-                while self._signals:
-                    signum = self._signals.pop(0)
-                    if signum == signal.SIGHUP:
-                        log.info("reloading settings and rescanning jobs")
-                        self._reload()
-                    elif self._stopping_since is None:
-                        log.info("stopping: checkpointing every job", signal=signal.Signals(signum).name)
-                        if signum == signal.SIGTERM:
-                            self.metrics.preemption_notice("sigterm")
-                        self._begin_shutdown()
-                    else:
-                        log.warning("second stop signal: killing the workers")
-                        for job in self.jobs.values():
-                            if job.worker is not None:
-                                job.worker.signal(signal.SIGKILL)
-                if self.coordinator is not None:
-                    self._guard(self.coordinator.ensure)
-                self._guard(self.forkserver.tick)
-                for job in list(self.jobs.values()):
-                    self._guard(job.tick, job)
-                    if self.view is not None:
-                        self.view.update(job.snapshot)
-                self.notifier.watchdog()
-                if (summary := self._summary()) != last_status:
-                    self.notifier.status(summary)
-                    last_status = summary
-                if self._stopping_since is not None and self._shutdown_done():
-                    break
-                if self.single is not None and not any(job.active or job.state is State.BACKOFF
-                                                       for job in self.jobs.values()):
-                    self._stopping_since = time.monotonic()
-                    break
-            for job in self.jobs.values():
-                remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
-                if job.tiers.uploader is not None and not job.tiers.uploader.close(timeout=max(1.0, remaining)):
-                    log.error("stop budget spent before every upload finished", job=job.name)
-            for job in self.jobs.values():
-                remaining = self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since)
-                job.close(timeout=max(1.0, remaining))
+            self._loop()
+            self._close_jobs()
             log.info("tpud stopped")
             return self._exit_status()
-        finally:
-            self._loop_done = True
-            while not self._calls.empty():  # asked as the loop ended: refuse, do not leave waiting
-                _, future = self._calls.get()
-                future.set_exception(ControlError("not_running", "the daemon is shutting down"))
-            signal.set_wakeup_fd(previous_wakeup)
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            metadata.stop()
-            self.forkserver.close()
-            if self.coordinator is not None:
-                self.coordinator.close()
-            if watcher is not None:
-                watcher.stop()
-            if self.offloop is not None:
-                self.offloop.close()
-            if control is not None:
-                control.close()
-            self.metrics.close()
+
+    def _start_services(self, services: contextlib.ExitStack) -> str:
+        """Everything the loop serves, each closed by `services` (in reverse) however the daemon ends:
+        metrics, the metadata watcher, the control socket, the jobs directory's watcher and reader,
+        the signal handlers. The metrics listener's address."""
+        for directory in (self.paths.jobs_dir, self.paths.state, self.paths.runtime):
+            directory.mkdir(parents=True, exist_ok=True)
+        services.callback(self.metrics.close)
+        host, port = self.metrics.serve(self.metrics_addr)
+        write_address_file(self.paths.runtime / "metrics.addr", host, port)
+        if self.view is not None:
+            self.view.metrics_address = f"{host}:{port}"
+        if self.single is None:
+            self.offloop = OffLoop(self.post)
+            services.callback(self.offloop.close)
+            control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
+            services.callback(control.close)
+            control.start()
+            watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
+            services.callback(watcher.stop)
+            watcher.start()
+        if self.coordinator is not None:
+            services.callback(self.coordinator.close)
+        services.callback(self.forkserver.close)
+        settings = self.settings
+        metadata = MetadataWatcher(
+            lambda notice: self.post(lambda: self.on_notice(notice)), host=resolve_host(settings.metadata_host),
+            timeout_sec=settings.metadata_timeout_seconds,
+            upcoming_poll_seconds=settings.upcoming_maintenance_poll_seconds)
+        services.callback(metadata.stop)
+        metadata.start()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        previous_wakeup = signal.set_wakeup_fd(self._wake_w)
+        services.callback(lambda: [signal.signal(s, handler) for s, handler in previous.items()])
+        services.callback(signal.set_wakeup_fd, previous_wakeup)
+        services.callback(self._refuse_calls)
+        self.watch(self._wake_r, self._drain_wake)
+        return f"{host}:{port}"
+
+    def _refuse_calls(self) -> None:
+        """The loop has ended: what was asked of it meanwhile is refused, not left waiting."""
+        self._loop_done = True
+        while not self._calls.empty():
+            _, future = self._calls.get()
+            future.set_exception(ControlError("not_running", "the daemon is shutting down"))
+
+    def _loop(self) -> None:
+        """The main loop: I/O callbacks, calls posted from other threads, recorded signals, then every
+        job's tick, until a stop has checkpointed every job (or `tpud run`'s job has ended)."""
+        last_status = ""
+        while True:
+            for key, _ in self.selector.select(self._select_timeout()):
+                # An earlier callback of this same batch may have released this object.
+                if self.selector.get_map().get(key.fd) is key:
+                    self._guard(key.data)
+            self._run_posted()
+            self._act_on_signals()
+            self._tick()
+            if (summary := self._summary()) != last_status:
+                self.notifier.status(summary)
+                last_status = summary
+            if self._stopping_since is not None and self._shutdown_done():
+                return
+            if self.single is not None and not any(job.active or job.state is State.BACKOFF
+                                                   for job in self.jobs.values()):
+                self._stopping_since = time.monotonic()
+                return
+
+    def _run_posted(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get()
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _act_on_signals(self) -> None:
+        """The signals the handler recorded: SIGHUP reloads; a first stop checkpoints every job, a
+        second one kills the workers."""
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGHUP:
+                log.info("reloading settings and rescanning jobs")
+                self._reload()
+            elif self._stopping_since is None:
+                log.info("stopping: checkpointing every job", signal=signal.Signals(signum).name)
+                if signum == signal.SIGTERM:
+                    self.metrics.preemption_notice("sigterm")
+                self._begin_shutdown()
+            else:
+                log.warning("second stop signal: killing the workers")
+                for job in self.jobs.values():
+                    if job.worker is not None:
+                        job.worker.signal(signal.SIGKILL)
+
+    def _tick(self) -> None:
+        if self.coordinator is not None:
+            self._guard(self.coordinator.ensure)
+        self._guard(self.forkserver.tick)
+        for job in list(self.jobs.values()):
+            self._guard(job.tick, job)
+            if self.view is not None:
+                self.view.update(job.snapshot)
+        self.notifier.watchdog()
+
+    def _close_jobs(self) -> None:
+        """Within what is left of the stop budget: every job's uploads finished, then the jobs closed."""
+        def remaining() -> float:
+            return max(1.0, self.settings.stop_budget_seconds - (time.monotonic() - self._stopping_since))
+
+        for job in self.jobs.values():
+            if job.tiers.uploader is not None and not job.tiers.uploader.close(timeout=remaining()):
+                log.error("stop budget spent before every upload finished", job=job.name)
+        for job in self.jobs.values():
+            job.close(timeout=remaining())
 
     def _exit_status(self) -> int:
         """The daemon exits 0; `tpud run` exits with its worker's last status."""

@@ -1,14 +1,13 @@
-"""The data pipeline.
+"""The training reader of prepared datasets, and the format it shares with `tpud prepare`
+(engine/prepare/, which writes it).
 
-Preparing, once, off the accelerator hosts (`tpud prepare`, torch-free):
-    prepare.py   the command line                  pipeline.py  reading -> tokenizing -> writing
-    options.py   a run's options, validated
-    sources.py   input files and their formats     tokenizer.py tokenizer.json, train:N, bytes
-    shards.py    .npy token shards, written/mapped manifest.py  manifest.json, written last
-    remote.py    gs:// inputs, outputs and the host's dataset cache
+The format:
+    manifest.py  manifest.json, written last         shards.py  .npy token shards, written/mapped
+    order.py     permutations, blends, the validation split     remote.py  gs:// datasets and the host's cache
 
 Training on it:
-    dataset.py   sample index -> window (shuffled, in order, mixed)   order.py  permutations, blends
+    dataset.py   sample index -> window (shuffled, in order, mixed)
     loader.py    batches as a pure function of (seed, step, micro-step, rank)
-    corpus.py    the built-in demo corpus
+    batch.py     a micro-batch's tensors      prefetch.py  the next batches, made on a thread
+    skips.py     ranges of samples left out   corpus.py    the built-in demo corpus
 """

@@ -180,9 +180,19 @@ class TrainingData:
 
 
 def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
-              model_dir: Path | None = None) -> TrainingData:
+              model_dir: Path | None = None, validation: bool = False) -> TrainingData:
     """The job's training (and validation) samples; ConfigError naming the key when they cannot be.
-    model_dir: the local model.init_from directory, whose tokenizer the datasets must share."""
+    model_dir: the local model.init_from directory, whose tokenizer the datasets must share.
+    validation: the job evaluates (an eval section), so a validation split is required."""
+    opened = _open_data(data, seed, cache_root, vocab_size, model_dir)
+    if validation and opened.val is None:
+        raise ConfigError("eval", "the dataset has no validation split: prepare it with --val-fraction "
+                          "or --val-docs")
+    return opened
+
+
+def _open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
+               model_dir: Path | None) -> TrainingData:
     window = data.seq_len + 1
     if not data.datasets:
         from engine.data.corpus import stdlib_documents

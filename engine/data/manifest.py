@@ -158,7 +158,7 @@ def check_vocab(manifests: list[tuple[str, Manifest]], vocab_size: int,
     model_tokenizer = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if model_tokenizer is not None and model_tokenizer.is_file():
         try:
-            # As `tpud prepare` hashes it (engine/data/tokenizer.py): the file's text.
+            # As `tpud prepare` hashes it (engine/prepare/tokenizer.py): the file's text.
             text = read_regular_file(model_tokenizer, limit=MAX_TOKENIZER_BYTES).decode()
             sha = hashlib.sha256(text.replace("\r\n", "\n").encode()).hexdigest()
         except (OSError, ValueError, Refused) as e:

@@ -21,10 +21,12 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import structlog
 
 from engine import events, exit_codes
+from engine.errors import WorkerExit
 from engine.backends.base import Backend
 from engine.checkpoint.checkpointer import Progress
 from engine.data.loader import PackedLoader
@@ -111,7 +113,7 @@ class StepGuard:
         if self.spikes is not None:
             self.spikes.rewound(progress.step)
 
-    def exit(self, why: str | None = None) -> int:
+    def exit(self, why: str | None = None) -> NoReturn:
         """Exit 76 without a checkpoint; with health.nonfinite rollback and no `why` (a reason to
         stop instead), the supervisor's restart then skips the bad step's batches."""
         bad = self.found
@@ -124,7 +126,7 @@ class StepGuard:
         event = events.NonFinite(bad.step, bad.loss, bad.grad_norm, policy, skip, why or bad.describe())
         log.error(event.TYPE, **dataclasses.asdict(event))  # named like the event, as the checkpointer logs its events
         self.emit(event)
-        return exit_codes.NONFINITE_LOSS
+        raise WorkerExit(exit_codes.NONFINITE_LOSS)
 
     def _found(self, bad: BadStep) -> None:
         """A read found bad values (on the training thread or the backend's reader)."""

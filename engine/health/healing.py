@@ -75,15 +75,15 @@ class Healer:
     def skip_steps(self) -> int:
         return self.cfg.spikes.skip_steps if self.cfg.spikes is not None else 1
 
-    def heal(self, loop: Rewindable) -> int | None:
-        """Deal with the guard's bad step: None once the loop can go on, else the exit code."""
+    def heal(self, loop: Rewindable) -> None:
+        """Deal with the guard's bad step: returns once the loop can go on, else raises WorkerExit."""
         bad = self.guard.found
         if bad.spike is None and self.cfg.nonfinite == "stop":
-            return self.guard.exit()
+            self.guard.exit()
         window = self.cfg.rollback_window_steps
         recent = self.ledger.recent(bad.step, window) + sum(1 for s in self.hardware if bad.step - s < window)
         if recent >= self.cfg.max_rollbacks:
-            return self.guard.exit(f"{recent} rollbacks within {self.cfg.rollback_window_steps} steps "
+            self.guard.exit(f"{recent} rollbacks within {self.cfg.rollback_window_steps} steps "
                                    f"(health.max_rollbacks); then {bad.describe()}")
         started, target = time.monotonic(), bad.step - self.skip_steps
         first_run = self.replicas.recorded(bad.step)  # the replay records over it
@@ -92,7 +92,7 @@ class Healer:
             if restored is None:
                 log.warning("no state to roll back to in place; the supervisor restarts the worker", step=bad.step,
                             wanted_at_most=target)
-                return self.guard.exit()
+                self.guard.exit()
             restored_step, verdict = restored.step, "data"
             if self.cfg.spikes is None or self.cfg.spikes.replay:
                 values = None
@@ -119,5 +119,4 @@ class Healer:
         (log.warning if verdict == "data" else log.error)(event.TYPE.replace("_", " "), **dataclasses.asdict(event))
         self.emit(event)
         if verdict == "hardware" and (named := self.replicas.name_after_spike(bad.step, first_run)) is not None:
-            return self.replicas.settle(named, self.emit)  # quarantined (79), or the others restart (77)
-        return None
+            self.replicas.settle(named, self.emit)  # quarantined (79), or the others restart (77)

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engine import events, exit_codes
+from engine.errors import WorkerExit
 from engine.backends.base import Backend
 from engine.layout import atomic_write
 from engine.spec.schema import ReplicaConfig
@@ -273,8 +274,9 @@ class ReplicaCheck:
             return dataclasses.replace(mismatch, odd=named, found_by="replay", replayed=True)
         return dataclasses.replace(mismatch, healed=still is None, replayed=True)
 
-    def settle(self, mismatch: Mismatch, emit) -> int | None:
-        """Say what was found; the exit code (79 for a named replica, else 77), None when healed in place."""
+    def settle(self, mismatch: Mismatch, emit) -> None:
+        """Say what was found; returns when healed in place, else raises WorkerExit (79 for a named
+        replica, else 77)."""
         rank = self.backend.data.rank
         odd = rank in mismatch.odd
         event = events.ReplicaMismatch(step=mismatch.step, agreed_step=self.agreed, rank=rank, odd=mismatch.odd,
@@ -289,7 +291,7 @@ class ReplicaCheck:
             log.warning("replica mismatch healed in place: " + mismatch.describe(), **dataclasses.asdict(event))
             emit(event)
             self.agreed = mismatch.step
-            return None
+            return
         if odd:
             log.error(f"replica mismatch: this process's state is the odd one; quarantined "
                       f"({mismatch.describe()}; back to step {self.agreed})", **dataclasses.asdict(event))
@@ -297,4 +299,4 @@ class ReplicaCheck:
             log.error("replica mismatch: starting again from the last state all replicas agreed on",
                       **dataclasses.asdict(event))
         emit(event)
-        return exit_codes.QUARANTINED if odd else exit_codes.GANG_RESTART
+        raise WorkerExit(exit_codes.QUARANTINED if odd else exit_codes.GANG_RESTART)

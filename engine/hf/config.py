@@ -51,7 +51,26 @@ class HfConfigError(ValueError):
 
 def model_fields(directory: str | Path) -> dict:
     """The ModelConfig values config.json in `directory` implies; HfConfigError naming the problem."""
-    directory = str(directory)
+    path, config = _read_config(str(directory))
+    kind = config.get("model_type")
+    _refuse_what_the_engine_lacks(path, config, kind)
+    fields = {ours: config[theirs] for ours, theirs in FIELDS.items() if theirs in config}
+    if (moe := _moe_fields(kind, config)) is not None:
+        fields["moe"] = moe
+    if kind in ("qwen3", "qwen3_moe"):
+        fields["qk_norm"] = True
+    theta, scaling = _rope(path, config)
+    fields.update(rope_theta=theta, rope_scaling=scaling)
+    fields.setdefault("n_kv_heads", fields.get("n_heads"))
+    fields.setdefault("tie_embeddings", False)  # transformers' LlamaConfig default
+    head_dim = config.get("head_dim")
+    if head_dim is not None and not (fields.get("dim") and fields.get("n_heads") and head_dim * fields["n_heads"] == fields["dim"]):
+        fields["head_size"] = head_dim  # Qwen3's heads are not hidden_size / heads wide
+    return fields
+
+
+def _read_config(directory: str) -> tuple[str, dict]:
+    """(config.json's path, its object), from a local or gs:// model directory."""
     path = f"{directory.rstrip('/')}/config.json"
     try:
         if directory.startswith("gs://"):
@@ -67,7 +86,10 @@ def model_fields(directory: str | Path) -> dict:
         raise HfConfigError(f"{path}: unreadable: {e}") from None
     if not isinstance(config, dict):
         raise HfConfigError(f"{path}: not a JSON object")
-    kind = config.get("model_type")
+    return path, config
+
+
+def _refuse_what_the_engine_lacks(path: str, config: dict, kind: str | None) -> None:
     if kind not in LLAMA_TYPES:
         raise HfConfigError(f"{path}: model_type {kind!r} is not a Llama model (architectures: "
                             f"{config.get('architectures')}); only the Llama family loads")
@@ -90,36 +112,35 @@ def model_fields(directory: str | Path) -> dict:
         if config.get("decoder_sparse_step", 1) != 1:
             raise HfConfigError(f"{path}: decoder_sparse_step is {config['decoder_sparse_step']!r}; the engine's "
                                 "Qwen3-MoE has experts in every layer (1)")
+
+
+def _rope(path: str, config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either form transformers writes (rope_parameters in 5.x)."""
     rope = dict(config.get("rope_parameters") or {})
     theta = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-        kind = scaling.pop("type", None) or scaling.get("rope_type")
-        if kind != "llama3":
-            raise HfConfigError(f"{path}: rope scaling {kind!r} is not supported (only llama3)")
-        scaling["rope_type"] = kind
-    fields = {ours: config[theirs] for ours, theirs in FIELDS.items() if theirs in config}
+        rope_type = scaling.pop("type", None) or scaling.get("rope_type")
+        if rope_type != "llama3":
+            raise HfConfigError(f"{path}: rope scaling {rope_type!r} is not supported (only llama3)")
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _moe_fields(kind: str, config: dict) -> dict | None:
     if kind == "mixtral":
         # Mixtral always renormalises the top k; intermediate_size is the experts' (ffn_dim, their default).
-        fields["moe"] = {"num_experts": config.get("num_local_experts", 8), "top_k": config.get("num_experts_per_tok", 2),
-                         "norm_topk_prob": True, "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
-    elif kind == "qwen3_moe":
+        return {"num_experts": config.get("num_local_experts", 8), "top_k": config.get("num_experts_per_tok", 2),
+                "norm_topk_prob": True, "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
+    if kind == "qwen3_moe":
         # The published configs say num_experts; transformers 5 writes num_local_experts.
-        fields["moe"] = {"num_experts": config.get("num_experts", config.get("num_local_experts", 128)),
-                         "top_k": config.get("num_experts_per_tok", 8),
-                         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-                         "expert_ffn_dim": config.get("moe_intermediate_size", 768),
-                         "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
-    if kind in ("qwen3", "qwen3_moe"):
-        fields["qk_norm"] = True
-    fields.update(rope_theta=theta, rope_scaling=scaling)
-    fields.setdefault("n_kv_heads", fields.get("n_heads"))
-    fields.setdefault("tie_embeddings", False)  # transformers' LlamaConfig default
-    head_dim = config.get("head_dim")
-    if head_dim is not None and not (fields.get("dim") and fields.get("n_heads") and head_dim * fields["n_heads"] == fields["dim"]):
-        fields["head_size"] = head_dim  # Qwen3's heads are not hidden_size / heads wide
-    return fields
+        return {"num_experts": config.get("num_experts", config.get("num_local_experts", 128)),
+                "top_k": config.get("num_experts_per_tok", 8),
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                "expert_ffn_dim": config.get("moe_intermediate_size", 768),
+                "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001)}
+    return None
 
 
 def family(model: ModelConfig) -> str:

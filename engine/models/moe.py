@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import ConfigError
 from engine.spec.schema import MoEConfig
 
 # What the routers report each step, beside the loss they add (router_terms' stats, in this order).
@@ -169,3 +170,11 @@ def router_terms(routing: Routing, cfg: MoEConfig) -> tuple[torch.Tensor, torch.
         dropped = torch.stack(routing.dropped).sum() / choices if routing.dropped else shares.new_zeros(())
         stats = torch.stack([aux.detach(), z.detach().reshape(()), shares.max(), cv, dropped.to(shares.dtype)])
     return loss, stats
+
+
+def require_static_capacity(moe, backend: str) -> None:
+    """XLA compiles static shapes: experts there need a fixed number of seats. Checked once the
+    backend is known (`device.backend: auto` picks xla on a TPU host)."""
+    if moe is not None and moe.capacity_factor is None and backend == "xla":
+        raise ConfigError("model.moe.capacity_factor", "must be set on the xla backend: XLA compiles static "
+                          "shapes, so each expert gets a fixed number of seats (1.25 is usual)")

@@ -5,7 +5,7 @@ that are each host's own (HOST_ONLY). A key's value is compared whole unless the
 section that every spec has: `optimizer.lr` and `optimizer.betas` are keys, and so is `eval`
 (present or not) and `model.rope_scaling`.
 
-- The gang's hosts compare their fingerprints as the gang forms (tpud.gang.member): any
+- The gang's hosts compare their fingerprints as the gang forms (tpud.worker.gang.member): any
   difference refuses the job on every host, naming the keys and each host's value.
 - Every checkpoint's manifest records the fingerprint it was made with. A job on several hosts
   resumes one only when what differs is a change a checkpoint is made to survive (RESUMABLE) or

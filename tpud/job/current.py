@@ -17,7 +17,7 @@ from tpud.job.health import crashes
 from tpud.job.health.hang import HangWatch
 from tpud.job.output import WorkerOutput
 from tpud.worker import channel
-from tpud.worker.process import WorkerProcess
+from tpud.children.process import WorkerProcess
 
 log = structlog.get_logger()
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from engine.layout import StateLayout
 from engine.spec.schema import JobSpec
-from tpud.checkpoints.tiers import CheckpointTiers
+from tpud.gcs.tiers import CheckpointTiers
 
 
 def remote_urls(spec: JobSpec) -> list[str]:

@@ -7,7 +7,7 @@ status and timer ticks, and the job decides. The worker's exit code says what ha
 the restart budget and backoff, the hang bound and crash reasons (health/), the record that survives a daemon restart (record.py), goodput (goodput.py),
 what a worker needs from GCS before it starts (inputs.py), the current worker's process
 (current.py), what it reported (report.py), the gang (gang.py), its checkpoints (checkpoints.py), wandb
-(tpud/tracking.py) and the GCS tier (tpud/checkpoints/tiers.py). Each worker event goes to
+(tpud/tracking.py) and the GCS tier (tpud/gcs/tiers.py). Each worker event goes to
 the parts that own it (routing.py); the job hears only those that can change its state.
 """
 
@@ -26,10 +26,10 @@ import structlog
 from engine import events, exit_codes
 from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
-from tpud.checkpoints.tiers import CheckpointTiers
+from tpud.gcs.tiers import CheckpointTiers
 from tpud.job import goodput, inputs, routing, states
 from tpud.gang.discovery import GangPlace
-from tpud.job.checkpoints import JobCheckpoints
+from tpud.job.commits import JobCheckpoints
 from tpud.job.current import CurrentWorker
 from tpud.job.gang import GangView
 from tpud.job.health import crashes
@@ -42,7 +42,7 @@ from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
 from tpud.tracking import JobTracker
 from tpud.worker.forkserver import ForkServer
-from tpud.worker.process import WorkerProcess
+from tpud.children.process import WorkerProcess
 
 log = structlog.get_logger()
 

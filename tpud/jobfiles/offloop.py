@@ -16,7 +16,7 @@ Nor a multiprocessing process: it brings the resource tracker, one more helper t
 One reader thread owns the child. It sends the reads, first come first served, and hands each
 result to the loop in the order the reads ran; a read asked for again before it started
 runs once. Between reads it waits on the child's socket too, so a child that dies is seen at
-once and started again (tpud/respawn.py); a read whose child died under it runs once more, on
+once and started again (tpud/children/respawn.py); a read whose child died under it runs once more, on
 the next child. close() ends the thread and the child within seconds, whatever their state.
 """
 
@@ -44,9 +44,9 @@ import structlog
 
 from engine.spec.loader import LoadedSpec
 from tpud.jobfiles.reading import JobFile, scan
-from tpud.respawn import Respawn
+from tpud.children.respawn import Respawn
 from tpud.settings import Settings, load_settings
-from tpud.worker.process import die_with_parent, exit_status
+from tpud.children.process import die_with_parent, exit_status
 
 log = structlog.get_logger()
 READ_TIMEOUT_S = 120.0  # a whole jobs.d; each file is bounded, so only thousands of files come near

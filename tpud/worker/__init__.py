@@ -1,8 +1,9 @@
-"""The training worker: its entry point (entry.py, `python -m tpud.worker`), the process as
-the daemon sees it (process.py), the fork server that starts it warm (forkserver.py) and the
-channel between the worker and the daemon (channel.py).
+"""The processes that run torch: the training worker (entry.py, `python -m tpud.worker`), the fork
+server that starts it warm (forkserver.py), the gang's coordinator and the worker's membership
+(gang/); and the channel between the worker and the daemon (channel.py, which both sides import).
 
-Only entry.py's main() imports torch, after its arguments are checked.
+The daemon imports from here only what stays torch-free at import (channel.py, the coordinator's
+and fork server's launchers): tests/test_torch_free.py and test_imports.py check where torch goes.
 """
 
 import signal

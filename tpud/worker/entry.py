@@ -30,9 +30,9 @@ from engine.spec.fingerprint import fingerprint
 from engine.spec.schema import JobSpec
 from engine.hooks import Boundary, SignalHooks
 from engine.requests import Action, Request, merge
-from tpud.gang.member import GangMember
+from tpud.worker.gang.member import GangMember
 from tpud.worker import channel
-from tpud.worker.process import die_with_parent
+from tpud.children.process import die_with_parent
 
 log = structlog.get_logger()
 

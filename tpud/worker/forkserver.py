@@ -36,8 +36,8 @@ from collections.abc import Callable
 import setproctitle
 import structlog
 
-from tpud.respawn import Respawn
-from tpud.worker.process import die_with_parent
+from tpud.children.respawn import Respawn
+from tpud.children.process import die_with_parent
 
 log = structlog.get_logger()
 
@@ -133,7 +133,7 @@ class ForkServer:
     # --- the server process, from the daemon's side ---
 
     def _start(self) -> None:
-        from tpud.worker.process import worker_env
+        from tpud.children.process import worker_env
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._respawn.started()

@@ -15,8 +15,8 @@ from engine import events
 from engine.checkpoint import manifest as mf
 from engine.checkpoint.policy import Interval, SecondsPolicy
 from engine.spec.schema import JobSpec
-from tpud.checkpoints.gcs import GcsTier, Transfer
-from tpud.checkpoints.uploader import Key, Uploader, ensure_newest_local
+from tpud.gcs.tier import GcsTier, Transfer
+from tpud.gcs.uploader import Key, Uploader, ensure_newest_local
 from tpud.paths import Paths
 
 

@@ -1,13 +1,13 @@
-"""The work of `tpud prepare` (engine.data.prepare): texts -> tokens -> a prepared dataset.
+"""The work of `tpud prepare` (engine.prepare.command): texts -> tokens -> a prepared dataset.
 
-The expensive text work happens here, once, off the accelerator hosts: reading jsonl/parquet/csv/tsv/txt (engine.data.sources), tokenizing in
+The expensive text work happens here, once, off the accelerator hosts: reading jsonl/parquet/csv/tsv/txt (engine.prepare.sources), tokenizing in
 worker processes around the tokenizer's batch encode, and writing each split's token stream
 as shards with a document index (engine.data.shards) and manifest.json last
 (engine.data.manifest). Training then only memory-maps the shards.
 
 The main process reads records and writes shards; `--workers` processes tokenize, at most a
 few chunks' worth of text ahead, so memory stays bounded for inputs larger than RAM (and one
-document is bounded by --max-doc-bytes, see engine.data.sources). Results are taken in
+document is bounded by --max-doc-bytes, see engine.prepare.sources). Results are taken in
 submission order, so the same inputs and options give byte-identical shards. A worker that
 dies (the kernel's out-of-memory killer, a signal, a crash) fails the run at once, naming the
 records it was encoding.
@@ -44,10 +44,11 @@ import structlog
 
 from engine.checkpoint.manifest import file_crc32c
 from engine.data import manifest as mf
-from engine.data import chat, order, sources
-from engine.data import tokenizer as tk
-from engine.data.options import Options, PrepareError
-from engine.data.packing import ConversationEncoder, Encoded, Packer
+from engine.data import order
+from engine.prepare import chat, sources
+from engine.prepare import tokenizer as tk
+from engine.prepare.options import Options, PrepareError
+from engine.prepare.packing import ConversationEncoder, Encoded, Packer
 from engine.data.shards import SplitWriter
 from engine.layout import atomic_write, fsync_path
 
@@ -437,6 +438,14 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
     splits = {name: writer.close() for name, writer in writers.items()}
     if splits["train"].documents == 0:
         raise PrepareError("no documents to train on: every record was skipped or went to the validation split")
+    return _manifest(inputs, opts, digest, staging, tokenizer, reader, splits,
+                     None if packing is None else packing.entry(opts, template))
+
+
+def _manifest(inputs: list[sources.Source], opts: Options, digest: str, staging: Path, tokenizer, reader: Reader,
+              splits: dict, chat_entry) -> mf.Manifest:
+    """The dataset's manifest: its tokenizer (the file written beside the shards), splits, sources
+    and the options that shaped it."""
     token_file = None
     if tokenizer.json is not None:
         (staging / "tokenizer.json").write_text(tokenizer.json)
@@ -454,7 +463,7 @@ def _write(inputs: list[sources.Source], opts: Options, digest: str, staging: Pa
         options={k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "val_docs", "seed",
                                                                 "shard_tokens", "on_error", "tokenizer",
                                                                 "max_doc_bytes", *(CHAT_OPTIONS if opts.chat else ()))},
-        chat=None if packing is None else packing.entry(opts, template))
+        chat=chat_entry)
 
 
 def _chunks(records: Iterator[sources.Record]) -> Iterator[tuple[list[str], int, list[str]]]:

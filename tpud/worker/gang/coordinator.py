@@ -1,4 +1,4 @@
-"""The gang's meeting point: `python -m tpud.gang.coordinator HOST:PORT`, a child of host 0's daemon.
+"""The gang's meeting point: `python -m tpud.worker.gang.coordinator HOST:PORT`, a child of host 0's daemon.
 
 It holds torch.distributed's TCPStore, bound to exactly HOST:PORT (a socket made here and
 handed to the store, which would otherwise listen on every interface), and nothing else. It
@@ -19,15 +19,15 @@ from collections.abc import Callable
 
 import structlog
 
-from tpud.respawn import Respawn
-from tpud.worker.process import die_with_parent, exit_status
+from tpud.children.respawn import Respawn
+from tpud.children.process import die_with_parent, exit_status
 
 log = structlog.get_logger()
 
 
 class Coordinator:
     """Host 0's daemon side: keeps the coordinator process running. Its death is seen at once (its
-    pidfd in the loop) and it starts again (tpud/respawn.py: with a backoff from 1 s to 30 s while
+    pidfd in the loop) and it starts again (tpud/children/respawn.py: with a backoff from 1 s to 30 s while
     it keeps dying young, its address taken by another process, say)."""
 
     def __init__(self, address: str, loop, clock: Callable[[], float] = time.monotonic):
@@ -42,7 +42,7 @@ class Coordinator:
         if self.proc is not None or not self._respawn.ready():
             return
         self._respawn.started()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tpud.gang.coordinator", self.address,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tpud.worker.gang.coordinator", self.address,
                                       "--parent", str(os.getpid())], stdin=subprocess.DEVNULL)
         self._sentinel = os.pidfd_open(self.proc.pid)
         self.loop.watch(self._sentinel, self._exited)
@@ -76,7 +76,7 @@ class Coordinator:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tpud.gang.coordinator",
+    parser = argparse.ArgumentParser(prog="python -m tpud.worker.gang.coordinator",
                                      description="tpud's gang coordinator (internal; host 0's daemon runs it).")
     parser.add_argument("address", help="HOST:PORT to listen on")
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is not our parent")

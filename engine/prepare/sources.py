@@ -176,7 +176,7 @@ class Conversations:
         self.format, self.columns = fmt, self.COLUMNS[fmt]
 
     def record(self, obj: object, where: str, limit: int) -> Record | Problem:
-        from engine.data.chat import ChatError, conversation
+        from engine.prepare.chat import ChatError, conversation
 
         try:
             messages = conversation(obj, self.format)

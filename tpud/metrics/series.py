@@ -46,7 +46,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from engine.layout import atomic_write
 from tpud import __version__
-from tpud.exporter import Exporter
+from tpud.metrics.listener import Exporter
 from tpud.job.states import State
 
 DEFAULT_ADDRESS = "127.0.0.1:9477"
@@ -60,6 +60,87 @@ NOTICE_SOURCES = ("preempted", "maintenance_event", "upcoming_maintenance", "sig
 # (a large model to GCS): 0.1 s .. 30 min, then +Inf.
 CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                       1200.0, 1800.0)
+
+# Every series: the attribute that holds it, its type, its name (a counter's without the _total that
+# prometheus-client appends), its help and its labels. Per-job series have `job` first (remove_job).
+SERIES: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
+    ("_build_info", Gauge, "tpud_build_info", "tpud build; the value is always 1.", ("version",)),
+    ("_state", Gauge, "tpud_job_state", "1 for the job's current state, 0 for the others.", ("job", "state")),
+    ("_step", Gauge, "tpud_job_step", "Last training step the job reported.", ("job",)),
+    ("_loss", Gauge, "tpud_job_loss", "Last training loss the job reported.", ("job",)),
+    ("_eval_loss", Gauge, "tpud_job_eval_loss", "Last validation loss the job reported (eval section).", ("job",)),
+    ("_tps", Gauge, "tpud_job_tokens_per_second", "Training throughput in tokens per second.", ("job",)),
+    ("_mfu", Gauge, "tpud_job_mfu_ratio", "Model FLOPs utilisation (0..1).", ("job",)),
+    ("_router_aux", Gauge, "tpud_job_router_aux_loss",
+     "Load-balancing loss of the last step, before its coefficient (1 when balanced; mixture of experts).", ("job",)),
+    ("_router_z", Gauge, "tpud_job_router_z_loss",
+     "Router z-loss of the last step, before its coefficient (mixture of experts).", ("job",)),
+    ("_load_max", Gauge, "tpud_job_expert_load_max_ratio",
+     "The busiest expert's share of its layer's routed tokens in the last step (1/experts when even).", ("job",)),
+    ("_load_cv", Gauge, "tpud_job_expert_load_cv",
+     "Coefficient of variation of the experts' shares of routed tokens, mean over layers (0 when even).", ("job",)),
+    ("_dropped", Gauge, "tpud_job_dropped_tokens_ratio",
+     "Routed tokens beyond their expert's capacity in the last step (capacity_factor).", ("job",)),
+    ("_restarts", Counter, "tpud_job_restarts", "Worker restarts by reason.", ("job", "reason")),
+    ("_rollbacks", Counter, "tpud_job_rollbacks",
+     "Bad steps the worker healed in place, by kind (spike, nonfinite) and verdict (data: its batches "
+     "skipped; hardware: not reproduced on replay).", ("job", "kind", "verdict")),
+    ("_skipped", Counter, "tpud_job_skipped_samples", "Samples the job's rollbacks skipped.", ("job",)),
+    ("_redone", Counter, "tpud_job_redone_steps",
+     "Steps trained again after a rollback (their first training was lost).", ("job",)),
+    ("_mismatches", Counter, "tpud_job_replica_mismatches",
+     "Times the data-parallel replicas' states differed, by the ranks (hosts) named: outside the majority,"
+     " or by a replay (none: none named, healed in place or all restarted).", ("job", "odd")),
+    ("_quarantined", Gauge, "tpud_job_quarantined",
+     "1 when this host's replica of the job's state was named the odd one (by the majority or a replay): "
+     "the job is failed here until the host is replaced.", ("job",)),
+    ("_stragglers", Gauge, "tpud_job_straggler_ratio",
+     "A flagged straggler's forward time over the other processes' median (host: its rank, its host in a "
+     "gang); 0 once cleared.", ("job", "host")),
+    ("_preemptions", Counter, "tpud_preemption_notices",
+     "Preemption or maintenance notices received, by source.", ("source",)),
+    ("_ckpt_seconds", Histogram, "tpud_checkpoint_duration_seconds",
+     "Wall time of committed checkpoints.", ("job", "tier", "reason")),
+    ("_ckpt_bytes", Counter, "tpud_checkpoint_bytes", "Bytes of committed checkpoints.", ("job", "tier")),
+    ("_ckpt_failures", Counter, "tpud_checkpoint_failures", "Failed checkpoints.", ("job", "tier")),
+    ("_ckpt_step", Gauge, "tpud_checkpoint_last_committed_step",
+     "Step of the newest committed checkpoint.", ("job", "tier")),
+    ("_ckpt_time", Gauge, "tpud_checkpoint_last_committed_timestamp_seconds",
+     "Unix time of the newest committed checkpoint (time() minus it: its age).", ("job", "tier")),
+    ("_ckpt_interval", Gauge, "tpud_job_checkpoint_interval_seconds",
+     "The job's local checkpoint interval in seconds (checkpoint.interval_seconds, else interval_steps "
+     "times the recent step time).", ("job",)),
+    ("_auto_steps", Gauge, "tpud_checkpoint_auto_interval_steps",
+     "A tier's interval in steps when it is auto (the least lost time for its save cost and the disruption"
+     " rate).", ("job", "tier")),
+    ("_auto_seconds", Gauge, "tpud_checkpoint_auto_interval_seconds",
+     "An auto tier's interval in seconds of training (the GCS tier's: between the starts of uploads).",
+     ("job", "tier")),
+    ("_save_cost", Gauge, "tpud_checkpoint_save_cost_seconds",
+     "What a save of an auto tier holds the loop for (the worker's running average; the GCS tier's: an "
+     "upload's time).", ("job", "tier")),
+    ("_expected_loss", Gauge, "tpud_checkpoint_expected_loss_seconds",
+     "Training time an auto tier expects to lose per disruption: half its interval, and a save.", ("job", "tier")),
+    ("_disruption_rate", Gauge, "tpud_job_assumed_disruptions_per_second",
+     "The disruption rate the auto checkpoint intervals assume (seen on this host, with the job's prior).", ("job",)),
+    ("_useful_mfu", Gauge, "tpud_job_useful_mfu_ratio",
+     "Goodput x MFU: the share of the devices' peak that went into training kept (0..1), the figure to "
+     "maximise.", ("job",)),
+    ("_goodput", Gauge, "tpud_goodput_ratio", "Productive training time over total job time (0..1).", ("job",)),
+    ("_badput", Counter, "tpud_badput_seconds", "Unproductive job time by kind.", ("job", "kind")),
+    ("_gang_present", Gauge, "tpud_job_gang_hosts_present",
+     "Hosts whose worker has joined the job's current gang generation.", ("job", "host")),
+    ("_gang_generation", Gauge, "tpud_job_gang_generation",
+     "The job's gang generation: it grows by one at every gang restart.", ("job", "host")),
+    ("_gang_members", Gauge, "tpud_job_gang_members",
+     "Hosts in the job's newest gang (fewer than its host count: it went on without some).", ("job", "host")),
+    ("_gang_missing", Gauge, "tpud_job_gang_hosts_missing",
+     "Hosts the job's gang is without: left out of it, or waited for.", ("job", "host")),
+    ("_gang_shrinks", Counter, "tpud_job_gang_shrinks",
+     "Gangs that formed without a host of the one before.", ("job", "host")),
+    ("_gang_grows", Counter, "tpud_job_gang_grows",
+     "Gangs that formed with a host the one before lacked.", ("job", "host")),
+)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -154,112 +235,12 @@ class Metrics:
         self._snapshot, self._snapshot_of = b"", -1
         self.registry = CollectorRegistry()
         r = self.registry
-
-        self._build_info = Gauge("tpud_build_info", "tpud build; the value is always 1.",
-                                 ["version"], registry=r)
+        for attr, kind, name, help, labels in SERIES:
+            extra = {"buckets": CHECKPOINT_BUCKETS} if kind is Histogram else {}
+            setattr(self, attr, kind(name, help, list(labels), registry=r, **extra))
         self._build_info.labels(version).set(1)
-        self._state = Gauge("tpud_job_state", "1 for the job's current state, 0 for the others.",
-                            ["job", "state"], registry=r)
-        self._step = Gauge("tpud_job_step", "Last training step the job reported.", ["job"],
-                           registry=r)
-        self._loss = Gauge("tpud_job_loss", "Last training loss the job reported.", ["job"],
-                           registry=r)
-        self._eval_loss = Gauge("tpud_job_eval_loss", "Last validation loss the job reported (eval section).",
-                                ["job"], registry=r)
-        self._tps = Gauge("tpud_job_tokens_per_second", "Training throughput in tokens per second.",
-                          ["job"], registry=r)
-        self._mfu = Gauge("tpud_job_mfu_ratio", "Model FLOPs utilisation (0..1).", ["job"],
-                          registry=r)
-        self._router_aux = Gauge("tpud_job_router_aux_loss", "Load-balancing loss of the last step, before its "
-                                 "coefficient (1 when balanced; mixture of experts).", ["job"], registry=r)
-        self._router_z = Gauge("tpud_job_router_z_loss", "Router z-loss of the last step, before its coefficient "
-                               "(mixture of experts).", ["job"], registry=r)
-        self._load_max = Gauge("tpud_job_expert_load_max_ratio", "The busiest expert's share of its layer's "
-                               "routed tokens in the last step (1/experts when even).", ["job"], registry=r)
-        self._load_cv = Gauge("tpud_job_expert_load_cv", "Coefficient of variation of the experts' shares of "
-                              "routed tokens, mean over layers (0 when even).", ["job"], registry=r)
-        self._dropped = Gauge("tpud_job_dropped_tokens_ratio", "Routed tokens beyond their expert's capacity in "
-                              "the last step (capacity_factor).", ["job"], registry=r)
-        self._restarts = Counter("tpud_job_restarts_total", "Worker restarts by reason.",
-                                 ["job", "reason"], registry=r)
-        self._rollbacks = Counter("tpud_job_rollbacks_total", "Bad steps the worker healed in place, by kind "
-                                  "(spike, nonfinite) and verdict (data: its batches skipped; hardware: not "
-                                  "reproduced on replay).", ["job", "kind", "verdict"], registry=r)
-        self._skipped = Counter("tpud_job_skipped_samples_total", "Samples the job's rollbacks skipped.", ["job"],
-                                registry=r)
-        self._redone = Counter("tpud_job_redone_steps_total", "Steps trained again after a rollback (their first "
-                               "training was lost).", ["job"], registry=r)
-        self._mismatches = Counter("tpud_job_replica_mismatches_total", "Times the data-parallel replicas' states "
-                                   "differed, by the ranks (hosts) named: outside the majority, or by a replay (none: none named, "
-                                   "healed in place or all restarted).",
-                                   ["job", "odd"], registry=r)
-        self._quarantined = Gauge("tpud_job_quarantined", "1 when this host's replica of the job's state was named "
-                                  "the odd one (by the majority or a replay): the job is failed here until the host is "
-                                  "replaced.",
-                                  ["job"], registry=r)
-        self._stragglers = Gauge("tpud_job_straggler_ratio", "A flagged straggler's forward time over the other "
-                                 "processes' median (host: its rank, its host in a gang); 0 once cleared.",
-                                 ["job", "host"], registry=r)
-        self._preemptions = Counter("tpud_preemption_notices_total",
-                                    "Preemption or maintenance notices received, by source.",
-                                    ["source"], registry=r)
         for source in NOTICE_SOURCES:
             self._preemptions.labels(source)
-        self._ckpt_seconds = Histogram("tpud_checkpoint_duration_seconds",
-                                       "Wall time of committed checkpoints.",
-                                       ["job", "tier", "reason"], buckets=CHECKPOINT_BUCKETS,
-                                       registry=r)
-        self._ckpt_bytes = Counter("tpud_checkpoint_bytes_total", "Bytes of committed checkpoints.",
-                                   ["job", "tier"], registry=r)
-        self._ckpt_failures = Counter("tpud_checkpoint_failures_total", "Failed checkpoints.",
-                                      ["job", "tier"], registry=r)
-        self._ckpt_step = Gauge("tpud_checkpoint_last_committed_step",
-                                "Step of the newest committed checkpoint.", ["job", "tier"],
-                                registry=r)
-        self._ckpt_time = Gauge("tpud_checkpoint_last_committed_timestamp_seconds",
-                                "Unix time of the newest committed checkpoint (time() minus it: its age).",
-                                ["job", "tier"], registry=r)
-        self._ckpt_interval = Gauge("tpud_job_checkpoint_interval_seconds",
-                                    "The job's local checkpoint interval in seconds (checkpoint.interval_seconds, "
-                                    "else interval_steps times the recent step time).", ["job"], registry=r)
-        self._auto_steps = Gauge("tpud_checkpoint_auto_interval_steps", "A tier's interval in steps when it is auto "
-                                 "(the least lost time for its save cost and the disruption rate).",
-                                 ["job", "tier"], registry=r)
-        self._auto_seconds = Gauge("tpud_checkpoint_auto_interval_seconds", "An auto tier's interval in seconds of "
-                                   "training (the GCS tier's: between the starts of uploads).", ["job", "tier"],
-                                   registry=r)
-        self._save_cost = Gauge("tpud_checkpoint_save_cost_seconds", "What a save of an auto tier holds the loop "
-                                "for (the worker's running average; the GCS tier's: an upload's time).",
-                                ["job", "tier"], registry=r)
-        self._expected_loss = Gauge("tpud_checkpoint_expected_loss_seconds", "Training time an auto tier expects "
-                                    "to lose per disruption: half its interval, and a save.", ["job", "tier"],
-                                    registry=r)
-        self._disruption_rate = Gauge("tpud_job_assumed_disruptions_per_second", "The disruption rate the auto "
-                                      "checkpoint intervals assume (seen on this host, with the job's prior).",
-                                      ["job"], registry=r)
-        self._useful_mfu = Gauge("tpud_job_useful_mfu_ratio", "Goodput x MFU: the share of the devices' peak that "
-                                 "went into training kept (0..1), the figure to maximise.", ["job"], registry=r)
-        self._goodput = Gauge("tpud_goodput_ratio",
-                              "Productive training time over total job time (0..1).", ["job"],
-                              registry=r)
-        self._badput = Counter("tpud_badput_seconds_total", "Unproductive job time by kind.",
-                               ["job", "kind"], registry=r)
-        self._gang_present = Gauge("tpud_job_gang_hosts_present",
-                                   "Hosts whose worker has joined the job's current gang generation.",
-                                   ["job", "host"], registry=r)
-        self._gang_generation = Gauge("tpud_job_gang_generation",
-                                      "The job's gang generation: it grows by one at every gang restart.",
-                                      ["job", "host"], registry=r)
-        self._gang_members = Gauge("tpud_job_gang_members",
-                                   "Hosts in the job's newest gang (fewer than its host count: it went on without some).",
-                                   ["job", "host"], registry=r)
-        self._gang_missing = Gauge("tpud_job_gang_hosts_missing",
-                                   "Hosts the job's gang is without: left out of it, or waited for.",
-                                   ["job", "host"], registry=r)
-        self._gang_shrinks = Counter("tpud_job_gang_shrinks", "Gangs that formed without a host of the one before.",
-                                     ["job", "host"], registry=r)
-        self._gang_grows = Counter("tpud_job_gang_grows", "Gangs that formed with a host the one before lacked.",
-                                   ["job", "host"], registry=r)
         self._exposed = _WithoutCreated(r)
         self._heartbeat_ages = CollectorRegistry()  # written at each exposition: they grow with the clock
         self._heartbeat_ages.register(_HeartbeatCollector(self))
@@ -444,7 +425,7 @@ class Metrics:
     # -- HTTP -----------------------------------------------------------------------------
 
     def serve(self, address: str = DEFAULT_ADDRESS) -> tuple[str, int]:
-        """Serve /metrics on "HOST:PORT" (or "[V6]:PORT") in a daemon thread (tpud/exporter.py);
+        """Serve /metrics on "HOST:PORT" (or "[V6]:PORT") in a daemon thread (tpud/metrics/listener.py);
         port 0 picks a free port. Returns the bound (host, port)."""
         host, port = parse_address(address)
         with self._lock:

@@ -287,6 +287,24 @@ class GcsTier:
                     retry_in_s=round(pause, 2))
         time.sleep(min(pause, max(0.0, until - time.monotonic())))
 
+    def _in_rounds(self, verb: str, name: str, where: str, pending: dict, send: Callable[[list[str]], list],
+                   settle: Callable[[str, object, object], BaseException | None], until: float) -> None:
+        """Transfer `pending` (path -> manifest entry) in rounds, until none is left: `send(paths)` is one
+        parallel transfer_manager call, a result per path; `settle(path, entry, result)` checks one,
+        raising where it must stop, and returns the error of a transient failure (tried again next
+        round, after the backoff) or None once the path is done. Past the deadline: RemoteUnavailable."""
+        attempt = 0
+        while pending:
+            paths, transient = list(pending), []
+            for path, result in zip(paths, send(paths)):
+                if (error := settle(path, pending[path], result)) is None:
+                    del pending[path]
+                else:
+                    transient.append(error)
+            if pending:
+                self._pause_before_retry(verb, name, where, len(pending), transient[0], attempt, until)
+                attempt += 1
+
     def upload_step(self, local_step_dir: Path) -> Transfer:
         """Upload a committed local step directory: data objects in parallel, create-only,
         each verified against the manifest, then manifest.json (create-only) last."""
@@ -322,45 +340,57 @@ class GcsTier:
         total = sum(e.size for e in pending.values())
         log.info("gcs upload started", job=self.job, step=name, url=where, files=len(pending), bytes=total,
                  already_there=len(manifest.files) - len(pending))
-        attempt = 0
-        while pending:
-            pairs = [(str(local_step_dir / path), self.bucket.blob(prefix + path)) for path in pending]
-            results = transfer_manager.upload_many(
-                pairs, upload_kwargs=dict(
+        found_there = self._upload_data(local_step_dir, name, prefix, pending, until)
+        skipped += found_there
+        total -= found_there
+        self._commit_manifest(local_step_dir, manifest, prefix, where, until)
+        transfer = Transfer(name, len(manifest.files), total, skipped, time.monotonic() - start)
+        log.info("gcs upload committed", job=self.job, step=name, url=where, files=transfer.files,
+                 bytes=transfer.bytes, skipped_bytes=transfer.skipped_bytes, seconds=round(transfer.seconds, 3),
+                 mb_per_s=round(transfer.mb_per_s, 1))
+        return transfer
+
+    def _upload_data(self, local_step_dir: Path, name: str, prefix: str, pending: dict, until: float) -> int:
+        """The step's data objects, create-only, each verified; the bytes found already there (an
+        earlier attempt's, or another writer's of the same bytes)."""
+        where, found_there = f"gs://{self.bucket_name}/{prefix}", 0
+        blobs: dict[str, storage.Blob] = {}  # this round's: an upload leaves its size and CRC32C on its blob
+
+        def send(paths: list[str]) -> list:
+            blobs.update((path, self.bucket.blob(prefix + path)) for path in paths)
+            return transfer_manager.upload_many(
+                [(str(local_step_dir / path), blobs[path]) for path in paths], upload_kwargs=dict(
                     if_generation_match=0, checksum="crc32c", content_type="application/octet-stream",
                     retry=self.retry.api(until), timeout=self.retry.request_timeout),
                 worker_type=transfer_manager.THREAD, max_workers=self.workers, raise_exception=False)
-            transient = []
-            for (_, blob), result in zip(pairs, results):
-                path = blob.name[len(prefix):]
-                entry = pending[path]
-                if isinstance(result, api_exceptions.PreconditionFailed):
-                    # Already there: our own earlier attempt, or another writer. Same bytes or bust.
-                    try:
-                        obj = self._call(f"checking {where}{path}", until, self.bucket.get_blob, blob.name)
-                    except RemoteUnavailable as e:
-                        transient.append(e)
-                        continue
-                    if obj is None:
-                        transient.append(result)  # deleted meanwhile: upload again
-                        continue
-                    if obj.size != entry.size or obj.crc32c != entry.crc32c:
-                        raise self._conflict(where + path, obj, entry)
-                    skipped += entry.size
-                    total -= entry.size
-                elif isinstance(result, BaseException):
-                    if is_transient(result) or _upload_session_lost(result):
-                        transient.append(result)  # a lost resumable session: the next round starts anew
-                        continue
-                    raise RemoteError(f"uploading {where}{path}: {result}") from result
-                else:
-                    self._verify_uploaded(blob, entry, where + path, until)
-                del pending[path]
-            if pending:
-                self._pause_before_retry("upload", name, where, len(pending), transient[0], attempt, until)
-                attempt += 1
 
-        # Every data object is there and verified: now the commit marker.
+        def settle(path: str, entry, result) -> BaseException | None:
+            nonlocal found_there
+            if isinstance(result, api_exceptions.PreconditionFailed):
+                # Already there: our own earlier attempt, or another writer. Same bytes or bust.
+                try:
+                    obj = self._call(f"checking {where}{path}", until, self.bucket.get_blob, prefix + path)
+                except RemoteUnavailable as e:
+                    return e
+                if obj is None:
+                    return result  # deleted meanwhile: upload again
+                if obj.size != entry.size or obj.crc32c != entry.crc32c:
+                    raise self._conflict(where + path, obj, entry)
+                found_there += entry.size
+            elif isinstance(result, BaseException):
+                if is_transient(result) or _upload_session_lost(result):
+                    return result  # a lost resumable session: the next round starts anew
+                raise RemoteError(f"uploading {where}{path}: {result}") from result
+            else:
+                self._verify_uploaded(blobs[path], entry, where + path, until)
+            return None
+
+        self._in_rounds("upload", name, where, pending, send, settle, until)
+        return found_there
+
+    def _commit_manifest(self, local_step_dir: Path, manifest: Manifest, prefix: str, where: str,
+                         until: float) -> None:
+        """Every data object is there and verified: now the commit marker (and a gang's global one)."""
         manifest_blob = self.bucket.blob(prefix + MANIFEST)
         if self._create(manifest_blob, local_step_dir / MANIFEST, where, until):
             if manifest_blob.crc32c != file_crc32c(local_step_dir / MANIFEST):
@@ -373,11 +403,6 @@ class GcsTier:
             self._accept_existing_manifest(existing_blob, manifest, where, until)
         if manifest.hosts > 1:  # a multi-host step: its global marker, last (there already: committed either way)
             self._create(self.bucket.blob(prefix + GLOBAL), local_step_dir / GLOBAL, where, until)
-        transfer = Transfer(name, len(manifest.files), total, skipped, time.monotonic() - start)
-        log.info("gcs upload committed", job=self.job, step=name, url=where, files=transfer.files,
-                 bytes=transfer.bytes, skipped_bytes=transfer.skipped_bytes, seconds=round(transfer.seconds, 3),
-                 mb_per_s=round(transfer.mb_per_s, 1))
-        return transfer
 
     def _create(self, blob: storage.Blob, local: Path, where: str, until: float) -> bool:
         """Upload a small JSON file create-only: False when the object already exists."""
@@ -443,39 +468,7 @@ class GcsTier:
         log.info("gcs download started", job=self.job, step=name, url=where, files=len(manifest.files),
                  bytes=manifest.total_bytes)
         try:
-            pending = {entry.path: entry for entry in manifest.files}
-            for path in pending:
-                (tmp / path).parent.mkdir(parents=True, exist_ok=True)
-            attempt = 0
-            while pending:
-                pairs = [(self.bucket.blob(prefix + path), str(tmp / path)) for path in pending]
-                results = transfer_manager.download_many(
-                    pairs, download_kwargs=dict(checksum="crc32c", retry=self.retry.api(until),
-                                                timeout=self.retry.request_timeout),
-                    worker_type=transfer_manager.THREAD, max_workers=self.workers, raise_exception=False)
-                transient = []
-                for (blob, filename), result in zip(pairs, results):
-                    path = blob.name[len(prefix):]
-                    entry = pending[path]
-                    if isinstance(result, BaseException):
-                        if is_transient(result):
-                            transient.append(result)
-                            continue
-                        if isinstance(result, api_exceptions.NotFound):
-                            raise RemoteCorrupt(f"{where}{path}: listed in the manifest but missing") from result
-                        if isinstance(result, DataCorruption):
-                            raise RemoteCorrupt(f"{where}{path}: damaged in transit: {result}") from result
-                        raise RemoteError(f"downloading {where}{path}: {result}") from result
-                    size = Path(filename).stat().st_size
-                    crc = file_crc32c(Path(filename))
-                    if size != entry.size or crc != entry.crc32c:
-                        raise RemoteCorrupt(f"{where}{path}: {size} bytes with CRC32C {crc}, the manifest says "
-                                            f"{entry.size} bytes with CRC32C {entry.crc32c}; not committing "
-                                            f"{target}")
-                    del pending[path]
-                if pending:
-                    self._pause_before_retry("download", name, where, len(pending), transient[0], attempt, until)
-                    attempt += 1
+            self._download_data(manifest, name, prefix, tmp, target, until)
             write_manifest(tmp, manifest)  # fsyncs the data files, then the manifest, last
             if manifest.hosts > 1:  # committed remotely, so globally: this host's copy is marked too
                 write_global(tmp, manifest)
@@ -493,6 +486,38 @@ class GcsTier:
         log.info("gcs download committed", job=self.job, step=name, path=str(target), files=transfer.files,
                  bytes=transfer.bytes, seconds=round(seconds, 3), mb_per_s=round(transfer.mb_per_s, 1))
         return target
+
+    def _download_data(self, manifest: Manifest, name: str, prefix: str, into: Path, target: Path,
+                       until: float) -> None:
+        """The step's data objects into `into` (renamed to `target` once all are there), each checked
+        against the manifest's size and CRC32C."""
+        where = f"gs://{self.bucket_name}/{prefix}"
+        pending = {entry.path: entry for entry in manifest.files}
+        for path in pending:
+            (into / path).parent.mkdir(parents=True, exist_ok=True)
+
+        def send(paths: list[str]) -> list:
+            return transfer_manager.download_many(
+                [(self.bucket.blob(prefix + path), str(into / path)) for path in paths],
+                download_kwargs=dict(checksum="crc32c", retry=self.retry.api(until), timeout=self.retry.request_timeout),
+                worker_type=transfer_manager.THREAD, max_workers=self.workers, raise_exception=False)
+
+        def settle(path: str, entry, result) -> BaseException | None:
+            if isinstance(result, BaseException):
+                if is_transient(result):
+                    return result
+                if isinstance(result, api_exceptions.NotFound):
+                    raise RemoteCorrupt(f"{where}{path}: listed in the manifest but missing") from result
+                if isinstance(result, DataCorruption):
+                    raise RemoteCorrupt(f"{where}{path}: damaged in transit: {result}") from result
+                raise RemoteError(f"downloading {where}{path}: {result}") from result
+            size, crc = (into / path).stat().st_size, file_crc32c(into / path)
+            if size != entry.size or crc != entry.crc32c:
+                raise RemoteCorrupt(f"{where}{path}: {size} bytes with CRC32C {crc}, the manifest says "
+                                    f"{entry.size} bytes with CRC32C {entry.crc32c}; not committing {target}")
+            return None
+
+        self._in_rounds("download", name, where, pending, send, settle, until)
 
     # -- retention ------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.data import chat
-from engine.data import tokenizer as tk
+from engine.prepare import chat
+from engine.prepare import tokenizer as tk
 
 OPEN_WINDOWS = 64  # windows filled at once; past this the fullest is written
 # A token of any published tokenizer spans far fewer characters than this: a rendered

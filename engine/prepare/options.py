@@ -1,5 +1,5 @@
-"""What a `tpud prepare` run is asked to do, validated once: the command (engine.data.prepare)
-builds it from its arguments and the work (engine.data.pipeline) reads it. Torch-free.
+"""What a `tpud prepare` run is asked to do, validated once: the command (engine.prepare.command)
+builds it from its arguments and the work (engine.prepare.pipeline) reads it. Torch-free.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The worker's side of a gang: meet the other hosts' workers, watch them, leave together.
 
-All of it goes through torch.distributed's TCPStore in a coordinator (tpud/gang/stores.py says
+All of it goes through torch.distributed's TCPStore in a coordinator (tpud/worker/gang/stores.py says
 which, when every host runs one), under `tpud/<job>/`:
 
     gen                   the current generation: each generation is one gang of workers
@@ -25,7 +25,7 @@ others see `gen` move, or a peer's beat stand still for `peer_timeout_s`, and ex
 thread waits in a collective that would never finish. Every host's daemon starts its worker
 again, and the new generation resumes from the newest global commit.
 
-A generation forms when every host is seated or excused (tpud/gang/formation.py: with
+A generation forms when every host is seated or excused (tpud/worker/gang/formation.py: with
 `min_hosts` below the host count, hosts left out, lost, or unseen for the peer timeout, as long
 as the seated hold a majority of the last gang). So a gang shrinks instead of waiting for a
 host that does not come back, and grows again when it does: a host that takes a seat in a
@@ -63,8 +63,8 @@ from engine import events, exit_codes
 from engine.checkpoint.hosts import Hosts
 from engine.errors import ConfigError
 from engine.spec import fingerprint
-from tpud.gang import stores
-from tpud.gang.formation import Seats
+from tpud.worker.gang import stores
+from tpud.worker.gang.formation import Seats
 
 log = structlog.get_logger()
 
@@ -191,7 +191,7 @@ class GangMember:
         return True
 
     def _connect(self) -> bool:
-        """Meet in the best coordinator that answers (tpud/gang/stores.py), waiting while none does
+        """Meet in the best coordinator that answers (tpud/worker/gang/stores.py), waiting while none does
         (every host's daemon may be down, or starting); False on a stop. Moving to another
         coordinator than the one the last gang met in opens a generation above it there, and marks
         the host whose coordinator vanished as lost."""

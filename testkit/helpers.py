@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.checkpoint import manifest as mf
-from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
+from testkit import PYTHON, REPO, TINY_JOB, python_env
 from tpud.control import ControlClient, ControlError, DaemonUnreachable
 from tpud.paths import Paths
 
@@ -165,7 +165,7 @@ def children_by_kind(pid: int) -> dict[str, list[int]]:
         if exited(child):
             continue
         kind = next((k for module, k in (("tpud.worker.forkserver", "forkserver"), ("tpud.worker", "worker"),
-                                         ("tpud.jobfiles.offloop", "reader"), ("tpud.gang.coordinator", "coordinator"))
+                                         ("tpud.jobfiles.offloop", "reader"), ("tpud.worker.gang.coordinator", "coordinator"))
                      if f"-m {module} " in command), "other")
         found.setdefault(kind, []).append(child)
         if kind == "forkserver":

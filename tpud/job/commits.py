@@ -142,7 +142,7 @@ class JobCheckpoints:
         self.tiers.pop("memory", None)
 
     def upload_result(self, key: tuple[int, int], transfer, error: str | None, policy: Interval | None) -> None:
-        """From the uploader's thread, after each attempt (tpud/checkpoints/tiers.py)."""
+        """From the uploader's thread, after each attempt (tpud/gcs/tiers.py)."""
         if policy is not None:
             self.metrics.checkpoint_policy(self.job, {"gcs": policy.as_dict()})
             self.post(lambda: self.intervals.update(gcs=policy.as_dict()))

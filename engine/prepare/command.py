@@ -1,8 +1,8 @@
 """`tpud prepare INPUT... --tokenizer SPEC --out DIR|gs://...`: texts -> tokens -> a prepared dataset.
 
-Also `python -m engine.data.prepare`. This module is the command: its arguments, turned into
-Options (engine.data.options, validated there), and its exit codes; the work is
-engine.data.pipeline's, imported only when it runs, so that building the `tpud` parser stays
+Also `python -m engine.prepare`. This module is the command: its arguments, turned into
+Options (engine.prepare.options, validated there), and its exit codes; the work is
+engine.prepare.pipeline's, imported only when it runs, so that building the `tpud` parser stays
 cheap. Torch-free.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from engine.data.options import Options, PrepareError
+from engine.prepare.options import Options, PrepareError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine import logs
     from engine.data.manifest import DatasetError
-    from engine.data.pipeline import prepare
+    from engine.prepare.pipeline import prepare
 
     logs.configure(stream=sys.stderr)
     try:
@@ -128,7 +128,7 @@ DESCRIPTION = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.data.prepare", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m engine.prepare", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -138,7 +138,7 @@ def _export(args: argparse.Namespace, spec) -> int:
 
 def _download(spec, args: argparse.Namespace) -> tuple[Path, Path]:
     """The chosen GCS step downloaded (and verified) into a temporary directory beside OUT_DIR."""
-    from tpud.checkpoints.gcs import GcsTier, RemoteError
+    from tpud.gcs.tier import GcsTier, RemoteError
 
     tier = GcsTier.for_spec(spec)
     if tier is None:

@@ -8,7 +8,7 @@ current value. Tests change values with set()/delete(), which wake every waiting
 requests fail with fail_next(), and check what clients sent through the recorded requests.
 
 Clients find it through GCE_METADATA_HOST=<server.host>, as google-auth does.
-Run alone: python -m tests.metadata_server (prints its host; Ctrl-C stops it).
+Run alone: python -m testkit.metadata_server (prints its host; Ctrl-C stops it).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import structlog
 from engine.backoff import Backoff
 from engine.checkpoint.policy import Interval, SecondsPolicy
 from engine.checkpoint.manifest import PINS, pin, read_manifest, step_dir_name, unpin
-from tpud.checkpoints.gcs import GcsTier, RemoteConflict, Transfer, newest_valid_local
+from tpud.gcs.tier import GcsTier, RemoteConflict, Transfer, newest_valid_local
 
 log = structlog.get_logger()
 
@@ -293,7 +293,7 @@ class Uploader:
 def ensure_newest_local(tier: GcsTier, local_job_dir: Path) -> Path | None:
     """Before a worker starts: if the newest complete remote step is newer than the newest
     valid local one (a fresh or replaced host), download it. Returns the newest valid local
-    step directory afterwards (None: nothing to resume from). Raises tpud.checkpoints.gcs.RemoteError when
+    step directory afterwards (None: nothing to resume from). Raises tpud.gcs.tier.RemoteError when
     the remote cannot be read or the download fails: starting the worker anyway would redo
     steps already committed remotely, so the caller should back off and try again."""
     local_job_dir = Path(local_job_dir)

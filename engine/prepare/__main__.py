@@ -1,0 +1,5 @@
+import sys
+
+from engine.prepare.command import main
+
+sys.exit(main())
