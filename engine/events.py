@@ -99,6 +99,9 @@ class Step(Event):
     # Each auto checkpoint tier's policy (engine.checkpoint.policy.Interval.as_dict): tier -> steps, seconds,
     # save_seconds, disruptions_per_hour, expected_loss_seconds. None when no tier is auto.
     checkpoint_intervals: dict[str, dict[str, int | float | None]] | None = None
+    # The local tier's interval in seconds as the worker's schedule applies it (the nearer of
+    # interval_seconds and the step interval); None when neither is set.
+    checkpoint_interval_s: float | None = None
 
 
 # The host-side scalars of a step: what goes to wandb.

@@ -51,10 +51,12 @@ def host_rss_bytes() -> int:
 class Reporter:
     def __init__(self, train: TrainConfig, backend: Backend, loader: PackedLoader, flops_per_token: float,
                  guard: StepGuard, badput: Badput, emit: Callable[[events.Event], None],
-                 router_stats: bool = False, intervals: Callable[[], dict] = dict):
+                 router_stats: bool = False, intervals: Callable[[], dict] = dict,
+                 interval_s: Callable[[float], float | None] = lambda step_time_s: None):
         self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
         self.names = StepResult.NAMES + (STATS if router_stats else ())
         self.intervals = intervals  # the auto checkpoint intervals in force (engine.checkpoint.policy)
+        self.interval_s = interval_s  # the local tier's interval in seconds, at a step time
         self.guard, self.badput, self.emit = guard, badput, emit
         self.pending: list[StepResult] = []  # finished steps whose values are not read yet
         self._checked = 0  # of pending, how many the step guard has seen (check_pending)
@@ -120,6 +122,7 @@ class Reporter:
             "device_memory_bytes": self.backend.memory_bytes(),
             "checkpoint_intervals": self.intervals() or None,
         }
+        perf["checkpoint_interval_s"] = self.interval_s(perf["step_time_s"])
         badput = self.badput.snapshot()
         intervals = perf["checkpoint_intervals"]
 
@@ -134,7 +137,7 @@ class Reporter:
             if scalars is not None:
                 log.info("step", step=logged, max_steps=self.train.max_steps,
                          **{k: round(v, 5) for k, v in scalars.items()},
-                         **{k: v for k, v in perf.items() if v is not None and k != "checkpoint_intervals"}, **counts,
+                         **{k: v for k, v in perf.items() if v is not None and k not in ("checkpoint_intervals", "checkpoint_interval_s")}, **counts,
                          **({"auto_intervals": {t: i["steps"] for t, i in intervals.items()}} if intervals else {}))
 
         self.backend.read_values([result.values for result in pending], publish)

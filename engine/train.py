@@ -129,7 +129,8 @@ class Trainer:
         self._watch_health()
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.guard, self.badput, self.hooks.emit, router_stats=spec.model.moe is not None,
-                                 intervals=self.checkpointer.intervals)
+                                 intervals=self.checkpointer.intervals,
+                                 interval_s=self.checkpointer.schedule.local_interval_s)
         self._deferred: Request | None = None
         self.hooks.on_request(self._between_boundaries)
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions

@@ -201,3 +201,12 @@ def test_an_interval_that_is_neither_steps_nor_auto_is_refused_naming_the_key(va
         with pytest.raises(SpecError, match=rf"{key}: must be a number of steps \(0: off\) or auto"):
             load_spec(TINY_JOB, [f"{key}={value}"])
     assert load_spec(TINY_JOB, ["checkpoint.interval_steps=auto"]).checkpoint.interval_steps == "auto"
+
+
+def test_the_local_interval_in_seconds_is_the_nearer_of_the_step_and_time_intervals():
+    """What the step event carries as checkpoint_interval_s (tpud_job_checkpoint_interval_seconds)."""
+    for steps, seconds, expected in ((100, 0, 50.0), (100, 20, 20.0), (10, 20, 5.0), (0, 30, 30.0), (0, 0, None)):
+        cfg = CheckpointConfig(interval_steps=steps, interval_seconds=seconds)
+        assert SaveSchedule(cfg, OneProcess, clock=Clock()).local_interval_s(0.5) == expected, (steps, seconds)
+    auto = SaveSchedule(CheckpointConfig.model_validate({"interval_steps": "auto"}), OneProcess, clock=Clock())
+    assert auto.local_interval_s(0.5) == auto.intervals()["local"].seconds

@@ -1,6 +1,7 @@
 """The job state machine's decisions, driven through its public seams: worker events, exits and
 timer ticks, with an injected clock and stand-in worker processes."""
 
+import dataclasses
 import signal
 import socket
 
@@ -513,18 +514,21 @@ def test_a_validation_loss_reaches_status_and_metrics(make_job):
     assert b'tpud_job_eval_loss{job="j"} 1.25' in metrics.exposition()
 
 
-def test_the_checkpoint_interval_metric_is_the_shorter_of_the_step_and_time_intervals(make_job):
+def test_the_checkpoint_interval_metric_is_the_one_the_worker_applies(make_job):
+    """The worker's schedule decides the interval (engine.checkpoint.schedule.local_interval_s) and
+    sends it in the step event: the daemon publishes it, deriving nothing."""
     from tpud.metrics.series import Metrics as RealMetrics
 
     make, now = make_job
     metrics = RealMetrics()
     job = make(metrics=metrics)
     interval = lambda: metrics.registry.get_sample_value("tpud_job_checkpoint_interval_seconds", {"job": "j"})  # noqa: E731
-    for steps, seconds, expected in ((100, 0, 50.0), (100, 20, 20.0), (10, 20, 5.0), (0, 30, 30.0)):
-        job.spec = job.spec.model_copy(update={"checkpoint": job.spec.checkpoint.model_copy(
-            update={"interval_steps": steps, "interval_seconds": seconds})})
-        job.handle(step(1, step_time=0.5))
-        assert interval() == expected, (steps, seconds)
+    job.handle(step(1))
+    assert interval() is None  # no interval set: no figure
+    job.handle(dataclasses.replace(step(2), checkpoint_interval_s=20.0))
+    assert interval() == 20.0
+    job.handle(step(3))  # a worker of another version, without the field: the last figure stays
+    assert interval() == 20.0
 
 
 def test_a_checkpoint_committed_before_the_daemon_started_is_in_status_and_metrics_from_the_start(make_job, tmp_path):

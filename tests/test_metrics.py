@@ -413,12 +413,11 @@ def test_the_auto_intervals_of_the_worker_and_the_uploader_reach_status_and_metr
     in `tpud status` (json and its line) and in the gauges."""
     from engine import events
     from engine.checkpoint.policy import Interval
-    from engine.spec.schema import CheckpointConfig
     from tpud.job.commits import JobCheckpoints
     from tpud.view.status import lines
 
     posted = []
-    checkpoints = JobCheckpoints("llm", metrics, lambda: CheckpointConfig(), posted.append)
+    checkpoints = JobCheckpoints("llm", metrics, posted.append)
     memory = Interval(12, 0.6, 0.004, 2.0, 0.304).as_dict()
     checkpoints.on_step(events.Step(step=40, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1e4, step_time_s=0.05,
                                     checkpoint_intervals={"memory": memory}))

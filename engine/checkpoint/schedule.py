@@ -53,6 +53,18 @@ class SaveSchedule:
         """What each auto tier's policy decides now."""
         return {tier: policy.interval() for tier, policy in self.policies.items()}
 
+    def local_interval_s(self, step_time_s: float) -> float | None:
+        """The local tier's interval in seconds as `due` applies it: whichever of interval_seconds and
+        the step interval (its auto policy's seconds, or interval_steps at `step_time_s` a step) ends
+        first; None when neither is set."""
+        policy = self.policies.get("local")
+        if policy is not None:
+            by_steps = policy.interval().seconds
+        else:
+            by_steps = self.cfg.interval_steps * step_time_s if self.cfg.interval_steps else None
+        intervals = [s for s in (self.cfg.interval_seconds, by_steps) if s]
+        return min(intervals) if intervals else None
+
     def due(self, step: int) -> bool:
         """Whether an interval checkpoint is due now, `step` steps done; every rank gets the same answer."""
         policy = self.policies.get("local")

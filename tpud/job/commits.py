@@ -14,7 +14,6 @@ from pathlib import Path
 from engine import events
 from engine.checkpoint import manifest as mf
 from engine.checkpoint.policy import Interval
-from engine.spec.schema import CheckpointConfig
 from tpud.job.save_failures import SaveFailures
 
 
@@ -37,10 +36,9 @@ class Waiter:
 
 
 class JobCheckpoints:
-    def __init__(self, job: str, metrics, config: Callable[[], CheckpointConfig],
-                 post: Callable[[Callable[[], None]], None]):
-        """config(): the job's checkpoint section as it is now; post(fn): run fn on the daemon's loop."""
-        self.job, self.metrics, self.config, self.post = job, metrics, config, post
+    def __init__(self, job: str, metrics, post: Callable[[Callable[[], None]], None]):
+        """post(fn): run fn on the daemon's loop."""
+        self.job, self.metrics, self.post = job, metrics, post
         self.last: Checkpoint | None = None  # the newest on disk or GCS
         self.memory: Checkpoint | None = None  # the newest in the memory tier
         self.tiers: dict[str, Checkpoint] = {}  # the newest on each tier (local, memory, gcs)
@@ -92,11 +90,8 @@ class JobCheckpoints:
     # --- the worker's events (tpud/job/routing.py) ---
 
     def on_step(self, event: events.Step) -> None:
-        ckpt = self.config()  # a save comes at whichever interval ends first
-        auto = (event.checkpoint_intervals or {}).get("local")
-        by_steps = (auto or {}).get("seconds") if ckpt.interval_steps == "auto" else ckpt.interval_steps * event.step_time_s
-        if intervals := [s for s in (ckpt.interval_seconds, by_steps) if s]:
-            self.metrics.checkpoint_interval(self.job, min(intervals))
+        if event.checkpoint_interval_s is not None:  # as the worker's schedule applies it
+            self.metrics.checkpoint_interval(self.job, event.checkpoint_interval_s)
         if event.checkpoint_intervals:
             self.metrics.checkpoint_policy(self.job, event.checkpoint_intervals)
         gcs = {"gcs": self.intervals["gcs"]} if "gcs" in self.intervals else {}

@@ -93,7 +93,7 @@ class Job:
         self.digest: str | None = None  # of the job file this spec came from
         self.error, self.error_detail = None, []  # what failed, and a crash's traceback lines
         self.report = WorkerReport(self.name, metrics, clock, paths.layout.skips_file(spec.name))
-        self.checkpoints = JobCheckpoints(self.name, metrics, lambda: self.spec.checkpoint, loop.post)
+        self.checkpoints = JobCheckpoints(self.name, metrics, loop.post)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
         self.backoff_until, self.last_status = 0.0, None  # last_status: the last worker's (`tpud run` exits with it)
