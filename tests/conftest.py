@@ -25,11 +25,17 @@ def tiny_spec():
 
 
 @pytest.fixture
-def memory(tmp_path, monkeypatch):
-    """The memory tier's root for an in-process Trainer (TPUD_MEMORY_DIR); the tiny job's directory in it."""
-    root = tmp_path / "shm"
-    monkeypatch.setenv("TPUD_MEMORY_DIR", str(root))
-    return root / "tiny-cpu"
+def memory(tmp_path):
+    """The memory tier's root for an in-process Trainer (its `runtime` fixture); the tiny job's directory in it."""
+    return tmp_path / "shm" / "tiny-cpu"
+
+
+@pytest.fixture
+def runtime(memory):
+    """What a supervisor would tell an in-process Trainer: the memory tier's root (engine.runtime)."""
+    from engine.runtime import Runtime
+
+    return Runtime(memory_dir=memory.parent)
 
 
 

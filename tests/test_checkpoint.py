@@ -209,11 +209,11 @@ def test_a_step_directory_without_a_manifest_is_moved_aside_and_the_save_commits
     assert [p.name.split(".")[0] for p in (job_dir(tmp_path) / "corrupt").iterdir()] == [leftover.name]
 
 
-def test_the_threads_beside_the_loop_run_torch_single_threaded(tmp_path, memory):
+def test_the_threads_beside_the_loop_run_torch_single_threaded(tmp_path, memory, runtime):
     """A big copy on the checkpoint writer's thread (DCP copying the memory tier's views) once started
     an OpenMP team of its own beside the loop's, and the loop's CPU steps stayed ~1.7x slower for
     the rest of the run (engine/side_threads.py)."""
-    trainer = Trainer(tiny(), tmp_path, Recorder())
+    trainer = Trainer(tiny(), tmp_path, Recorder(), runtime=runtime)
     before = torch.get_num_threads()
     for pool in (trainer.checkpointer.writer.pool, trainer.batches._pool):
         assert pool.submit(torch.get_num_threads).result() == 1

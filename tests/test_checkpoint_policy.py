@@ -115,14 +115,15 @@ def test_under_the_daemon_the_memory_tier_follows_its_policy(tiny_spec, tmp_path
     tells its workers: every interval it reports is Young's for the save cost and step time it
     measured, and its saves come at those intervals. (How the interval scales with the rate is the
     policy's own tests': here the costs are whatever this host measures.)"""
+    from engine.runtime import Runtime
+
     per_hour = 3600.0
-    monkeypatch.setenv("TPUD_DISRUPTIONS_PER_HOUR", str(per_hour))
-    monkeypatch.setenv("TPUD_MEMORY_DIR", str(tmp_path / "shm"))
+    told = Runtime.from_env({"TPUD_DISRUPTIONS_PER_HOUR": str(per_hour), "TPUD_MEMORY_DIR": str(tmp_path / "shm")})
     spec = tiny_spec("train.max_steps=120", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
                      "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.max_overhead=1")
     assert spec.checkpoint.memory.interval_steps == "auto"
     hooks = Recorder()
-    assert Trainer(spec, tmp_path, hooks).run() == 0
+    assert Trainer(spec, tmp_path, hooks, runtime=told).run() == 0
     steps = {e.step: e.checkpoint_intervals["memory"] for e in hooks.of(events.Step)}
     assert all(i["disruptions_per_hour"] == per_hour for i in steps.values())
     timed = [i for i in steps.values() if i["save_seconds"] and i["seconds"]]

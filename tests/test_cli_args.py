@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpud import cli
+from tpud import cli, commands
 
 COMMANDS = ["daemon", "run", "validate", "prepare", "schema", "checkpoints", "status", "checkpoint-now", "stop", "start"]
 
@@ -47,13 +47,13 @@ def test_run_takes_overrides_anywhere_after_the_job_file_in_order(argv):
 def test_what_is_not_an_override_is_still_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.parse_args(argv)
-    assert exit.value.code == cli.EXIT_USAGE
+    assert exit.value.code == commands.EXIT_USAGE
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_home_before_the_command_reaches_the_daemon_there(tmp_path, capsys):
     code = cli.main(["--home", str(tmp_path), "status"])
-    assert code == cli.EXIT_DAEMON_UNREACHABLE
+    assert code == commands.EXIT_DAEMON_UNREACHABLE
     assert f"{tmp_path}/run/control.sock" in capsys.readouterr().err
 
 

@@ -24,16 +24,16 @@ QUICK = ("device.compile=true", "train.max_steps=12", "train.log_interval=1", "s
          "loss.name=chunked", "loss.chunk_tokens=24")
 
 
-def test_compiled_training_resumes_bitwise_from_disk_memory_and_a_partial_step(tiny_spec, tmp_path, memory):
+def test_compiled_training_resumes_bitwise_from_disk_memory_and_a_partial_step(tiny_spec, tmp_path, memory, runtime):
     from torch._dynamo.utils import counters
 
     spec = tiny_spec(*QUICK)
     counters.clear()
-    whole = Trainer(spec, tmp_path / "whole", Recorder())
+    whole = Trainer(spec, tmp_path / "whole", Recorder(), runtime=runtime)
     assert whole.run() == 0
     assert counters["frames"]["ok"] >= 2  # a block's forward and the loss's chunk were compiled
     assert list((tmp_path / "whole" / "jobs" / "tiny-cpu" / "inductor_cache").iterdir())
-    eager = Trainer(tiny_spec(*QUICK, "device.compile=false"), tmp_path / "eager", Recorder())
+    eager = Trainer(tiny_spec(*QUICK, "device.compile=false"), tmp_path / "eager", Recorder(), runtime=runtime)
     eager.run()
     # Compiled kernels may round differently from eager ones, but train the same model.
     for a, b in zip(whole.model.parameters(), eager.model.parameters()):
@@ -41,18 +41,19 @@ def test_compiled_training_resumes_bitwise_from_disk_memory_and_a_partial_step(t
 
     # A stop at step 7 resumes from memory; a partial step (5, 1) from its memory copy.
     shutil.rmtree(memory)
-    assert Trainer(spec, tmp_path / "cut", Recorder({Boundary(7, 0): Request(Action.STOP)})).run() == 75
-    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder())
+    stop_at_7 = Recorder({Boundary(7, 0): Request(Action.STOP)})
+    assert Trainer(spec, tmp_path / "cut", stop_at_7, runtime=runtime).run() == 75
+    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder(), runtime=runtime)
     assert resumed.progress.step == 7 and hooks.of(events.CheckpointRestored)[0].path.startswith(str(memory))
     assert resumed.run() == 0
     assert_same_training_state(whole, resumed)
 
     shutil.rmtree(memory)
     stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
-    assert Trainer(spec, tmp_path / "partial", Recorder(stop)).run() == 75
+    assert Trainer(spec, tmp_path / "partial", Recorder(stop), runtime=runtime).run() == 75
     shutil.rmtree(memory)  # from disk this time
     assert (5, 1) in [(s, m.micro_step) for s, _, m in mf.committed_steps(job_dir(tmp_path / "partial"))]
-    resumed = Trainer(spec, tmp_path / "partial", Recorder())
+    resumed = Trainer(spec, tmp_path / "partial", Recorder(), runtime=runtime)
     assert (resumed.progress.step, resumed.progress.micro_step) == (5, 1)
     resumed.run()
     assert_same_training_state(whole, resumed)

@@ -108,14 +108,15 @@ def test_gang_evict_stragglers_evicts_in_every_job_of_the_gang_as_the_jobs_own_s
     from types import SimpleNamespace
 
     from engine.health.stragglers import StragglerWatch
+    from engine.runtime import Runtime
     from engine.spec.schema import StragglerConfig
 
     backend = SimpleNamespace(data=SimpleNamespace(world=2), agreement_group=object())
     gang = {"host_index": 0, "host_count": 2, "coordinator": "h:1"}
     for evict_stragglers, job_evicts, evicts in ((False, False, False), (True, False, True), (False, True, True)):
         env = discover(Settings.model_validate({"gang": {**gang, "evict_stragglers": evict_stragglers}}), {}).worker_env()
-        monkeypatch.setenv("TPUD_GANG_EVICT_STRAGGLERS", env["TPUD_GANG_EVICT_STRAGGLERS"])
-        assert StragglerWatch(StragglerConfig(evict=job_evicts), backend, print).evict is evicts
+        told = Runtime.from_env(env)  # as the worker reads what its daemon set
+        assert StragglerWatch(StragglerConfig(evict=job_evicts), backend, print, told.evict_stragglers).evict is evicts
     assert StragglerWatch(None, backend, print).evict is False  # health.stragglers null: never judged
 
 

@@ -20,6 +20,7 @@ from engine.checkpoint import manifest as mf
 from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
+from engine.runtime import Runtime
 from engine.train import Trainer
 from tests.conftest import tiny
 from testkit.helpers import Daemon, metric, wait_until, write
@@ -42,21 +43,20 @@ def memory_steps(root: Path) -> list[tuple[int, int]]:
 def whole(tmp_path_factory):
     """The QUICK run uninterrupted, its memory tier dropped: the trainer that tests compare with."""
     home = tmp_path_factory.mktemp("whole")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TPUD_MEMORY_DIR", str(home / "shm"))
-        run = Trainer(tiny(*QUICK), home, Recorder())
-        assert run.run() == 0
+    run = Trainer(tiny(*QUICK), home, Recorder(), runtime=Runtime(memory_dir=home / "shm"))
+    assert run.run() == 0
     shutil.rmtree(home / "shm")
     return run
 
 
 @pytest.mark.slow
-def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skipped(tiny_spec, tmp_path, memory,
+def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skipped(tiny_spec, tmp_path, memory, runtime,
                                                                                    whole):
     spec = tiny_spec(*QUICK)
     # STOP takes no checkpoint: disk has step 4, memory the two newest states it saved, every step
     # but while the step-4 disk write still read a slot (under load it can outlast a step).
-    assert Trainer(spec, tmp_path / "cut", Recorder({Boundary(7, 0): Request(Action.STOP)})).run() == 75
+    stop_at_7 = Recorder({Boundary(7, 0): Request(Action.STOP)})
+    assert Trainer(spec, tmp_path / "cut", stop_at_7, runtime=runtime).run() == 75
     assert [s for s, _, _ in mf.committed_steps(job_dir(tmp_path / "cut"))] == [4]
     (older, _), (latest, _) = held = memory_steps(memory)
     assert 4 < older < latest <= 7, held
@@ -66,7 +66,7 @@ def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skippe
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder())
+    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder(), runtime=runtime)
     assert resumed.progress.step == older
     assert hooks.of(events.CheckpointRestored)[0].path == str(memory / mf.step_dir_name(older))
     assert not newest.exists()
@@ -74,12 +74,12 @@ def test_a_stopped_run_resumes_from_memory_bitwise_and_a_corrupt_state_is_skippe
     assert_same_training_state(whole, resumed)
 
 
-def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tiny_spec, tmp_path, memory):
+def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tiny_spec, tmp_path, memory, runtime):
     spec = tiny_spec("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=1", "data.seq_len=32",
                      "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.interval_steps=1",
                      "checkpoint.memory.max_overhead=1", "debug.inject.nan_at_step=6", "health.nonfinite=stop")
     with structlog.testing.capture_logs() as logged:
-        assert Trainer(spec, tmp_path, hooks := Recorder()).run() == 76
+        assert Trainer(spec, tmp_path, hooks := Recorder(), runtime=runtime).run() == 76
     # Every step saved to memory, one report of steps 1-4 (their events, and one log line).
     assert [r["step"] for r in logged if r["event"] == "step"] == [4]
     assert [e.step for e in hooks.of(events.Step)] == [1, 2, 3, 4]
@@ -88,11 +88,11 @@ def test_memory_saves_keep_the_log_interval_and_never_hold_a_non_finite_step(tin
 
 
 def test_a_rollback_in_place_restores_the_memory_tiers_state_from_just_before_the_bad_step(
-        tiny_spec, tmp_path, memory):
+        tiny_spec, tmp_path, memory, runtime):
     spec = tiny_spec("train.max_steps=12", "train.log_interval=4", "scheduler.warmup_steps=1", "data.seq_len=32",
                      "data.micro_batch_size=2", "checkpoint.interval_steps=0", "checkpoint.memory.interval_steps=1",
                      "checkpoint.memory.max_overhead=1", "debug.inject.nan_at_step=6")
-    assert Trainer(spec, tmp_path, hooks := Recorder()).run() == 0
+    assert Trainer(spec, tmp_path, hooks := Recorder(), runtime=runtime).run() == 0
     (rolled,) = hooks.of(events.RolledBack)
     assert (rolled.step, rolled.restored_step, rolled.verdict, rolled.redone_steps) == (6, 5, "data", 1)
     # Restored twice (the replay, then the skip), both times from memory: the disk has nothing yet.
@@ -101,14 +101,14 @@ def test_a_rollback_in_place_restores_the_memory_tiers_state_from_just_before_th
 
 
 @pytest.mark.slow
-def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_path, memory, whole):
+def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_path, memory, runtime, whole):
     spec = tiny_spec(*QUICK)
     stop = {Boundary(5, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)}
-    assert Trainer(spec, tmp_path / "cut", Recorder(stop)).run() == 75
+    assert Trainer(spec, tmp_path / "cut", Recorder(stop), runtime=runtime).run() == 75
     assert (5, 1) in memory_steps(memory)
     on_disk = [(s, m.micro_step) for s, _, m in mf.committed_steps(job_dir(tmp_path / "cut"))]
     assert (5, 1) in on_disk  # written from the memory copy
-    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder())
+    resumed = Trainer(spec, tmp_path / "cut", hooks := Recorder(), runtime=runtime)
     assert (resumed.progress.step, resumed.progress.micro_step) == (5, 1)
     assert hooks.of(events.CheckpointRestored)[0].path.startswith(str(memory))
     resumed.run()
@@ -116,7 +116,7 @@ def test_a_partial_step_goes_through_memory_and_resumes_from_it(tiny_spec, tmp_p
 
 
 @pytest.mark.slow
-def test_a_request_between_boundaries_writes_the_newest_memory_state_to_disk(tiny_spec, tmp_path, memory):
+def test_a_request_between_boundaries_writes_the_newest_memory_state_to_disk(tiny_spec, tmp_path, memory, runtime):
     spec = tiny_spec(*QUICK, "train.max_steps=30", "checkpoint.interval_steps=100")
     promoted = []
 
@@ -124,7 +124,7 @@ def test_a_request_between_boundaries_writes_the_newest_memory_state_to_disk(tin
         promoted.append(trainer._between_boundaries(Request(Action.CHECKPOINT)))
 
     hooks = Recorder({Boundary(9, 1): promote})
-    trainer = Trainer(spec, tmp_path, hooks)
+    trainer = Trainer(spec, tmp_path, hooks, runtime=runtime)
     assert trainer.run() == 0
     assert promoted == [True]  # answered: the loop never saw the request
     committed = [e for e in hooks.of(events.CheckpointCommitted) if e.tier == "local"]

@@ -301,7 +301,8 @@ def test_status_watch_piped_prints_one_screen_after_another_and_json_with_o_json
     (["--watch", "a", "b"], 2.0, ["a", "b"]), (["a", "--watch"], 2.0, ["a"]), ([], None, []),
 ])
 def test_watch_takes_seconds_or_leaves_a_job_name_alone(argv, interval, jobs):
-    from tpud.cli import _watch_interval, parse_args
+    from tpud.cli import parse_args
+    from tpud.commands.control import watch_interval as _watch_interval
 
     assert _watch_interval(parse_args(["status", *argv])) == (interval, jobs)
 

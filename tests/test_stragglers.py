@@ -68,15 +68,16 @@ def test_the_slow_host_fault_slows_only_its_rank_from_its_step(tmp_path):
 def test_a_slowed_process_is_flagged_and_evicted_after_a_save(tmp_path):
     # Rank 1 runs 4x slower from its 9th step; flagged once most of an 8-step window is slow (step 13,
     # give or take the timing noise of a busy machine). Every rank saves that step, then rank 1 exits
-    # 79 (evicted) and rank 0 77.
+    # 79 (evicted) and rank 0 77. The judge's factor is 2.5, not the default 1.5: beside the other test
+    # lane on 2 cores, one of two ranks sharing them ran a median 1.5x the other's for 8 steps unslowed.
     ranks = data_parallel(tmp_path, 2, "debug.inject.slow_host={rank: 1, factor: 4, from_step: 8}",
-                          "health.stragglers={steps: 8, evict: true}", steps=30)
+                          "health.stragglers={steps: 8, evict: true, factor: 2.5}", steps=30)
     assert [r["exit"] for r in ranks] == [77, 79]
     step = ranks[0]["stragglers"][0]["step"]
     assert 10 <= step <= 16  # after the slowdown began, within the window
     for rank, report in enumerate(ranks):
         (event,) = report["stragglers"]
         assert (event["straggler"], event["rank"], event["flagged"], event["evicted"]) == (1, rank, True, True)
-        assert event["step"] == step and event["ratio"] >= 1.5
+        assert event["step"] == step and event["ratio"] >= 2.5
         assert report["steps"][-1] == step
     assert committed(tmp_path / "checkpoints" / "tiny-cpu")[-1] == (step, 0)

@@ -103,9 +103,12 @@ def test_step_events_carry_cumulative_badput_by_kind(tiny_spec, tmp_path):
     assert started.restore >= restored.seconds > 0
 
 
-def test_manifests_carry_the_wandb_run_id_and_old_manifests_still_read(tiny_spec, tmp_path, monkeypatch):
-    monkeypatch.setenv("TPUD_WANDB_RUN_ID", "run-1234")
-    run(tiny_spec(*SHORT, "train.max_steps=2", "scheduler.warmup_steps=1"), tmp_path)
+def test_manifests_carry_the_wandb_run_id_and_old_manifests_still_read(tiny_spec, tmp_path):
+    from engine.runtime import Runtime
+
+    told = Runtime.from_env({"TPUD_WANDB_RUN_ID": "run-1234"})  # as the daemon tells its worker
+    assert Trainer(tiny_spec(*SHORT, "train.max_steps=2", "scheduler.warmup_steps=1"), tmp_path, Recorder(),
+                   runtime=told).run() == 0
     (_, path, manifest), = mf.committed_steps(tmp_path / "checkpoints" / "tiny-cpu")
     assert manifest.wandb_run_id == "run-1234" and manifest.data_skips == ()
     data = json.loads((path / mf.MANIFEST).read_text())

@@ -1,34 +1,24 @@
-"""The `tpud` command line.
+"""The `tpud` command line: its parser, and dispatch to the commands' code (tpud/commands/).
 
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
 `func`, the handler that returns the exit code; list it in COMMANDS. This module must not
 import torch (the daemon and its clients never do).
 
-Building the parser imports nothing heavy, and each handler imports what it needs: the
-control-socket commands (status, checkpoint-now, stop, start) must start in a small part of
-the 0.5 s that the job-spec loader (pydantic, YAML) and structlog take to import
+Building the parser imports nothing heavy, and each handler imports its module when it runs:
+the control-socket commands (status, checkpoint-now, stop, start) must start in a small part
+of the 0.5 s that the job-spec loader (pydantic, YAML) and structlog take to import
 (tests/test_control.py keeps them out).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
-from pathlib import Path
+import importlib
 from collections.abc import Callable, Sequence
 
 from tpud import __version__
-from tpud.view import format as fmt
-from tpud.view import status as status_view
-
-# Client exit codes (docs/architecture.md, "Exit codes").
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2  # argparse exits with 2 on its own
-EXIT_JOB_UNKNOWN = 3
-EXIT_DAEMON_UNREACHABLE = 4
+from tpud.commands import EXIT_OK
+from tpud.commands import control
 
 EPILOG = """\
 exit codes:
@@ -42,26 +32,15 @@ exit codes:
 Subparsers = argparse._SubParsersAction  # what add_subparsers() returns
 
 
-def _validate(args: argparse.Namespace) -> int:
-    from engine.data.manifest import local_problems
-    from engine.spec.loader import SpecError, load_job
+def _handler(target: str) -> Callable[[argparse.Namespace], int]:
+    """MODULE:FUNCTION under tpud.commands, imported when its command runs: building the parser
+    imports no command's code."""
+    module, name = target.split(":")
 
-    status = EXIT_OK
-    for path in args.files:
-        try:
-            loaded = load_job(path, args.overrides)
-            data = loaded.spec.data
-            problems = [loaded.problem(key, message) for key, message in
-                        local_problems(data.datasets, bool(data.mixture), loaded.spec.model.vocab_size,
-                                       loaded.spec.model.init_from, data.seq_len)]
-            if problems:
-                raise SpecError(problems)
-        except SpecError as e:
-            print(e, file=sys.stderr)
-            status = EXIT_FAILED
-        else:
-            print(f"{path}: ok (job {loaded.spec.name})")
-    return status
+    def handle(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"tpud.commands.{module}"), name)(args)
+
+    return handle
 
 
 def _add_validate(subparsers: Subparsers) -> None:
@@ -81,7 +60,7 @@ def _add_validate(subparsers: Subparsers) -> None:
         help="override a dotted key, value parsed as YAML (e.g. train.max_steps=50); repeatable",
     )
     _add_home(parser)  # accepted like every command's, unused: validation needs no daemon
-    parser.set_defaults(func=_validate)
+    parser.set_defaults(func=_handler("validate:validate"))
 
 
 def _add_prepare(subparsers: Subparsers) -> None:
@@ -130,41 +109,6 @@ def _add_schema(subparsers: Subparsers) -> None:
     parser.set_defaults(func=_schema)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from engine import exit_codes, logs
-    from engine.spec.loader import SpecError, load_job
-    from tpud.daemon import Daemon
-    from tpud.paths import Paths
-
-    logs.configure()
-    try:
-        loaded = load_job(args.job, args.overrides)
-    except SpecError as e:
-        print(e, file=sys.stderr)
-        return exit_codes.BAD_INPUT
-    view = None
-    if sys.stdout.isatty() and os.environ.get("TPUD_LOG_FORMAT") != "json":
-        from tpud.view.live import LiveView
-
-        view = LiveView(args.job)
-    daemon = Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr, single=(loaded.spec, Path(args.job)),
-                    view=view)
-    if refused := daemon.refusal(loaded):
-        print(refused, file=sys.stderr)
-        return exit_codes.BAD_INPUT
-    if view is None:
-        return daemon.run()
-    view.start()
-    logs.configure(level="warning", fmt="console")  # through the view: only what needs a reader's eye
-    status = None
-    try:
-        status = daemon.run()
-        return status
-    finally:
-        jobs = list(daemon.jobs.values())
-        view.close(jobs[0].snapshot if jobs else None, status)
-
-
 def _add_run(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "run",
@@ -185,7 +129,7 @@ def _add_run(subparsers: Subparsers) -> None:
                         help="Prometheus listener (default: a free port on 127.0.0.1, written to "
                         "<runtime>/metrics.addr)")
     _add_home(parser)
-    parser.set_defaults(func=_run, overrides_anywhere=parser)
+    parser.set_defaults(func=_handler("run:run"), overrides_anywhere=parser)
 
 
 HOME_HELP = ("keep jobs.d/, state/ and run/ under DIR (default: $TPUD_HOME, else the systemd directories, else "
@@ -195,12 +139,6 @@ HOME_HELP = ("keep jobs.d/, state/ and run/ under DIR (default: $TPUD_HOME, else
 def _add_home(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: a subcommand that is not given --home keeps the one given before its name.
     parser.add_argument("--home", metavar="DIR", default=argparse.SUPPRESS, help=HOME_HELP)
-
-
-def _checkpoints(args: argparse.Namespace) -> int:
-    from tpud.commands.checkpoints import run
-
-    return run(args)
 
 
 def _add_checkpoints(subparsers: Subparsers) -> None:
@@ -220,102 +158,7 @@ def _add_checkpoints(subparsers: Subparsers) -> None:
     parser.add_argument("--timeout", type=float, default=20.0, metavar="S",
                         help="give up on an unreachable GCS tier after S seconds of retries (default 20)")
     _add_home(parser)
-    parser.set_defaults(func=_checkpoints)
-
-
-def _control(args: argparse.Namespace, command: str, **request: object) -> tuple[int, dict | None]:
-    """Send one control request; (exit code, result), with errors printed to stderr. The client waits
-    10 s for a reply, plus the request's own timeout (checkpoint-now)."""
-    from tpud.control import ControlClient, ControlError, DaemonUnreachable
-    from tpud.paths import Paths
-
-    path = Paths.resolve(args.home).runtime / "control.sock"
-    name = command.replace("_", "-")
-    try:
-        return EXIT_OK, ControlClient(path).call(command, **request)
-    except DaemonUnreachable as e:
-        where = (f"from --home {args.home}" if args.home else f"from TPUD_HOME={os.environ['TPUD_HOME']}"
-                 if os.environ.get("TPUD_HOME") else "the default path; no --home or TPUD_HOME given")
-        print(f"tpud {name}: {e}\n  ({where}) the daemon may not be running; if it runs with another home, "
-              "pass the same --home DIR or set TPUD_HOME", file=sys.stderr)
-        return EXIT_DAEMON_UNREACHABLE, None
-    except ControlError as e:
-        print(f"tpud {name}: {e.message} ({e.code})", file=sys.stderr)
-        return (EXIT_JOB_UNKNOWN if e.code in ("unknown_job", "not_running") else EXIT_FAILED), None
-
-
-def _status(args: argparse.Namespace) -> int:
-    import json
-
-    interval, jobs = _watch_interval(args)
-    if interval is not None:
-        return _watch(args, jobs, interval)
-    code, result = _control(args, "status", jobs=jobs)
-    if result is None:
-        return code
-    if args.output == "json":
-        print(json.dumps(result, indent=2))
-        return EXIT_OK
-    print("\n".join(status_view.lines(result.get("jobs", []))))
-    return EXIT_OK
-
-
-def _watch_interval(args: argparse.Namespace) -> tuple[float | None, list[str]]:
-    """--watch's seconds, and the job names: `--watch JOB` means the default interval and a job."""
-    jobs, watch = list(args.jobs), args.watch
-    if watch is None:
-        return None, jobs
-    try:
-        seconds = float(watch)
-    except ValueError:
-        return WATCH_DEFAULT_S, [watch, *jobs]
-    if not 0.1 <= seconds <= 86400:
-        raise SystemExit(f"tpud status: --watch takes seconds between 0.1 and 86400, not {watch}")
-    return seconds, jobs
-
-
-def _watch(args: argparse.Namespace, jobs: list[str], interval: float) -> int:
-    """The table (or -o json) redrawn in place every `interval` seconds until Ctrl-C; a daemon
-    that stops answering is shown, and watched for, not fatal. Piped, each one is printed after
-    the last, as vmstat does."""
-    import io
-    import json
-    from contextlib import redirect_stderr, nullcontext
-    from datetime import datetime
-
-    from rich.live import Live
-    from rich.text import Text
-
-    def screen() -> str:
-        errors = io.StringIO()
-        with redirect_stderr(errors):
-            _, result = _control(args, "status", jobs=jobs)
-        if result is None:
-            body = errors.getvalue().rstrip().splitlines()
-        elif args.output == "json":
-            body = json.dumps(result, indent=2).splitlines()
-        else:
-            body = status_view.lines(result.get("jobs", []))
-        head = f"every {interval:g}s: tpud status {' '.join(jobs)}".rstrip()
-        return "\n".join([f"{head}   {datetime.now():%H:%M:%S}", "", *body])
-
-    live = Live(auto_refresh=False, transient=False) if sys.stdout.isatty() else None
-    try:
-        with live or nullcontext():
-            while True:
-                if live is not None:
-                    live.update(Text(screen()), refresh=True)
-                else:
-                    print(screen() + "\n", flush=True)
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        return EXIT_OK
-    except BrokenPipeError:  # `tpud status --watch | head`: done; nothing more to flush at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-
-
-WATCH_DEFAULT_S = 2.0
+    parser.set_defaults(func=_handler("checkpoints:run"))
 
 
 def _add_status(subparsers: Subparsers) -> None:
@@ -331,29 +174,11 @@ def _add_status(subparsers: Subparsers) -> None:
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job name (default: all)")
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
-    parser.add_argument("-w", "--watch", nargs="?", const=str(WATCH_DEFAULT_S), default=None, metavar="SECONDS",
-                        help=f"redraw the table in place every SECONDS (default {WATCH_DEFAULT_S:g}) until Ctrl-C")
+    every = control.WATCH_DEFAULT_S
+    parser.add_argument("-w", "--watch", nargs="?", const=str(every), default=None, metavar="SECONDS",
+                        help=f"redraw the table in place every SECONDS (default {every:g}) until Ctrl-C")
     _add_home(parser)
-    parser.set_defaults(func=_status)
-
-
-def _checkpoint_now(args: argparse.Namespace) -> int:
-    code, result = _control(args, "checkpoint_now", jobs=args.jobs, wait=not args.no_wait, timeout=args.timeout)
-    if result is None:
-        return code
-    status = EXIT_OK
-    for r in result.get("results", []):
-        job = r.get("job", "?")
-        if not r.get("ok"):
-            print(f"{job}: checkpoint failed: {r.get('error') or 'unknown error'}")
-            status = EXIT_FAILED
-        elif r.get("step") is None:
-            print(f"{job}: checkpoint requested" + (" (not waiting)" if args.no_wait else ""))
-        else:
-            micro = f" micro-step {r['micro_step']}" if r.get("micro_step") else ""
-            took = f" in {r['seconds']:.1f}s" if isinstance(r.get("seconds"), (int, float)) else ""
-            print(f"{job}: step {r['step']}{micro} committed to {r.get('tier') or '-'} {r.get('path') or '-'}{took}")
-    return status
+    parser.set_defaults(func=_handler("control:status"))
 
 
 def _add_checkpoint_now(subparsers: Subparsers) -> None:
@@ -370,15 +195,7 @@ def _add_checkpoint_now(subparsers: Subparsers) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="give up waiting for the commit after S seconds (default 600)")
     _add_home(parser)
-    parser.set_defaults(func=_checkpoint_now)
-
-
-def _stop_or_start(args: argparse.Namespace) -> int:
-    code, result = _control(args, args.command, job=args.job)
-    if result is None:
-        return code
-    print(f"{result.get('job', args.job)}: {result.get('state', '?')}")
-    return EXIT_OK
+    parser.set_defaults(func=_handler("control:checkpoint_now"))
 
 
 def _add_stop(subparsers: Subparsers) -> None:
@@ -390,7 +207,7 @@ def _add_stop(subparsers: Subparsers) -> None:
     )
     parser.add_argument("job", metavar="JOB", help="job name")
     _add_home(parser)
-    parser.set_defaults(func=_stop_or_start)
+    parser.set_defaults(func=_handler("control:stop_or_start"))
 
 
 def _add_start(subparsers: Subparsers) -> None:
@@ -402,16 +219,7 @@ def _add_start(subparsers: Subparsers) -> None:
     )
     parser.add_argument("job", metavar="JOB", help="job name")
     _add_home(parser)
-    parser.set_defaults(func=_stop_or_start)
-
-
-def _daemon(args: argparse.Namespace) -> int:
-    from engine import logs
-    from tpud.daemon import Daemon
-    from tpud.paths import Paths
-
-    logs.configure(fmt="json")  # journald and the tests read it as JSON lines
-    return Daemon(Paths.resolve(args.home), metrics_addr=args.metrics_addr).run()
+    parser.set_defaults(func=_handler("control:stop_or_start"))
 
 
 def _add_daemon(subparsers: Subparsers) -> None:
@@ -427,7 +235,7 @@ def _add_daemon(subparsers: Subparsers) -> None:
                         help="Prometheus listener (default: tpud.yaml's metrics_addr, else 127.0.0.1:9477; "
                         "port 0 picks a free port, written to <runtime>/metrics.addr)")
     _add_home(parser)
-    parser.set_defaults(func=_daemon)
+    parser.set_defaults(func=_handler("daemon:daemon"))
 
 
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (

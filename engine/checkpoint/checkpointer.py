@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -87,7 +86,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, job: str, job_dir: Path, fingerprint: dict, backend: Backend,
                  model: nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, emit: Emit,
                  hosts: gang.Hosts | None = None, memory_dir: Path | None = None,
-                 disruptions_per_hour: float | None = None):
+                 disruptions_per_hour: float | None = None, wandb_run_id: str | None = None):
         self.cfg, self.job, self.fingerprint, self.hosts = cfg, job, fingerprint, hosts
         self.spec_hash = spec_fingerprint.digest(fingerprint)
         self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
@@ -99,7 +98,7 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() and not hosts else 0
         self.world = dist.get_world_size() if dist.is_initialized() and not hosts else 1
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
-        self.wandb_run_id = os.environ.get("TPUD_WANDB_RUN_ID") or None
+        self.wandb_run_id = wandb_run_id
         self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
         self.restored_loader: dict | None = None  # and the loader state it was saved with
         self.last_saved_step: int | None = None

@@ -72,10 +72,11 @@ class NoFaults:
 
 
 class Faults:
-    def __init__(self, cfg: InjectConfig, job_dir: Path, accum: AccumSchedule):
+    def __init__(self, cfg: InjectConfig, job_dir: Path, accum: AccumSchedule, host: int | None = None):
+        """host: this host's index in a gang (engine.runtime)."""
         self.cfg = cfg
         # In a gang a fault names a host, whatever its rank (a gang without some hosts renumbers them).
-        self.host = int(os.environ["TPUD_GANG_HOST"]) if "TPUD_GANG_HOST" in os.environ else None
+        self.host = host
         self.dir = Path(job_dir) / "faults"
         self._fired_before = {p.name for p in self.dir.iterdir()} if self.dir.is_dir() else set()
         self._fired_now: set[str] = set()

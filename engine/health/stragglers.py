@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import statistics
 
 import structlog
@@ -86,13 +85,14 @@ class StragglerWatch:
     """The worker's side: times this process's forwards, gathers every process's after each step,
     reports the judge's changes and evicts when the job asks."""
 
-    def __init__(self, cfg: StragglerConfig | None, backend, emit):
+    def __init__(self, cfg: StragglerConfig | None, backend, emit, gang_evicts: bool = False):
+        """gang_evicts: tpud.yaml's gang.evict_stragglers, for every job on its hosts (engine.runtime)."""
         self.cfg, self.backend, self.emit = cfg, backend, emit
         multi = backend.data.world > 1 and backend.agreement_group is not None
         self.judge = StragglerJudge(cfg.factor, cfg.steps) if cfg is not None and multi else None
         self.seconds = 0.0  # this step's forward time so far
         # The job's setting, or its gang's (tpud.yaml's gang.evict_stragglers, for every job there).
-        self.evict = cfg is not None and (cfg.evict or os.environ.get("TPUD_GANG_EVICT_STRAGGLERS") == "1")
+        self.evict = cfg is not None and (cfg.evict or gang_evicts)
 
     @property
     def enabled(self) -> bool:

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from tpud.commands import EXIT_FAILED as FAILED
+from tpud.commands import EXIT_OK as OK
 from tpud.view import format as fmt
-
-OK, FAILED = 0, 1  # tpud.cli's exit statuses
 
 
 def run(args: argparse.Namespace) -> int:

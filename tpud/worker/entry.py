@@ -30,6 +30,7 @@ from engine.spec.fingerprint import fingerprint
 from engine.spec.schema import JobSpec
 from engine.hooks import Boundary, SignalHooks
 from engine.requests import Action, Request, merge
+from engine.runtime import Runtime
 from tpud.worker.gang.member import GangMember
 from tpud.worker import channel
 from tpud.children.process import die_with_parent
@@ -184,8 +185,9 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     from engine.layout import StateLayout
 
     gang = GangMember.from_env(spec.name, hooks.emit, StateLayout(args.state_dir).gang_file(spec.name))
+    runtime = Runtime.from_env()  # what the daemon told this worker, read once
     if gang is None:
-        return train(spec, args.state_dir, hooks)
+        return train(spec, args.state_dir, hooks, runtime=runtime)
     backend = resolve_backend_name(spec.device)
     kept: list = []  # the model and optimizer this worker keeps when its gang changes in place
     while True:
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
         # The gang's ranks: without hosts left out, the daemon's RANK and WORLD_SIZE already.
         os.environ.update(RANK=str(gang.rank), WORLD_SIZE=str(len(gang.members)))
         try:
-            code = train(spec, args.state_dir, hooks, gang.place, kept if gang.in_place else None)
+            code = train(spec, args.state_dir, hooks, gang.place, kept if gang.in_place else None, runtime)
         except BaseException as e:
             if not gang.regroups(e):
                 gang.crashed(e)
