@@ -243,6 +243,7 @@ def memory_tier(steps: int) -> dict:
     import yaml
 
     from engine import events
+    from engine.runtime import Runtime
     from engine.spec.loader import load_spec
     from engine.train import Trainer
     from testkit.recorders import Recorder
@@ -255,12 +256,8 @@ def memory_tier(steps: int) -> dict:
     for arm, memory in (("without", "checkpoint.memory=null"), ("with", "checkpoint.memory.interval_steps=1")):
         spec = load_spec(REPO / "configs" / "jobs" / "tiny-cpu.yaml", [*common, memory])
         with tempfile.TemporaryDirectory() as home, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-            os.environ["TPUD_MEMORY_DIR"] = shm
-            try:
-                hooks = Recorder()
-                Trainer(spec, Path(home), hooks).run()
-            finally:
-                del os.environ["TPUD_MEMORY_DIR"]
+            hooks = Recorder()
+            Trainer(spec, Path(home), hooks, runtime=Runtime(memory_dir=Path(shm))).run()
         reports = hooks.of(events.Step)
         # A save at step N's end holds the loop before step N + 1; the first two steps warm up (and
         # the first save maps and allocates its slot).

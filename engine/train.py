@@ -454,6 +454,8 @@ class Trainer:
                     break
                 time.sleep(0.2)
             self._save("final", wait=True)
+            if self.step < self.spec.train.max_steps:
+                return  # the save found the last steps bad and rolled them back: train them again
         log.info("training finished", step=self.step)
         raise WorkerExit(exit_codes.OK)
 

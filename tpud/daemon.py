@@ -390,6 +390,7 @@ class Daemon:
             services.callback(self.offloop.close)
             control = ControlServer(self.paths.runtime / "control.sock", self.handle_control)
             services.callback(control.close)
+            services.callback(self._refuse_calls)  # before it closes, should the setup fail from here
             control.start()
             watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
             services.callback(watcher.stop)
