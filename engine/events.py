@@ -88,7 +88,10 @@ class Step(Event):
     step_time_s: float
     mfu: float | None = None
     rss_bytes: int | None = None
-    device_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None  # this process's peak device memory
+    device_memory_in_use_bytes: int | None = None
+    compilations: int | None = None  # graphs this process compiled so far (xla, or torch.compile)
+    compile_seconds: float | None = None  # ... and the seconds they took
     badput: Badput = Badput()
     # A mixture of experts' routers (engine.models.moe.STATS); None for a dense model.
     aux_loss: float | None = None          # the load-balancing loss, before its coefficient

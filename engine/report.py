@@ -119,7 +119,7 @@ class Reporter:
             # MFU = achieved model FLOP/s / (peak FLOP/s per device x devices), FLOPs per PaLM.
             "mfu": round(tokens_per_s * self.flops_per_token / (peak * self.backend.num_devices), 4) if peak else None,
             "rss_bytes": host_rss_bytes(),
-            "device_memory_bytes": self.backend.memory_bytes(),
+            **device_truth(self.backend),
             "checkpoint_intervals": self.intervals() or None,
         }
         perf["checkpoint_interval_s"] = self.interval_s(perf["step_time_s"])
@@ -141,3 +141,12 @@ class Reporter:
                          **({"auto_intervals": {t: i["steps"] for t, i in intervals.items()}} if intervals else {}))
 
         self.backend.read_values([result.values for result in pending], publish)
+
+
+def device_truth(backend: Backend) -> dict:
+    """What the device says of this process now: its memory (peak and in use) and the graphs it
+    compiled so far, with their seconds (each None where the backend cannot tell)."""
+    memory, compiled = backend.device_memory() or {}, backend.compilations()
+    return {"device_memory_bytes": memory.get("peak"), "device_memory_in_use_bytes": memory.get("in_use"),
+            "compilations": None if compiled is None else compiled[0],
+            "compile_seconds": None if compiled is None else round(compiled[1], 3)}

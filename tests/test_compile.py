@@ -29,9 +29,13 @@ def test_compiled_training_resumes_bitwise_from_disk_memory_and_a_partial_step(t
 
     spec = tiny_spec(*QUICK)
     counters.clear()
-    whole = Trainer(spec, tmp_path / "whole", Recorder(), runtime=runtime)
+    whole = Trainer(spec, tmp_path / "whole", hooks := Recorder(), runtime=runtime)
     assert whole.run() == 0
     assert counters["frames"]["ok"] >= 2  # a block's forward and the loss's chunk were compiled
+    # Each step event says how many graphs this process compiled and in how long: all of them in
+    # the first steps, then no more (tpud_job_compilations, the status's device line).
+    compiled = [(e.compilations, e.compile_seconds) for e in hooks.of(events.Step)]
+    assert compiled[0][0] >= 2 and compiled[0][1] > 0 and compiled[-4:] == [compiled[-1]] * 4
     assert list((tmp_path / "whole" / "jobs" / "tiny-cpu" / "inductor_cache").iterdir())
     eager = Trainer(tiny_spec(*QUICK, "device.compile=false"), tmp_path / "eager", Recorder(), runtime=runtime)
     eager.run()

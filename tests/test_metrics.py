@@ -495,3 +495,28 @@ def test_a_straggler_reaches_its_gauge_and_a_status_line_until_cleared(metrics):
     assert value(scrape(metrics), "tpud_job_straggler_ratio", job="llm", host="2") == 0
     job["stragglers"] = report.snapshot(100)["stragglers"]
     assert not [x for x in lines([job]) if "straggler" in x]  # cleared: the json keeps it, the table does not
+
+
+def test_the_device_truth_of_a_step_reaches_status_and_metrics(metrics):
+    """Device memory (in use, peak) and the graphs compiled so far, as a step event carries them:
+    in `tpud status` (json and its device line) and in the gauges; a step that says nothing of the
+    device (cpu, eager) shows no line."""
+    from engine import events
+    from tpud.job.report import WorkerReport
+    from tpud.view.status import lines
+
+    report = WorkerReport("llm", metrics, clock=lambda: 0.0)
+    report.on_step(events.Step(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1e4, step_time_s=0.05))
+    assert report.snapshot(10)["device"] is None
+    report.on_step(events.Step(step=2, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1e4, step_time_s=0.05,
+                               device_memory_bytes=14 << 30, device_memory_in_use_bytes=12 << 30, compilations=34,
+                               compile_seconds=56.0))
+    device = report.snapshot(10)["device"]
+    assert device == {"memory_in_use_bytes": 12 << 30, "memory_peak_bytes": 14 << 30, "compilations": 34,
+                      "compile_seconds": 56.0}
+    assert "llm: device: memory 12.0 GiB in use (peak 14.0 GiB), 34 graphs compiled in 56s" in lines(
+        [{"name": "llm", "state": "RUNNING", "device": device}])
+    s = scrape(metrics)
+    assert value(s, "tpud_job_device_memory_bytes", job="llm", kind="in_use") == 12 << 30
+    assert value(s, "tpud_job_device_memory_bytes", job="llm", kind="peak") == 14 << 30
+    assert value(s, "tpud_job_compilations", job="llm") == 34 and value(s, "tpud_job_compile_seconds", job="llm") == 56

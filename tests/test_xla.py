@@ -104,6 +104,10 @@ def test_graphs_compile_once_then_steps_reuse_them(xla_run):
     # Steps 0 and 1 compile (the optimizer's state appears after the first update);
     # from then on no step may trigger a compilation.
     assert compiles[2] > 0 and compiles[2:] == [compiles[2]] * (len(compiles) - 2)
+    # The step events carry the count as the job's status and tpud_job_compilations show it: it
+    # stops growing once the steps reuse their graphs.
+    reported = xla_run["step_compilations"]
+    assert len(reported) == 6 and reported[-1] > 0 and reported[-3:] == [reported[-1]] * 3
 
 
 def test_a_document_masked_step_compiles_once_and_matches_the_cpu_backend(tiny_spec, tmp_path):

@@ -44,7 +44,10 @@ def train(job: str, state_dir: str, overrides) -> tuple[Trainer, XlaCounters, di
     counters.flush = trainer.backend.flush
     code = trainer.run()
     steps = sorted(counters.at_step)
+    from engine import events
+
     return trainer, counters, {"exit": code, "losses": [counters.losses[s] for s in sorted(counters.losses)],
+                               "step_compilations": [e.compilations for e in counters.of(events.Step)],
                                "dropped": counters.dropped,
                                "compiles_at_step": [counters.at_step[s]["compiles"] for s in steps],
                                "counts_at_step": counters.at_step, "counts_at_end": counters.counts()}

@@ -50,6 +50,9 @@ METRIC_NAMES = {
     "mfu": "perf/mfu",
     "rss_bytes": "memory/host_rss_bytes",
     "device_memory_bytes": "memory/device_bytes",
+    "device_memory_in_use_bytes": "memory/device_in_use_bytes",
+    "compilations": "compile/graphs",
+    "compile_seconds": "compile/seconds",
     "eval_loss": "eval/loss",
     "aux_loss": "moe/aux_loss",
     "z_loss": "moe/z_loss",
@@ -59,7 +62,7 @@ METRIC_NAMES = {
     "eval_perplexity": "eval/perplexity",
 }
 ENGINE_STEP = "train/step"
-_PREFIXES = ("train/*", "perf/*", "memory/*", "eval/*", "moe/*")
+_PREFIXES = ("train/*", "perf/*", "memory/*", "compile/*", "eval/*", "moe/*")
 # Event fields that are not metrics: the step comes as log()'s own argument.
 _NOT_METRICS = frozenset({"step", "type", "event"})
 

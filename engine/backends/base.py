@@ -191,8 +191,14 @@ class Backend:
     def flush(self) -> None:
         """Wait until every read_scalars callback has run."""
 
-    def memory_bytes(self) -> int | None:
-        """Peak device memory in use, where the runtime can tell."""
+    def device_memory(self) -> dict[str, int] | None:
+        """This process's device memory now: bytes `in_use` and `peak` (and `limit` where known);
+        None where the runtime cannot tell (cpu; xla on the CPU runtime)."""
+        return None
+
+    def compilations(self) -> tuple[int, float] | None:
+        """(graphs compiled by this process so far, the seconds they took); None when nothing compiles.
+        A count that keeps growing after warm-up is a step whose graph changes: a recompile per step."""
         return None
 
     def memory_capacity(self) -> int | None:

@@ -182,8 +182,22 @@ class TorchBackend(Backend):
             described["mesh"] = self.sizes
         return described
 
-    def memory_bytes(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+    def device_memory(self) -> dict[str, int] | None:
+        if self.device.type != "cuda":
+            return None
+        return {"in_use": torch.cuda.memory_allocated(self.device), "peak": torch.cuda.max_memory_allocated(self.device),
+                "limit": torch.cuda.get_device_properties(self.device).total_memory}
+
+    def compilations(self) -> tuple[int, float] | None:
+        if not self.compiling:
+            return None
+        try:  # dynamo's own bookkeeping: each graph compiled, and the time of each compilation
+            from torch._dynamo.utils import compilation_time_metrics, counters
+
+            return (int(counters["stats"]["unique_graphs"]),
+                    float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))))
+        except (ImportError, AttributeError, TypeError):  # another torch's internals
+            return None
 
     def memory_capacity(self) -> int | None:
         return torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None

@@ -232,6 +232,25 @@ class XlaBackend(Backend):
             return self._peak_flops
         return peak_flops_for(self.device_kind) if self.device_kind else None
 
+    def device_memory(self) -> dict[str, int] | None:
+        import torch_xla.core.xla_model as xm
+
+        try:
+            info = xm.get_memory_info(self.device)
+        except RuntimeError:  # the CPU runtime keeps no allocator statistics
+            return None
+        used = info.get("bytes_used")
+        if used is None:
+            return None
+        return {"in_use": int(used), "peak": int(info.get("peak_bytes_used", used)),
+                **({"limit": int(info["bytes_limit"])} if info.get("bytes_limit") else {})}
+
+    def compilations(self) -> tuple[int, float] | None:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples); None before the first
+        return (0, 0.0) if not data else (int(data[0]), float(data[1]) / 1e9)
+
     def describe(self) -> dict:
         return {**super().describe(), "mesh": dict(zip(self.mesh.axis_names, self.mesh.mesh_shape)),
                 "device_kind": self.device_kind or "cpu"}

@@ -38,6 +38,8 @@ class WorkerReport:
                                   mfu=event.mfu)
         if (routers := experts(event)) is not None:
             self.metrics.experts(self.job, **routers)
+        self.metrics.device(self.job, in_use=event.device_memory_in_use_bytes, peak=event.device_memory_bytes,
+                            compilations=event.compilations, compile_seconds=event.compile_seconds)
 
     def on_eval(self, event: events.Eval) -> None:
         self.evaluated = event
@@ -74,6 +76,7 @@ class WorkerReport:
             "eval_loss": None if evaluated is None else evaluated.loss,
             "eval_step": None if evaluated is None else evaluated.step,
             "experts": None if progress is None else experts(progress),
+            "device": None if progress is None else device(progress),
             "healing": self.healing(),
             "replicas": None if self.mismatch is None else {
                 "step": self.mismatch.step, "agreed_step": self.mismatch.agreed_step, "odd": self.mismatch.odd,
@@ -108,3 +111,10 @@ def experts(step: events.Step) -> dict | None:
         return None
     return {"aux_loss": step.aux_loss, "z_loss": step.z_loss, "load_max": step.expert_load_max,
             "load_cv": step.expert_load_cv, "dropped_fraction": step.dropped_fraction}
+
+
+def device(step: events.Step) -> dict | None:
+    """What a step event says of the device (events.Step's device fields); None where it says nothing."""
+    values = {"memory_in_use_bytes": step.device_memory_in_use_bytes, "memory_peak_bytes": step.device_memory_bytes,
+              "compilations": step.compilations, "compile_seconds": step.compile_seconds}
+    return values if any(v is not None for v in values.values()) else None

@@ -7,7 +7,8 @@ calls the methods below from any thread; `serve()` exposes /metrics over HTTP.
 Names and units are the interface (prefix tpud_, base units, counters end in _total):
 tpud_build_info{version}, tpud_job_state{job,state}, tpud_job_step{job}, tpud_job_loss{job},
 tpud_job_eval_loss{job},
-tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_restarts_total{job,reason},
+tpud_job_tokens_per_second{job}, tpud_job_mfu_ratio{job}, tpud_job_device_memory_bytes{job,kind},
+tpud_job_compilations{job}, tpud_job_compile_seconds{job}, tpud_job_restarts_total{job,reason},
 a mixture of experts' tpud_job_router_aux_loss{job}, tpud_job_router_z_loss{job},
 tpud_job_expert_load_max_ratio{job}, tpud_job_expert_load_cv{job}, tpud_job_dropped_tokens_ratio{job},
 tpud_preemption_notices_total{source}, tpud_checkpoint_duration_seconds{job,tier,reason}
@@ -71,6 +72,13 @@ SERIES: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
     ("_eval_loss", Gauge, "tpud_job_eval_loss", "Last validation loss the job reported (eval section).", ("job",)),
     ("_tps", Gauge, "tpud_job_tokens_per_second", "Training throughput in tokens per second.", ("job",)),
     ("_mfu", Gauge, "tpud_job_mfu_ratio", "Model FLOPs utilisation (0..1).", ("job",)),
+    ("_device_memory", Gauge, "tpud_job_device_memory_bytes",
+     "The worker's device memory at its last report: in use, and its peak (cuda; xla on a TPU).", ("job", "kind")),
+    ("_compilations", Gauge, "tpud_job_compilations",
+     "Graphs the current worker compiled so far (xla, or torch.compile): growing after warm-up is a recompiling step.",
+     ("job",)),
+    ("_compile_seconds", Gauge, "tpud_job_compile_seconds", "Seconds the current worker spent compiling them.",
+     ("job",)),
     ("_router_aux", Gauge, "tpud_job_router_aux_loss",
      "Load-balancing loss of the last step, before its coefficient (1 when balanced; mixture of experts).", ("job",)),
     ("_router_z", Gauge, "tpud_job_router_z_loss",
@@ -279,6 +287,17 @@ class Metrics:
                                   (self._tps, tokens_per_second), (self._mfu, mfu)):
                 if value is not None:
                     self._child(metric, job).set(float(value))
+
+    def device(self, job: str, *, in_use: int | None, peak: int | None, compilations: int | None,
+               compile_seconds: float | None) -> None:
+        """What a step event says of the device: memory in use and peak, graphs compiled and their time."""
+        with self._change():
+            for metric, labels, value in ((self._device_memory, ("in_use",), in_use),
+                                          (self._device_memory, ("peak",), peak),
+                                          (self._compilations, (), compilations),
+                                          (self._compile_seconds, (), compile_seconds)):
+                if value is not None:
+                    self._child(metric, job, *labels).set(float(value))
 
     def experts(self, job: str, **values: float | None) -> None:
         """A mixture of experts' router figures (tpud.job.report.experts' keys)."""

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from tpud.view import summary
 from tpud.view.format import age, duration, percent, rate
-from tpud.view.status import useful_mfu
+from tpud.view.status import device_line, useful_mfu
 
 REFRESH_HZ = 4
 SHOWN_LEVELS = ("warning", "error", "critical")
@@ -99,6 +99,8 @@ class LiveView:
                 f"{tier} {c['step']} ({age(c.get('age_seconds'))} ago)" if c else f"{tier} -"
                 for tier, c in tiers(job).items()),
         ]
+        if device := job.get("device"):
+            lines.append(device_line(device))
         if self.metrics_address:
             lines.append(f"metrics      http://{self.metrics_address}/metrics")
         return Group(head, *(Text(line) for line in lines))

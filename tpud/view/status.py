@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tpud.view.format import age, percent, rate
+from tpud.view.format import age, percent, rate, size
 
 HEADER = ("JOB", "STATE", "STEP/MAX", "LOSS", "TOK/S", "MFU", "LAST-CKPT", "RESTARTS", "GOODPUT", "USEFUL", "AGE")
 
@@ -55,6 +55,20 @@ def policy_line(intervals: dict) -> str:
     return "auto checkpoints: " + "; ".join(tiers) + ("" if rate is None else f"; assuming {rate:.3g} disruptions/h")
 
 
+def device_line(d: dict) -> str:
+    """The worker's device memory and compilations (tpud.job.report.device), in a line."""
+    def bytes_(n: int | None) -> str:
+        return "-" if n is None else size(n)
+
+    parts = []
+    if d.get("memory_in_use_bytes") is not None or d.get("memory_peak_bytes") is not None:
+        parts.append(f"memory {bytes_(d.get('memory_in_use_bytes'))} in use (peak {bytes_(d.get('memory_peak_bytes'))})")
+    if d.get("compilations") is not None:
+        seconds = d.get("compile_seconds")
+        parts.append(f"{d['compilations']} graphs compiled" + ("" if seconds is None else f" in {seconds:.3g}s"))
+    return "device: " + ", ".join(parts)
+
+
 def healing_line(h: dict) -> str:
     """Rollbacks healed in place and the skip ledger (tpud.job.report.WorkerReport.healing), in a line."""
     parts = []
@@ -88,6 +102,8 @@ def lines(jobs: list[dict]) -> list[str]:
                     f"spread (cv) {experts.get('load_cv') or 0:.3g}, aux loss {experts.get('aux_loss') or 0:.4g}, "
                     f"z loss {experts.get('z_loss') or 0:.4g}"
                     + ("" if not dropped else f", {percent(dropped)} dropped")]
+        if device := job.get("device"):
+            out += ["", f"{name}: {device_line(device)}"]
         if healing := job.get("healing"):
             out += ["", f"{name}: {healing_line(healing)}"]
         if replicas := job.get("replicas"):
