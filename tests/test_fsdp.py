@@ -109,3 +109,12 @@ def test_device_deterministic_turns_on_reproducible_kernels(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # read when cuBLAS makes its first handle
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_an_xla_job_on_a_torch_its_torch_xla_was_not_built_for_is_refused_by_versions():
+    from engine.backends import require_matching_torch
+
+    require_matching_torch()  # this environment's pair matches
+    with pytest.raises(ConfigError) as refused:
+        require_matching_torch("2.15.0+cu130")
+    assert refused.value.key == "device.backend" and "runs on torch 2.9.x, this is torch 2.15.0+cu130" in str(refused.value)

@@ -27,6 +27,26 @@ def resolve_backend_name(cfg: DeviceConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def require_matching_torch(torch_version: str | None = None) -> None:
+    """torch_xla X.Y runs only on torch X.Y (its last release, 2.9, on torch 2.9): with another torch
+    its import fails deep in a shared library, or worse, half works. Refused first, by versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        xla = version("torch_xla")
+    except PackageNotFoundError:
+        return  # the import below says it is missing
+    torch_version = torch_version or torch.__version__
+
+    def release(v: str) -> tuple[str, ...]:
+        return tuple(v.split("+")[0].split(".")[:2])
+
+    if release(xla) != release(torch_version):
+        raise ConfigError("device.backend", f"xla needs the torch its torch_xla was built for: torch_xla {xla} "
+                          f"runs on torch {'.'.join(release(xla))}.x, this is torch {torch_version}; install "
+                          f"both from 'tpud[tpu]' (torch_xla {xla} with its torch) in their own environment")
+
+
 def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cache: str | None = None,
                   gang: bool = False) -> Backend:
     """gang: the processes are the hosts of a gang (engine.checkpoint.hosts), each one whole replica."""
@@ -34,6 +54,7 @@ def build_backend(cfg: DeviceConfig, xla_cache: str | None = None, inductor_cach
     if name == "xla" and cfg.compile is True:
         raise ConfigError("device.compile", "xla compiles whole steps by itself: leave it auto (or false)")
     if name == "xla":
+        require_matching_torch()
         try:
             import torch_xla  # noqa: F401  (imported here first, so a missing one is a config error)
         except ImportError as e:

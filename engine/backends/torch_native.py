@@ -183,10 +183,13 @@ class TorchBackend(Backend):
         return described
 
     def device_memory(self) -> dict[str, int] | None:
-        if self.device.type != "cuda":
+        # Through the device's own module (torch.cuda here): another accelerator type that keeps the
+        # same statistics reports them unchanged.
+        module = torch.get_device_module(self.device.type) if self.device.type != "cpu" else None
+        if module is None or not hasattr(module, "memory_allocated"):
             return None
-        return {"in_use": torch.cuda.memory_allocated(self.device), "peak": torch.cuda.max_memory_allocated(self.device),
-                "limit": torch.cuda.get_device_properties(self.device).total_memory}
+        return {"in_use": module.memory_allocated(self.device), "peak": module.max_memory_allocated(self.device),
+                "limit": module.get_device_properties(self.device).total_memory}
 
     def compilations(self) -> tuple[int, float] | None:
         if not self.compiling:
