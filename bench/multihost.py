@@ -48,7 +48,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -60,18 +59,13 @@ sys.path.insert(0, str(REPO))
 
 from goodput import Tail, kill_group, spawn  # noqa: E402
 from machine import describe  # noqa: E402
+from testkit.helpers import free_port  # noqa: E402
 from tpud.paths import Paths  # noqa: E402
 
 HOSTS = 3
 JOB = ["data.corpus_bytes=400000", "data.seq_len=64", "data.micro_batch_size=2", "train.global_batch_size=12",
        "scheduler.warmup_steps=1", "train.log_interval=1", "train.max_steps=100000000",
        "checkpoint.interval_steps=20"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Host:

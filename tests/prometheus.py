@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from testkit.helpers import free_port
 
 
 def prometheus_binary() -> str:
@@ -40,12 +41,6 @@ def prometheus_binary() -> str:
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; CI is set, so this is an error, not a skip", pytrace=False)
     pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -83,7 +78,7 @@ class PrometheusServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self._write_config()
         for attempt in range(3):  # a free port can be taken between picking and binding
-            self.port = _free_port()
+            self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(
