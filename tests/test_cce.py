@@ -194,3 +194,15 @@ def test_token_chunks_default_to_an_eighth_of_the_tokens_and_at_least_256():
     from engine.losses.chunked import default_chunk_tokens
 
     assert default_chunk_tokens(16384) == 2048 and default_chunk_tokens(1000) == 256
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "huge", "true", "1.5"])
+def test_a_logits_budget_that_is_neither_mib_nor_auto_is_refused_in_one_message(value):
+    from engine.spec.loader import SpecError, load_spec
+    from tests.conftest import TINY_JOB
+
+    with pytest.raises(SpecError) as refused:
+        load_spec(TINY_JOB, [f"loss.logits_budget_mib={value}"])
+    assert len(str(refused.value).splitlines()) == 1  # not one problem per branch of the union
+    assert "loss.logits_budget_mib: must be a number of MiB (above 0) or auto" in str(refused.value)
+    assert load_spec(TINY_JOB, ["loss.logits_budget_mib=512"]).loss.logits_budget_mib == 512

@@ -118,3 +118,28 @@ def test_an_xla_job_on_a_torch_its_torch_xla_was_not_built_for_is_refused_by_ver
     with pytest.raises(ConfigError) as refused:
         require_matching_torch("2.15.0+cu130")
     assert refused.value.key == "device.backend" and "runs on torch 2.9.x, this is torch 2.15.0+cu130" in str(refused.value)
+
+
+def _capacity_of_rank(rank: int, rendezvous: str, results) -> None:
+    from types import SimpleNamespace
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        backend = TorchBackend("cpu")
+        backend.distributed, backend.agreement_group = True, dist.new_group(backend="gloo")
+        gib = (40 if rank == 0 else 80) << 30  # a gang of an A100 40GB and an 80GB one
+        backend._device_module = lambda: SimpleNamespace(get_device_properties=lambda device: SimpleNamespace(
+            total_memory=gib))
+        results[rank] = backend.memory_capacity()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_sizes_the_loss_by_the_smallest_device(tmp_path):
+    """loss.name auto picks by device memory: ranks on GPUs of two sizes must pick alike, or their
+    replicas round differently and a replica check names one of them corrupt."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_capacity_of_rank, args=(str(tmp_path / "rendezvous"), results), nprocs=2)
+    assert dict(results) == {0: 40 << 30, 1: 40 << 30}

@@ -182,11 +182,14 @@ class TorchBackend(Backend):
             described["mesh"] = self.sizes
         return described
 
-    def device_memory(self) -> dict[str, int] | None:
-        # Through the device's own module (torch.cuda here): another accelerator type that keeps the
-        # same statistics reports them unchanged.
+    def _device_module(self):
+        """The device's own module (torch.cuda here), where it keeps memory statistics: another
+        accelerator type that keeps the same ones reports them unchanged. None on cpu."""
         module = torch.get_device_module(self.device.type) if self.device.type != "cpu" else None
-        if module is None or not hasattr(module, "memory_allocated"):
+        return module if module is not None and hasattr(module, "memory_allocated") else None
+
+    def device_memory(self) -> dict[str, int] | None:
+        if (module := self._device_module()) is None:
             return None
         return {"in_use": module.memory_allocated(self.device), "peak": module.max_memory_allocated(self.device),
                 "limit": module.get_device_properties(self.device).total_memory}
@@ -203,7 +206,14 @@ class TorchBackend(Backend):
             return None
 
     def memory_capacity(self) -> int | None:
-        return torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        if (module := self._device_module()) is None:
+            return None
+        total = torch.tensor([module.get_device_properties(self.device).total_memory], dtype=torch.int64)
+        if self.distributed:
+            # The smallest device of all ranks: every rank must size the loss alike (ce or chunked
+            # round differently, which replicas on GPUs of two sizes would take for corruption).
+            dist.all_reduce(total, op=dist.ReduceOp.MIN, group=self.agreement_group)
+        return int(total)
 
     def peak_flops(self) -> float | None:
         if self._peak_flops or self.device.type != "cuda":

@@ -406,16 +406,23 @@ class SchedulerConfig(Section):
         return self
 
 
+def _mib(value: object) -> object:
+    """One message for both forms, not one per branch of the union."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError("must be a number of MiB (above 0) or auto")
+
+
 class LossConfig(Section):
     name: Literal["auto", "ce", "chunked", "cce"] = Field(
         "auto", description="ce: the full logits, fastest while they fit; chunked: the logits of chunk_tokens "
         "tokens at a time, each chunk's backward done in forward; cce: cut cross-entropy, never holds more than "
         "a small tile of logits (the least memory, the slowest). auto: ce while one micro-batch's fp32 logits "
         "on one device fit logits_budget_mib, else chunked.")
-    logits_budget_mib: PositiveInt | Literal["auto"] = Field(
+    logits_budget_mib: Annotated[PositiveInt | Literal["auto"], BeforeValidator(_mib)] = Field(
         "auto", description="The most memory a micro-batch's fp32 logits may take on one device for loss.name auto "
-        "to pick ce. auto: a sixteenth of the device's memory on cuda (5 GiB on an 80 GB H100, where ce's steps took "
-        "5-15 % less time than chunked's), 1024 MiB on cpu and xla.")
+        "to pick ce. auto: a sixteenth of the device's memory on cuda, the smallest device's of the job's processes (5 "
+        "GiB on an 80 GB H100, where ce's steps took 5-15 % less time than chunked's), 1024 MiB on cpu and xla.")
     chunk_tokens: PositiveInt | None = Field(
         None, description="chunked only: tokens per chunk (default: an eighth of the micro-batch's, at least 256).")
     label_smoothing: float = Field(0.0, ge=0, lt=1)
@@ -499,7 +506,8 @@ class DeviceConfig(Section):
     deterministic: bool = Field(
         False, description="Bitwise-reproducible kernels on cpu and cuda (torch.use_deterministic_algorithms, "
         "cuBLAS's fixed workspace): a run resumed from a checkpoint repeats the uninterrupted one bit for bit, at "
-        "some cost in speed. xla needs nothing: its compiled steps repeat by themselves.")
+        "some cost in speed; an operation with no deterministic implementation fails the worker, naming it. xla needs "
+        "nothing: its compiled steps repeat by themselves.")
 
 
 def _interval(value: object) -> object:
