@@ -29,8 +29,12 @@ log = structlog.get_logger()
 
 class Evaluator:
     def __init__(self, cfg: EvalConfig, samples: Samples, micro_batch_size: int, backend: Backend,
-                 module: nn.Module, bf16: bool, badput: Badput, emit: Emit, document_mask: bool = False):
+                 module: nn.Module, bf16: bool, badput: Badput, emit: Emit, document_mask: bool = False,
+                 n_batches: int | None = None):
+        """n_batches: micro-batches per evaluation, cfg.batches unless the micro-batch was made smaller
+        to fit (engine.fitting): then as many more, so each evaluation reads the same sequences."""
         self.cfg, self.backend, self.module, self.bf16 = cfg, backend, module, bf16
+        self.n_batches = n_batches or cfg.batches
         self.batches = PackedLoader(samples, micro_batch_size, 1, position=backend.data, document_mask=document_mask,
                                     global_loss=backend.global_loss)
         self.badput, self.emit = badput, emit
@@ -45,8 +49,8 @@ class Evaluator:
         started = time.monotonic()
         with self.badput.timing("eval"), torch.no_grad():
             total = None
-            counts = self.batches.target_counts(tuple(range(self.cfg.batches)))
-            for index in range(self.cfg.batches):
+            counts = self.batches.target_counts(tuple(range(self.n_batches)))
+            for index in range(self.n_batches):
                 batch = self.batches.rows(index).map(self.backend.to_device)
                 with self.backend.autocast(self.bf16):
                     loss = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)[0].detach().float()
@@ -56,7 +60,7 @@ class Evaluator:
                 total = loss if total is None else total + loss
                 self.backend.micro_step_end()
             values: list[float] = []
-            self.backend.read_values([(total / self.cfg.batches).reshape(1)], lambda v: values.extend(v[0]))
+            self.backend.read_values([(total / self.n_batches).reshape(1)], lambda v: values.extend(v[0]))
             self.backend.flush()
         loss = values[0]
         perplexity = math.exp(min(loss, 700.0)) if math.isfinite(loss) else loss

@@ -44,7 +44,8 @@ from engine.errors import ConfigError, WorkerExit
 from engine.checkpoint.checkpointer import Checkpointer, Progress
 from engine.checkpoint.hosts import Hosts
 from engine.evaluation import Evaluator
-from engine.health.faults import Faults, NoFaults
+from engine.fitting import MicroBatchFit, memory_now
+from engine.health.faults import Faults, NoFaults, limit_address_space
 from engine.health.guard import StepGuard
 from engine.health.healing import Healer
 from engine.health.ledger import SkipLedger
@@ -119,7 +120,9 @@ class Trainer:
                                      inductor_cache=str(layout.inductor_cache(spec.name)), gang=hosts is not None)
         require_static_capacity(spec.model.moe, self.backend.name)
         checkpoints = layout.checkpoints(spec.name, spec.checkpoint.dir)
-        micro_batch_size, accum = batch_geometry(spec.train, spec.data.micro_batch_size, self.backend.data.world)
+        if (inject := spec.debug.inject) is not None and inject.address_space_mib is not None:
+            limit_address_space(inject.address_space_mib)
+        micro_batch_size, accum = self._fitted_geometry()
         kernel, source = self._build_model(layout, checkpoints, micro_batch_size, accum, warm)
         data = self._open_data(layout, source, micro_batch_size, accum)
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
@@ -139,10 +142,22 @@ class Trainer:
         self._micro_seconds = 0.0  # recent micro-batch time, for deadline decisions
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("trainer ready", job=spec.name, params=n_params, attention=kernel,
-                 loss=self.loss_name, resumed_at=self.progress.step,
+                 loss=self.loss_name, resumed_at=self.progress.step, micro_batch_size=self.loader.micro_batch_size,
+                 grad_accum_steps=self.loader.accum.final,
                  precision="bf16" if self.bf16 else "fp32", **data.description,
                  data_skips=[list(s) for s in self.loader.skips], **self.backend.describe())
         self.badput.startup_ends()
+
+    def _fitted_geometry(self):
+        """The micro-batch and micro-batches per step: the job's, made smaller where a larger one was
+        found not to fit (engine.fitting); every rank runs the smallest any of them recorded."""
+        spec, world = self.spec, self.backend.data.world
+        self.fit = MicroBatchFit(self.job_dir, spec.data.micro_batch_size, spec.train.fit_micro_batch)
+        micro, _ = batch_geometry(spec.train, spec.data.micro_batch_size, world)
+        agreed = self.backend.smallest(min(micro, self.fit.cap or micro))
+        if agreed < micro:
+            self.fit.agreed(agreed)
+        return batch_geometry(spec.train, spec.data.micro_batch_size, world, agreed)
 
     def _build_model(self, layout: StateLayout, checkpoints: Path, micro_batch_size: int, accum,
                      warm: Warm | None) -> tuple[str, str | None]:
@@ -168,7 +183,7 @@ class Trainer:
                 weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
-        capacity = self.backend.memory_capacity()
+        self.capacity = capacity = self.backend.memory_capacity()  # collective: read once, by every rank
         self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device, capacity)
         language_model = LanguageModel(self.model, build_loss(spec.loss, spec.model, per_device, self.backend.compile,
                                                               capacity))
@@ -202,9 +217,11 @@ class Trainer:
         self.batches = Prefetcher(self.loader, self.backend.host_ready)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
+        configured = spec.data.micro_batch_size
         self.evaluator = None if spec.eval is None else Evaluator(
-            spec.eval, data.val, spec.data.micro_batch_size, self.backend, self.module, self.bf16, self.badput,
-            self.hooks.emit, spec.data.document_mask)
+            spec.eval, data.val, micro_batch_size, self.backend, self.module, self.bf16, self.badput,
+            self.hooks.emit, spec.data.document_mask,
+            n_batches=None if configured == "auto" else -(-spec.eval.batches * configured // micro_batch_size))
         return data
 
     def _restore(self, hosts: Hosts | None, warm: Warm | None) -> None:
@@ -301,6 +318,7 @@ class Trainer:
         """Train to max_steps, or until a request, a bad step that cannot be healed or a fault ends
         it: the exit code (each of those raises WorkerExit where it is decided)."""
         p, max_steps = self.progress, self.spec.train.max_steps
+        self._started_at = p.step
         self.hooks.emit(events.Started(p.step, p.micro_step, self.badput.snapshot()))
         self.badput.startup_begins()  # until the first step is done: under XLA it compiles
         self.reporter.start()
@@ -332,10 +350,29 @@ class Trainer:
                 self._final_save()
         except WorkerExit as e:
             return e.code
+        except Exception as e:
+            if not self.fit.applies(e, p.step, self._started_at):
+                raise
+            return self._refit(e)
         finally:
             self.batches.close()
             self.backend.flush()
             self.checkpointer.close()
+
+    def _refit(self, error: Exception) -> int:
+        """An out-of-memory error in the first steps: the next smaller micro-batch recorded, exit REFIT
+        (engine.fitting); at one sequence, ConfigError naming the memory needed and available."""
+        spec, micro = self.spec, self.loader.micro_batch_size
+        # The sequences the micro-batch must divide: the per-rank batch, or the job's fixed micro-batch.
+        batch = micro * self.loader.accum.final if spec.train.global_batch_size else spec.data.micro_batch_size
+        memory = memory_now(self.backend.device_memory(), self.capacity)
+        try:
+            self.fit.refit(error, self.progress.step, micro, batch, memory)
+        except ValueError as e:
+            raise ConfigError("data.micro_batch_size", str(e)) from error
+        log.warning("the micro-batch does not fit; the worker starts again with a smaller one",
+                    micro_batch_size=micro, next=self.fit.cap, reason=self.fit.record.reason)
+        return exit_codes.REFIT
 
     # --- the work ---
 

@@ -177,6 +177,16 @@ class Backend:
         dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.agreement_group)
         return None if code.item() == 0 else Request(_ACTIONS[code.item() - 1], deadline_s=0.0)
 
+    def smallest(self, value: int) -> int:
+        """The smallest `value` of all ranks (one tiny all-reduce on the agreement group)."""
+        if self.agreement_group is None:
+            return value
+        import torch.distributed as dist
+
+        least = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.agreement_group)
+        return int(least)
+
     def rng_state(self) -> dict:
         state = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and self.device.type == "cuda":

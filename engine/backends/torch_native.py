@@ -208,12 +208,9 @@ class TorchBackend(Backend):
     def memory_capacity(self) -> int | None:
         if (module := self._device_module()) is None:
             return None
-        total = torch.tensor([module.get_device_properties(self.device).total_memory], dtype=torch.int64)
-        if self.distributed:
-            # The smallest device of all ranks: every rank must size the loss alike (ce or chunked
-            # round differently, which replicas on GPUs of two sizes would take for corruption).
-            dist.all_reduce(total, op=dist.ReduceOp.MIN, group=self.agreement_group)
-        return int(total)
+        # The smallest device of all ranks: every rank must size the loss alike (ce or chunked
+        # round differently, which replicas on GPUs of two sizes would take for corruption).
+        return self.smallest(module.get_device_properties(self.device).total_memory)
 
     def peak_flops(self) -> float | None:
         if self._peak_flops or self.device.type != "cuda":

@@ -35,6 +35,7 @@ from engine.data.batch import Batch, kept
 from engine.data.dataset import Samples
 from engine.data.skips import Skips, merge_skips
 from engine.errors import ConfigError
+from engine.fitting import largest_divisor
 from engine.spec.schema import TrainConfig
 
 
@@ -56,6 +57,10 @@ class AccumSchedule:
     def of(cls, train: TrainConfig) -> AccumSchedule:
         return cls(train.grad_accum_steps, tuple((s.until_step, s.grad_accum_steps) for s in train.batch_ramp))
 
+    def times(self, factor: int) -> AccumSchedule:
+        """factor x as many micro-batches in every stage (each factor x smaller)."""
+        return AccumSchedule(self.final * factor, tuple((until, accum * factor) for until, accum in self.stages))
+
     def at(self, step: int) -> int:
         """Micro-batches in `step`."""
         for until, accum in self.stages:
@@ -73,19 +78,26 @@ class AccumSchedule:
         return total + (step - begin) * self.final
 
 
-def batch_geometry(train: TrainConfig, micro_batch_size: int, world: int) -> tuple[int, AccumSchedule]:
+def batch_geometry(train: TrainConfig, micro_batch_size: int | str, world: int,
+                   cap: int | None = None) -> tuple[int, AccumSchedule]:
     """Sequences per micro-batch per rank, and micro-batches per step, for `world` data-parallel ranks.
 
     With train.global_batch_size the global batch stays the same on any number of ranks (a job
     resumed on fewer hosts): each step still reads global samples [step x G, (step + 1) x G).
+    `cap` is the largest micro-batch known to fit in memory (engine.fitting): a smaller micro-batch
+    that divides the batch, with as many more of them per step, reads the same samples per step.
     """
-    if train.global_batch_size is None:
-        return micro_batch_size, AccumSchedule.of(train)
+    if train.global_batch_size is None:  # micro_batch_size is a number: auto needs a global batch
+        if cap is None or cap >= micro_batch_size:
+            return micro_batch_size, AccumSchedule.of(train)
+        fits = largest_divisor(micro_batch_size, cap)
+        return fits, AccumSchedule.of(train).times(micro_batch_size // fits)
     per_rank, rest = divmod(train.global_batch_size, world)
     if rest or not per_rank:
         raise ConfigError("train.global_batch_size", f"{train.global_batch_size} sequences do not divide evenly "
                           f"among {world} data-parallel ranks (hosts x devices)")
-    fits = max(d for d in range(1, min(micro_batch_size, per_rank) + 1) if per_rank % d == 0)
+    most = per_rank if micro_batch_size == "auto" else min(micro_batch_size, per_rank)
+    fits = largest_divisor(per_rank, most if cap is None else min(most, cap))
     return fits, AccumSchedule(per_rank // fits)
 
 

@@ -29,6 +29,10 @@ that fault again. With `repeat` every run fires it (a deterministic fault). The 
 read once, at start-up, so that all ranks sharing a state directory decide alike however
 their timing differs. Step 0 of hang and crash means before the first step of a fresh run.
 
+address_space_mib N is no fault that fires but a limit: every worker caps its own address space
+(RLIMIT_AS) at its size at start plus N MiB, so a micro-batch too large fails a real allocation
+(engine.fitting's tests).
+
 A job without `debug.inject` gets `NoFaults`, which never fires: the loop asks either alike.
 """
 
@@ -50,6 +54,18 @@ log = structlog.get_logger()
 HANG, CRASH, NAN, SPIKE_KIND = "hang", "crash", "nan", "spike"
 FLIP, GRAD_FLIP, HOST_SPIKE = "flip", "gradflip", "hostspike"
 SPIKE = 10.0  # what spike_at_step multiplies the loss by
+
+
+def limit_address_space(extra_mib: int) -> None:
+    """Cap this process's address space at its size now plus `extra_mib` (debug.inject.address_space_mib)."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    limit = now + (extra_mib << 20) if hard == resource.RLIM_INFINITY else min(now + (extra_mib << 20), hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    log.info("address space limited (debug.inject.address_space_mib)", bytes=limit)
 
 
 class NoFaults:

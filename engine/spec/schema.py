@@ -189,7 +189,11 @@ class DataConfig(Section):
         "byte-tokenized; present everywhere (the demo).")
     corpus_bytes: PositiveInt = Field(8_000_000, description="Upper bound on the built-in corpus's size.")
     seq_len: PositiveInt = 256
-    micro_batch_size: PositiveInt = Field(16, description="Sequences per micro-batch per data-parallel rank.")
+    micro_batch_size: PositiveInt | Literal["auto"] = Field(
+        16, description="Sequences per micro-batch per data-parallel rank. auto: the largest that fits in memory, "
+        "found from the whole per-rank batch (train.global_batch_size / ranks) by halving on out-of-memory errors "
+        "(engine.fitting); it needs train.global_batch_size. A fixed size is made smaller the same way when "
+        "train.fit_micro_batch allows.")
     document_mask: bool = Field(
         False, description="Each token attends only to earlier tokens of its own document, at RoPE positions that "
         "restart with it, and no loss is taken on predicting a document's first token from the previous one; "
@@ -260,6 +264,11 @@ class TrainConfig(Section):
         [], description="Batch-size ramp: stages of fewer micro-batches per step, in ascending until_step, then "
         "grad_accum_steps. Micro-batch shapes never change (static XLA shapes); only their number per step does.",
     )
+    fit_micro_batch: bool = Field(
+        True, description="On an out-of-memory error in a worker's first steps, halve data.micro_batch_size and "
+        "double the micro-batches per step (the batch and the maths unchanged up to summation order), record the "
+        "size in the job's state (micro_batch.json: later starts begin there) and restart at once; at 1 sequence "
+        "the job fails, naming the memory needed and available. false: such an error is a crash like any other.")
     global_batch_size: PositiveInt | None = Field(
         None, description="Sequences per optimizer step across all hosts, kept when the job resumes on another "
         "number of hosts: each host's micro-batch is the largest divisor of global_batch_size / hosts not above "
@@ -735,6 +744,9 @@ class InjectConfig(Section):
     slow_host: SlowHost | None = Field(None, description="One process slowed down by a factor: a straggler.")
     host_spikes: list[HostSpike] = Field([], description="One process's loss of a step made 10x once, not on its "
                                          "replay: a hardware fault the spike detector finds and, with replicas, names.")
+    address_space_mib: PositiveInt | None = Field(
+        None, description="Every worker limits its own address space (RLIMIT_AS) to its size at start plus this "
+        "many MiB before it builds the model: a real allocation failure, for the micro-batch fitting tests.")
     repeat: bool = Field(
         False, description="Fire in every worker that reaches the step (a deterministic fault); by default each "
         "fault fires once per job, as transient faults do. A bit flip never fires again in an in-place replay of its "
@@ -806,6 +818,9 @@ class JobSpec(Section):
         elif mesh.expert > 1 and (moe is None or moe.num_experts % mesh.expert):
             problem(("device", "mesh", "expert"), mesh.expert, "must divide model.moe.num_experts ({experts})",
                     experts=None if moe is None else moe.num_experts)
+        if self.data.micro_batch_size == "auto" and self.train.global_batch_size is None:
+            problem(("data", "micro_batch_size"), "auto", "auto needs train.global_batch_size (auto divides that "
+                    "batch into the largest micro-batches that fit)")
         if self.eval is not None and not self.data.datasets:
             problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
                     "validation split")

@@ -23,11 +23,11 @@ from typing import Protocol
 
 import structlog
 
-from engine import events, exit_codes
+from engine import events, exit_codes, fitting
 from engine.requests import Action, Request
 from engine.spec.schema import JobSpec
 from tpud.gcs.tiers import CheckpointTiers
-from tpud.job import goodput, inputs, routing, states
+from tpud.job import goodput, inputs, routing, snapshot, states
 from tpud.gang.discovery import GangPlace
 from tpud.job.commits import JobCheckpoints
 from tpud.job.current import CurrentWorker
@@ -49,7 +49,7 @@ log = structlog.get_logger()
 # Where the goodput ledger books the time a job spends in a state without a worker.
 _LEDGER_PHASE = {State.BACKOFF: goodput.BACKOFF, State.PREEMPTED: goodput.DOWN}
 # tpud_job_restarts_total{reason}, each created at 0: a crash's reasons, and the supervisor's own.
-RESTART_REASONS = (*crashes.REASONS, "hang", "nonfinite", "peer")
+RESTART_REASONS = (*crashes.REASONS, "hang", "nonfinite", "peer", "refit")
 SAVE_EVERY_S = 10.0  # job.json between state changes, for the goodput ledger
 
 
@@ -92,7 +92,8 @@ class Job:
         self.state = State.PENDING
         self.digest: str | None = None  # of the job file this spec came from
         self.error, self.error_detail = None, []  # what failed, and a crash's traceback lines
-        self.report = WorkerReport(self.name, metrics, clock, paths.layout.skips_file(spec.name))
+        self.report = WorkerReport(self.name, metrics, clock, paths.layout.skips_file(spec.name),
+                                   paths.layout.job_dir(spec.name) / fitting.RECORD)
         self.checkpoints = JobCheckpoints(self.name, metrics, loop.post)
         self.stop_reason: str | None = None  # why a stop was asked: stop, removed, reload, shutdown, preempted
         self.next_spec: JobSpec | None = None
@@ -311,6 +312,9 @@ class Job:
             self.restarts.peer()  # the failing host spends its own restart budget; this one spends none
             self.gang.peer_restarts += 1
             self.start()
+        elif status == exit_codes.REFIT:  # a smaller micro-batch is recorded in the job's state
+            self.restarts.refit()
+            self.start()
         elif self.current.hang is not None:
             self._crashed(self.current.hang, "hang")
         elif status == exit_codes.STOPPED:
@@ -372,13 +376,5 @@ class Job:
         return self.state in ACTIVE
 
     def snapshot(self) -> dict:
-        first = self.record.first_started
-        return {
-            "name": self.name, "state": self.state.value, "file": str(self.file),
-            "pid": None if self.worker is None else self.worker.pid, **self.report.snapshot(self.spec.train.max_steps),
-            "restarts": self.restarts.total, "restart_reasons": dict(self.restarts.reasons),
-            "error": self.error, "error_detail": self.error_detail, **self.checkpoints.snapshot(),
-            "age_seconds": None if first is None else round(time.time() - first, 1),
-            "goodput": self.ledger.snapshot(), "gang": self.gang.snapshot(),
-        }
+        return snapshot.snapshot(self)
 

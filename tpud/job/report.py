@@ -7,14 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import events
+from engine import events, fitting
 from engine.health.ledger import summary_of
 
 
 class WorkerReport:
-    def __init__(self, job: str, metrics, clock: Callable[[], float], ledger: Path | None = None):
-        """ledger: the job's skip ledger (engine.health.ledger), which status summarises."""
-        self.job, self.metrics, self.clock, self.ledger = job, metrics, clock, ledger
+    def __init__(self, job: str, metrics, clock: Callable[[], float], ledger: Path | None = None,
+                 fitted: Path | None = None):
+        """ledger: the job's skip ledger (engine.health.ledger), which status summarises; fitted: its
+        micro-batch record (engine.fitting)."""
+        self.job, self.metrics, self.clock, self.ledger, self.fitted = job, metrics, clock, ledger, fitted
         self.progress: events.Step | None = None  # the latest step event, for status
         self.evaluated: events.Eval | None = None  # the latest validation loss, for status
         self.restored_step: int | None = None  # status's step before the first step event
@@ -65,9 +67,10 @@ class WorkerReport:
         self.stragglers[event.straggler] = event
         self.metrics.straggler(self.job, host=event.straggler, ratio=event.ratio, flagged=event.flagged)
 
-    def snapshot(self, max_steps: int) -> dict:
+    def snapshot(self, max_steps: int, micro_batch_size: int | str | None = None) -> dict:
         progress, evaluated = self.progress, self.evaluated
         return {
+            "micro_batch": self.micro_batch(micro_batch_size),
             "step": self.restored_step if progress is None else progress.step, "max_steps": max_steps,
             "loss": None if progress is None else progress.loss,
             "tokens_per_second": None if progress is None else progress.tokens_per_s,
@@ -85,6 +88,14 @@ class WorkerReport:
             "stragglers": [{"host": e.straggler, "ratio": e.ratio, "step": e.step, "flagged": e.flagged,
                             "evicted": e.evicted, "reason": e.reason} for _, e in sorted(self.stragglers.items())],
         }
+
+    def micro_batch(self, configured: int | str | None) -> dict | None:
+        """The micro-batch the job's workers run when it is not the job file's: the size that fitted in
+        memory (engine.fitting), what it was made smaller from, and why; None when none was fitted."""
+        record = None if self.fitted is None else fitting.read(self.fitted)
+        if record is None or record.configured != configured:
+            return None
+        return {"size": record.size, "configured": configured, "reason": record.reason, "step": record.step}
 
     def healing(self) -> dict | None:
         """The rollbacks healed in place since this daemon started, and the job's skip ledger."""

@@ -104,6 +104,9 @@ def lines(jobs: list[dict]) -> list[str]:
                     + ("" if not dropped else f", {percent(dropped)} dropped")]
         if device := job.get("device"):
             out += ["", f"{name}: {device_line(device)}"]
+        if fitted := job.get("micro_batch"):
+            out += ["", f"{name}: micro-batch {fitted['size']} (data.micro_batch_size {fitted['configured']}): "
+                    f"{fitted['reason']}"]
         if healing := job.get("healing"):
             out += ["", f"{name}: {healing_line(healing)}"]
         if replicas := job.get("replicas"):

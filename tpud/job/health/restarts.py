@@ -4,7 +4,7 @@ A job may crash at most restart.max_restarts times within restart.window_seconds
 fails. Each restart waits an exponential backoff whose exponent is the crash streak: the crashes
 since a worker last committed a checkpoint, so a job that makes progress between rare crashes
 never backs off for long. Non-finite-loss rollbacks have their own budget (health.max_rollbacks)
-and restart at once.
+and restart at once; so does a micro-batch found too large (engine.fitting), whose sizes only shrink.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class Restarts:
     def peer(self) -> None:
         """Another host's worker failed and the gang restarts: counted, but no crash of this host's."""
         self._restart("peer")
+
+    def refit(self) -> None:
+        """The micro-batch did not fit and a smaller one is recorded (engine.fitting): at once, no crash."""
+        self._restart("refit")
 
     def _restart(self, reason: str) -> None:
         self.total += 1
