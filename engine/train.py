@@ -38,7 +38,7 @@ from engine.spec.fingerprint import check_resume, fingerprint
 from engine.spec.schema import JobSpec
 from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader, batch_geometry
-from engine.data.skips import merge_skips
+from engine.data.skips import merge_skips, regeometry
 from engine.data.prefetch import Prefetcher
 from engine.errors import ConfigError, WorkerExit
 from engine.checkpoint.checkpointer import Checkpointer, Progress
@@ -244,10 +244,14 @@ class Trainer:
             if hosts is not None or restored.hosts > 1:  # a gang's commit, or a gang resuming
                 check_resume(restored.fingerprint, self.checkpointer.fingerprint,
                              self.spec.checkpoint.allow_spec_changes, restored.step)
-            self._check_same_data(self.checkpointer.restored_loader)
-            # A checkpoint made on another host carries skips that this host's state file lacks.
-            self.ledger.adopt(restored.data_skips)
-            self.loader.skips = merge_skips(self.loader.skips, restored.data_skips)
+            saved = self.checkpointer.restored_loader
+            self._check_same_data(saved)
+            # A checkpoint made on another host carries skips that this host's state file lacks, in
+            # micro-batches of the geometry it was saved with.
+            per = self.ledger.per_micro_batch
+            skips = regeometry(restored.data_skips, saved.get("micro_batch_size", 0) * saved.get("world", 0) or per, per)
+            self.ledger.adopt(skips)
+            self.loader.skips = merge_skips(self.loader.skips, skips)
         self.checkpointer.data_skips = self.loader.skips
 
     def _watch_health(self) -> None:

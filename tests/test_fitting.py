@@ -10,7 +10,9 @@ import torch
 
 from engine import exit_codes, fitting
 from engine.data.loader import AccumSchedule, batch_geometry
+from engine.data.skips import regeometry
 from engine.errors import ConfigError
+from engine.health.ledger import SkipLedger
 from engine.spec.loader import SpecError
 from engine.spec.schema import TrainConfig
 from engine.runtime import Runtime
@@ -152,3 +154,17 @@ def test_a_micro_batch_of_one_that_does_not_fit_fails_the_job_naming_the_memory(
                        r"memory at step 0: needed at least .* asked for\), .* available \(host memory\)"):
         trainer._refit(real_allocation_failure())
     assert trainer.fit.cap is None  # nothing smaller was recorded
+
+
+def test_skips_recorded_before_a_smaller_micro_batch_skip_the_same_samples(tmp_path):
+    """A ledger and a checkpoint's skips are in micro-batches of the geometry that wrote them."""
+    path = tmp_path / "data_skips.json"
+    before = SkipLedger(path, per_micro_batch=64)
+    before.entries.append(before._entry(3, 2, "spike", step=1, loss=9.0))  # samples 192 .. 319
+    before._write()
+    now = SkipLedger(path, per_micro_batch=16)
+    assert now.ranges == ((12, 8),) and now.entries[0].samples == (192, 128)
+    assert now.summary()["samples"] == 128
+    assert regeometry([(3, 2)], 64, 16) == ((12, 8),)
+    assert regeometry([(3, 2)], 64, 48) == ((4, 3),)  # micro-batches 4..6 hold samples 192..319
+    assert regeometry([(3, 2)], 16, 16) == ((3, 2),)

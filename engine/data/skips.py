@@ -20,3 +20,11 @@ def sample_ranges_to_micro_batches(ranges: Iterable[tuple[int, int]], per_micro_
     """The micro-batches (first, count) holding the samples of `ranges`: every one with a listed sample."""
     return merge_skips((first // per_micro_batch, (first + count - 1) // per_micro_batch - first // per_micro_batch + 1)
                        for first, count in ranges)
+
+
+def regeometry(skips: Iterable[tuple[int, int]], before: int, now: int) -> Skips:
+    """Ranges of micro-batches of `before` samples as micro-batches of `now` samples: the same samples
+    (and, when `now` does not divide them, the rest of the micro-batches that hold them)."""
+    if before == now:
+        return merge_skips(skips)
+    return sample_ranges_to_micro_batches(((first * before, count * before) for first, count in skips), now)

@@ -23,7 +23,7 @@ import json
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +61,9 @@ class SkipLedger:
         """per_micro_batch: samples in one global micro-batch (ranks x micro_batch_size);
         operator: the job's data.skip sample ranges."""
         self.path, self.per_micro_batch = Path(path), per_micro_batch
-        self.entries: list[Skipped] = self._read()  # the file's: what this job skipped
+        # The file's: what this job skipped, in micro-batches of this geometry (a micro-batch made
+        # smaller to fit, engine.fitting, or a global batch over another number of hosts).
+        self.entries: list[Skipped] = [self._now(e) for e in self._read()]
         # The job file's, never written to the ledger: they leave with the setting.
         self.operator = [self._entry(first, count, "operator")
                          for first, count in sample_ranges_to_micro_batches(operator, per_micro_batch)]
@@ -108,6 +110,14 @@ class SkipLedger:
                loss: float | None = None) -> Skipped:
         samples = (first * self.per_micro_batch, count * self.per_micro_batch)
         return Skipped(first, count, samples, reason, step, loss, time.time() if step is not None else None)
+
+    def _now(self, entry: Skipped) -> Skipped:
+        """The entry in micro-batches of this ledger's size, from its samples (geometry-independent)."""
+        first, count = entry.samples
+        if (first, count) == (entry.first * self.per_micro_batch, entry.count * self.per_micro_batch):
+            return entry
+        (mb_first, mb_count), = sample_ranges_to_micro_batches([(first, count)], self.per_micro_batch)
+        return replace(entry, first=mb_first, count=mb_count)
 
     def _read(self) -> list[Skipped]:
         try:
