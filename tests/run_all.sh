@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole suite (`make test`) in two lanes that keep a 2-core machine busy:
-#   1. the xla tests (XLA compiles on about one core), then half of the end-to-end tests;
+#   1. the xla tests (XLA compiles on about one core) in their own environment (XLA_PYTHON: torch
+#      2.9.0 + torch_xla 2.9.0), then half of the end-to-end tests;
 #   2. the unit tests and the slow tests that train in pytest's own process (in_process), then
 #      the other half of the end-to-end tests (tests/conftest.py's LANE_A says which module runs
 #      where; their supervisors and workers mostly wait on each other, so two lanes fill the cores).
@@ -9,6 +10,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
+xla_python=${XLA_PYTHON:-.venv-xla/bin/python}
+if [ ! -x "$xla_python" ]; then
+    echo "run_all.sh: no $xla_python (the xla tests' environment): run 'make test', which makes it" >&2
+    exit 2
+fi
 # OpenMP's idle threads sleep instead of spinning: with two processes training on two cores, the
 # spinning made each one's steps 8x slower (tests/conftest.py's python_env sets it for children).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
@@ -26,7 +32,7 @@ lane_log=$(mktemp)
 status_dir=$(mktemp -d)
 trap 'rm -rf "$lane_log" "$status_dir"; [ -n "${lane_pid:-}" ] && kill "$lane_pid" 2>/dev/null' EXIT
 (
-    "$python" -m pytest -m "xla" "$@"
+    "$xla_python" -m pytest -m "xla" "$@"
     echo $? >"$status_dir/xla"
     TPUD_TEST_LANE=a "$python" -m pytest -m "$E2E" "$@"
     echo $? >"$status_dir/e2e_a"

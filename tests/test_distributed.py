@@ -40,7 +40,10 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tiny_spec, t
     # logged loss is averaged over ranks: the same numbers up to summation order.
     assert ddp["losses"] == pytest.approx(recorded.losses, rel=1e-5)
     weights = [p.detach().sum().item() for p in single.model.parameters()]
-    assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=1e-5)
+    # Adam divides each gradient by its own running scale: where a gradient is near zero, the two
+    # summation orders' last-bit difference moves that weight by a visible fraction of lr (torch
+    # 2.15: up to 8e-5 in a parameter's sum, against 1e-5 on 2.9).
+    assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=2e-4)
 
 
 def test_two_ddp_ranks_weigh_uneven_document_masked_targets_like_one_process(tiny_spec, tmp_path):
@@ -62,7 +65,10 @@ def test_two_ddp_ranks_weigh_uneven_document_masked_targets_like_one_process(tin
     assert len({int(c.sum()) for c in counts}) > 1  # the steps' target counts differ
     assert ddp["losses"] == pytest.approx(recorded.losses, rel=1e-5)
     weights = [p.detach().sum().item() for p in single.model.parameters()]
-    assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=1e-5)
+    # Adam divides each gradient by its own running scale: where a gradient is near zero, the two
+    # summation orders' last-bit difference moves that weight by a visible fraction of lr (torch
+    # 2.15: up to 8e-5 in a parameter's sum, against 1e-5 on 2.9).
+    assert ddp["weights"] == pytest.approx(weights, rel=1e-4, abs=2e-4)
 
 
 def test_a_request_reaching_one_rank_is_carried_out_by_all(tmp_path):

@@ -114,9 +114,9 @@ def test_device_deterministic_turns_on_reproducible_kernels(monkeypatch):
 def test_an_xla_job_on_a_torch_its_torch_xla_was_not_built_for_is_refused_by_versions():
     from engine.backends import require_matching_torch
 
-    require_matching_torch()  # this environment's pair matches
+    require_matching_torch("2.9.1+cu128", xla="2.9.0")
     with pytest.raises(ConfigError) as refused:
-        require_matching_torch("2.15.0+cu130")
+        require_matching_torch("2.15.0+cu130", xla="2.9.0")
     assert refused.value.key == "device.backend" and "runs on torch 2.9.x, this is torch 2.15.0+cu130" in str(refused.value)
 
 

@@ -258,7 +258,7 @@ def test_under_xla_the_asynchronous_reads_are_checked_before_a_save_and_the_roll
     records = [json.loads(line) for line in run.stdout.splitlines()]
     (rolled,) = [r for r in records if r["event"] == "rolled back"]
     assert (rolled["step"], rolled["restored_step"], rolled["verdict"], rolled["skip"]) == (3, 2, "data", [4, 2])
-    assert SkipLedger(StateLayout(tmp_path).skips_file("tiny-cpu"), 1).ranges == ((4, 2),)
+    assert SkipLedger(StateLayout(tmp_path).skips_file("tiny-cpu"), 4).ranges == ((4, 2),)  # 4 sequences a micro-batch
     # One log line per report: before the saves at steps 2, 4 (after the rollback), 6, and at the end.
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "step"}
     assert sorted(losses) == [2, 4, 6, 8] and all(math.isfinite(v) for v in losses.values())

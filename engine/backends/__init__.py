@@ -27,13 +27,14 @@ def resolve_backend_name(cfg: DeviceConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def require_matching_torch(torch_version: str | None = None) -> None:
+def require_matching_torch(torch_version: str | None = None, xla: str | None = None) -> None:
     """torch_xla X.Y runs only on torch X.Y (its last release, 2.9, on torch 2.9): with another torch
-    its import fails deep in a shared library, or worse, half works. Refused first, by versions."""
+    its import fails deep in a shared library, or worse, half works. Refused first, by versions
+    (this environment's, unless given)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        xla = version("torch_xla")
+        xla = xla or version("torch_xla")
     except PackageNotFoundError:
         return  # the import below says it is missing
     torch_version = torch_version or torch.__version__

@@ -55,7 +55,8 @@ class TorchBackend(Backend):
             deterministic_kernels()
         self.compiling, self.gang = compiling, gang
         if compiling and cache_dir is not None:  # an operator's own setting wins
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
+            if _inductor_cache_unset():
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
             os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -220,6 +221,15 @@ class TorchBackend(Backend):
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _inductor_cache_unset() -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR is nobody's choice: torch 2.15 sets it to its default (a
+    directory under /tmp) when torch._dynamo is imported, which a fork server has done already."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir())
 
 
 def deterministic_kernels() -> None:
