@@ -273,7 +273,7 @@ def test_startup_and_checkpoints_get_longer_allowances(make_job):
 def connect(job) -> channel.Connection:
     """A real channel between the job and a stand-in worker: the worker's end."""
     ours, theirs = socket.socketpair()
-    job.current.link.connection = channel.Connection(ours)
+    job.current.links[0].connection = channel.Connection(ours)
     return channel.Connection(theirs)
 
 

@@ -11,10 +11,22 @@ def test_lines_split_across_chunks_are_kept_whole_and_everything_is_relayed():
     out = WorkerOutput(relayed.append)
     for chunk in (b'{"event": "st', b'ep"}\nTraceback (most', b" recent call last):\nValueError: bad\nno newline"):
         out.feed(chunk)
-    assert b"".join(relayed).endswith(b"no newline")
+    # Whole lines only (processes of one job share the relay), the rest once the output closes.
+    assert relayed == [b'{"event": "step"}\n', b"Traceback (most recent call last):\nValueError: bad\n"]
     assert list(out.tail) == ['{"event": "step"}', "Traceback (most recent call last):", "ValueError: bad"]
     out.ended()  # the last line counts once the output closes
+    assert relayed[-1] == b"no newline"
     assert out.tail[-1] == "no newline" and out.last_error() == "ValueError: bad"
+
+
+def test_two_processes_sharing_the_relay_never_splice_their_lines():
+    relayed: list[bytes] = []
+    first, second = WorkerOutput(relayed.append), WorkerOutput(relayed.append)
+    first.feed(b'{"step": 1, "lo')
+    second.feed(b'{"step": 1, "loss": 2.0}\n{"st')
+    first.feed(b'ss": 2.0}\n')
+    second.feed(b'ep": 2}\n')
+    assert b"".join(relayed).splitlines() == [b'{"step": 1, "loss": 2.0}'] * 2 + [b'{"step": 2}']
 
 
 def test_the_tail_is_bounded_by_lines_and_line_length_and_starts_afresh_per_worker():

@@ -517,6 +517,12 @@ class DeviceConfig(Section):
         "cuBLAS's fixed workspace): a run resumed from a checkpoint repeats the uninterrupted one bit for bit, at "
         "some cost in speed; an operation with no deterministic implementation fails the worker, naming it. xla needs "
         "nothing: its compiled steps repeat by themselves.")
+    processes_per_host: PositiveInt | Literal["auto"] = Field(
+        "auto", description="Worker processes the daemon starts for the job on each host and supervises as one: "
+        "they shard the model among themselves (FSDP2 over torch.distributed), each with its rank and local rank, "
+        "heartbeats and hang judgement; one's death or hang restarts them all. auto: one per visible GPU on cuda "
+        "(CUDA_VISIBLE_DEVICES, else the driver's list), one on cpu and xla (one xla process drives every chip). "
+        "More than one on cpu runs gloo (tests). Not yet in a gang (gang: in tpud.yaml).")
 
 
 def _interval(value: object) -> object:
@@ -807,6 +813,9 @@ class JobSpec(Section):
                 "must not exceed model.max_seq_len ({max_seq_len})", max_seq_len=self.model.max_seq_len,
             )
         moe, mesh = self.model.moe, self.device.mesh
+        if self.device.processes_per_host not in ("auto", 1) and self.device.backend == "xla":
+            problem(("device", "processes_per_host"), self.device.processes_per_host, "must be 1 or auto on xla: one "
+                    "process drives every local chip (SPMD)")
         if moe is not None and moe.capacity_factor is None and self.device.backend == "xla":
             problem(("model", "moe", "capacity_factor"), None, "must be set on the xla backend: XLA compiles "
                     "static shapes, so each expert gets a fixed number of seats (1.25 is usual; num_experts / "

@@ -42,6 +42,7 @@ from tpud.job.states import ACTIVE, ENDED, TRAINING, WAITING, State
 from tpud.paths import Paths
 from tpud.tracking import JobTracker
 from tpud.worker.forkserver import ForkServer
+from tpud.children import ranks
 from tpud.children.process import WorkerProcess
 
 log = structlog.get_logger()
@@ -197,7 +198,7 @@ class Job:
         self.gang.new_worker()
         rate = self.restarts.disruptions_per_hour(self.spec, self.ledger.wall_seconds)
         pid = self.current.start(self.spec, {**self.gang.worker_env(), **self.memory.env, **self.tracker.worker_env(),
-                                             **self.tiers.worker_env(rate)})
+                                             **self.tiers.worker_env(rate)}, ranks.processes_per_host(self.spec.device))
         self.record.first_started = self.record.first_started or time.time()
         self._set(State.STARTING, f"pid {pid}")
 
@@ -260,7 +261,7 @@ class Job:
         """An internal error while handling this job: treat it as a crash of its worker."""
         self.error = error
         if self.worker is not None:
-            self.worker.signal(signal.SIGKILL)  # its exit is then handled as a crash
+            self.current.signal(signal.SIGKILL)  # their exit is then handled as a crash
         else:
             self._crashed(error, "internal")
 

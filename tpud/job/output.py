@@ -14,20 +14,31 @@ class WorkerOutput:
     def __init__(self, relay: Callable[[bytes], None]):
         self.relay = relay
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self._partial = b""
+        self._partial = self._unrelayed = b""
 
     def new_worker(self) -> None:
         self.tail.clear()
-        self._partial = b""
+        self._partial = self._unrelayed = b""
 
     def feed(self, chunk: bytes) -> None:
-        self.relay(chunk)
+        # Whole lines only: the processes of one job (device.processes_per_host) share the relay,
+        # and a line cut between two chunks would be spliced with another process's.
+        pending = self._unrelayed + chunk
+        cut = pending.rfind(b"\n") + 1
+        if len(pending) - cut > 65536:  # a worker printing without newlines: passed on as it comes
+            cut = len(pending)
+        if cut:
+            self.relay(pending[:cut])
+        self._unrelayed = pending[cut:]
         *lines, partial = (self._partial + chunk).split(b"\n")
         self._partial = partial[-65536:]  # a worker printing without newlines
         self.tail.extend(line.decode(errors="replace")[-LINE_CHARS:] for line in lines)
 
     def ended(self) -> None:
         """The worker's output closed: its last line counts even without a newline."""
+        if self._unrelayed:
+            self.relay(self._unrelayed)
+            self._unrelayed = b""
         if self._partial:
             self.tail.append(self._partial.decode(errors="replace")[-LINE_CHARS:])
             self._partial = b""

@@ -12,6 +12,7 @@ def snapshot(job) -> dict:
     return {
         "name": job.name, "state": job.state.value, "file": str(job.file),
         "pid": None if job.worker is None else job.worker.pid,
+        "pids": [process.pid for process in job.current.processes],  # every local rank's
         **job.report.snapshot(spec.train.max_steps, spec.data.micro_batch_size),
         "restarts": job.restarts.total, "restart_reasons": dict(job.restarts.reasons),
         "error": job.error, "error_detail": job.error_detail, **job.checkpoints.snapshot(),

@@ -44,6 +44,7 @@ import structlog
 
 from engine.spec.loader import LoadedSpec
 from tpud.jobfiles.reading import JobFile, scan
+from tpud.children import ranks
 from tpud.children.respawn import Respawn
 from tpud.settings import Settings, load_settings
 from tpud.children.process import die_with_parent, exit_status
@@ -59,10 +60,14 @@ CLOSE_TIMEOUT_S = 5.0  # close() waits this long at most for the reader thread
 
 def refusal(loaded: LoadedSpec, settings: Settings, config_dir: Path) -> str | None:
     """Why a valid spec may not run under these settings, as FILE:LINE: KEY: MESSAGE."""
-    if loaded.spec.debug.inject is None or settings.allow_fault_injection:
-        return None
-    return str(loaded.problem("debug.inject", "fault injection is refused: set allow_fault_injection: true "
-                                              f"in {config_dir / 'tpud.yaml'} to allow it"))
+    spec = loaded.spec
+    if spec.debug.inject is not None and not settings.allow_fault_injection:
+        return str(loaded.problem("debug.inject", "fault injection is refused: set allow_fault_injection: true "
+                                                  f"in {config_dir / 'tpud.yaml'} to allow it"))
+    if settings.gang is not None and (processes := ranks.processes_per_host(spec.device)) > 1:
+        return str(loaded.problem("device.processes_per_host", f"{processes} processes per host cannot run in a gang "
+                                  f"yet ({config_dir / 'tpud.yaml'} sets gang): set it to 1, or run the job alone"))
+    return None
 
 
 def read_jobs(jobs_dir: Path, settings: Settings, config_dir: Path) -> dict[Path, JobFile]:

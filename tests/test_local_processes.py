@@ -1,0 +1,106 @@
+"""Several worker processes of one job on one host (device.processes_per_host): the daemon starts
+them with torchrun's variables, they shard the model (FSDP2 over gloo) and live and die together:
+one killed or hung restarts them all, and the run resumes bit for bit."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from engine.spec.schema import DeviceConfig
+from tests.conftest import PYTHON, TINY_JOB, python_env
+from tests.states import assert_same_state, checkpoint_state
+from tests.test_distributed import torchrun
+from testkit.helpers import exited, read_records
+from tpud.children import ranks
+
+ARGS = ["data.corpus_bytes=400000", "data.micro_batch_size=2", "data.seq_len=64", "train.max_steps=8",
+        "train.log_interval=1", "scheduler.warmup_steps=1", "checkpoint.interval_steps=2", "device.backend=cpu",
+        "device.processes_per_host=2", "health.heartbeat_timeout_seconds=3", "health.hang_step_multiple=2",
+        "health.startup_steps=1", "restart.backoff_initial_seconds=0.2"]
+
+
+def test_processes_per_host_auto_is_one_per_visible_gpu(tmp_path):
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    auto = DeviceConfig()
+    assert ranks.processes_per_host(auto, {}, gpus) == 3
+    assert ranks.processes_per_host(auto, {"CUDA_VISIBLE_DEVICES": "1,2"}, gpus) == 2
+    assert ranks.processes_per_host(auto, {"CUDA_VISIBLE_DEVICES": ""}, gpus) == 1
+    assert ranks.processes_per_host(auto, {}, tmp_path / "no-driver") == 1
+    assert ranks.processes_per_host(DeviceConfig(backend="cpu"), {}, gpus) == 1
+    assert ranks.processes_per_host(DeviceConfig(backend="xla"), {}, gpus) == 1
+    assert ranks.processes_per_host(DeviceConfig(backend="cpu", processes_per_host=4), {}, gpus) == 4
+    env = ranks.local_env(1, 2, 29500)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert ranks.local_env(0, 1, None) == {}
+
+
+def test_a_gang_refuses_several_processes_per_host_naming_the_key(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "tpud.yaml").write_text("gang: {host_count: 2, host_index: 0, coordinator: '127.0.0.1:1'}\n")
+    out = subprocess.run([PYTHON, "-m", "tpud", "run", str(TINY_JOB), "--home", str(home),
+                          "device.processes_per_host=2"], capture_output=True, text=True, env=python_env(), timeout=60)
+    assert out.returncode == 78
+    assert "device.processes_per_host: 2 processes per host cannot run in a gang yet" in out.stderr
+
+
+def run(home, *overrides):
+    return subprocess.Popen([PYTHON, "-m", "tpud", "run", str(TINY_JOB), "--home", str(home), *ARGS, *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=python_env())
+
+
+def finish(proc, records):
+    records += [json.loads(line) for line in proc.stdout if line.startswith("{")]
+    assert proc.wait(timeout=300) == 0, records[-5:]
+    return records
+
+
+def losses(records):
+    return {r["step"]: r["loss"] for r in records if r["event"] == "step"}
+
+
+@pytest.mark.slow
+def test_two_local_processes_train_like_torchrun_and_one_killed_restarts_both_bit_for_bit(tmp_path):
+    whole = finish(run(tmp_path / "whole"), [])
+    started = [r for r in whole if r["event"] == "worker started"]
+    assert [r["local_rank"] for r in started] == [0, 1]
+
+    cut = run(tmp_path / "cut")
+    records = read_records(cut, lambda r: r["event"] == "checkpoint committed" and r["step"] >= 4, timeout=300)
+    pids = {r["local_rank"]: r["pid"] for r in records if r["event"] == "worker started"}
+    os.kill(pids[1], signal.SIGKILL)
+    records = finish(cut, records)
+    assert exited(pids[0])  # the other process went down with it
+    backoff = next(r for r in records if r["event"] == "job state" and r["state"] == "BACKOFF")
+    assert backoff["reason"].startswith("killed")
+    restored = next(r for r in records if r["event"] == "checkpoint restored")
+    assert restored["step"] >= 4
+    assert losses(records) == losses(whole)
+    final = "checkpoints/tiny-cpu/step_000000008"
+    assert_same_state(checkpoint_state(tmp_path / "cut" / "state" / final, tmp_path),
+                      checkpoint_state(tmp_path / "whole" / "state" / final, tmp_path))
+
+    # The same two ranks under torchrun: the same losses (the log prints 6 significant digits).
+    reference = torchrun(tmp_path / "torchrun", "data.micro_batch_size=2", "train.max_steps=8", "train.log_interval=1")
+    assert [losses(whole)[step] for step in range(1, 9)] == pytest.approx(reference["losses"], abs=5e-6)
+
+
+@pytest.mark.slow
+def test_one_stopped_process_is_the_jobs_hang_and_both_restart(tmp_path):
+    proc = run(tmp_path, "train.max_steps=10")
+    records = read_records(proc, lambda r: r["event"] == "step" and r["step"] >= 3, timeout=300)
+    pids = {r["local_rank"]: r["pid"] for r in records if r["event"] == "worker started"}
+    os.kill(pids[1], signal.SIGSTOP)
+    records = finish(proc, records)
+    hung = next(r for r in records if r["event"] == "worker hung; terminating it")
+    assert hung["bound_s"] <= 10
+    assert exited(pids[0]) and exited(pids[1])
+    assert next(r for r in records if r["event"] == "job state" and r["state"] == "BACKOFF")["reason"].startswith(
+        "hang")
+    assert max(losses(records)) == 10
