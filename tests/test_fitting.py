@@ -121,30 +121,29 @@ LIMIT = "debug.inject={address_space_mib: 1200}"
 @pytest.mark.slow
 def test_a_micro_batch_too_large_for_memory_is_fitted_and_a_restart_starts_there(tmp_path, runtime):
     (tmp_path / "tpud.yaml").write_text("allow_fault_injection: true\n")
-
-    def run(*overrides):
-        proc = subprocess.run([PYTHON, "-m", "tpud", "run", str(TINY_JOB), "--home", str(tmp_path), *FIT, LIMIT,
-                               *overrides], capture_output=True, text=True, env=python_env(), timeout=300)
-        assert proc.returncode == exit_codes.OK, proc.stderr[-3000:]
-        return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-    records = run()
+    # After step 2 (past the refits: 32 fails by its second step) the worker crashes once: its restart must
+    # begin at the size that fitted, no allocation failing.
+    inject = LIMIT.replace("}", ", crash_at_step: [2]}")
+    out = subprocess.run([PYTHON, "-m", "tpud", "run", str(TINY_JOB), "--home", str(tmp_path), *FIT, inject,
+                          "train.max_steps=3", "restart.backoff_initial_seconds=0.1"], capture_output=True, text=True, env=python_env(),
+                         timeout=300)
+    assert out.returncode == exit_codes.OK, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     exits = [r["status"] for r in records if r["event"] == "worker exited"]
-    assert exits == [exit_codes.REFIT, exit_codes.REFIT, exit_codes.OK]  # 64, then 32 failed a real allocation
+    assert exits == [exit_codes.REFIT, exit_codes.REFIT, 1, exit_codes.OK]  # 64, then 32 failed a real allocation
+    assert [r["micro_batch_size"] for r in records if r["event"] == "trainer ready"] == [64, 32, 16, 16]
     record = fitting.read(tmp_path / "state" / "jobs" / "tiny-cpu" / fitting.RECORD)
     assert record.size == 16 and record.configured == 64 and "out of memory at 32 at step " in record.reason
-    losses = [r["loss"] for r in records if r["event"] == "step"]
+    restarts = [r for r in records if r["event"] == "job state" and r["state"] == "BACKOFF"]
+    assert len(restarts) == 1 and restarts[0]["reason"].startswith("exception")  # the refits waited for nothing
 
     reference = StepLosses()
-    spec = tiny(*FIT[:1], *FIT[3:], "data.micro_batch_size=16", "train.grad_accum_steps=4")
+    spec = tiny(*FIT[:1], *FIT[3:], "data.micro_batch_size=16", "train.grad_accum_steps=4", "train.max_steps=3")
     assert Trainer(spec, tmp_path / "reference", reference, runtime=runtime).run() == exit_codes.OK
     # The log prints 6 significant digits; test_a_recorded_size_trains_like_that_geometry_configured
     # compares the full values (1e-6).
-    assert losses == pytest.approx(reference.losses, abs=5e-6)
-
-    again = run("train.max_steps=3")  # a restart begins at the size that fitted: no allocation fails
-    assert [r["status"] for r in again if r["event"] == "worker exited"] == [exit_codes.OK]
-    assert next(r for r in again if r["event"] == "trainer ready")["micro_batch_size"] == 16
+    losses = {r["step"]: r["loss"] for r in records if r["event"] == "step"}
+    assert [losses[1], losses[2], losses[3]] == pytest.approx(reference.losses, abs=5e-6)
 
 
 def test_a_micro_batch_of_one_that_does_not_fit_fails_the_job_naming_the_memory(tmp_path, runtime):
