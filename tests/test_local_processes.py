@@ -34,6 +34,13 @@ def test_processes_per_host_auto_is_one_per_visible_gpu(tmp_path):
     assert ranks.processes_per_host(DeviceConfig(backend="cpu"), {}, gpus) == 1
     assert ranks.processes_per_host(DeviceConfig(backend="xla"), {}, gpus) == 1
     assert ranks.processes_per_host(DeviceConfig(backend="cpu", processes_per_host=4), {}, gpus) == 4
+    assert ranks.too_many(DeviceConfig(backend="cuda", processes_per_host=4), 4, {}, gpus) == (
+        "4 processes but 3 GPUs visible (one a GPU)")
+    assert ranks.too_many(DeviceConfig(processes_per_host=3), 3, {}, gpus) is None
+    assert ranks.too_many(DeviceConfig(processes_per_host=2), 2, {"CUDA_VISIBLE_DEVICES": ""}, gpus) is None  # cpu
+    cores = os.cpu_count()
+    assert ranks.too_many(DeviceConfig(backend="cpu"), cores + 1, {}, gpus) == (
+        f"{cores + 1} processes but this host has {cores} cores (one a core)")
     env = ranks.local_env(1, 2, 29500)
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
         "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

@@ -522,7 +522,8 @@ class DeviceConfig(Section):
         "they shard the model among themselves (FSDP2 over torch.distributed), each with its rank and local rank, "
         "heartbeats and hang judgement; one's death or hang restarts them all. auto: one per visible GPU on cuda "
         "(CUDA_VISIBLE_DEVICES, else the driver's list), one on cpu and xla (one xla process drives every chip). "
-        "More than one on cpu runs gloo (tests). Not yet in a gang (gang: in tpud.yaml).")
+        "More than one on cpu runs gloo (tests). A daemon refuses more than its GPUs (cuda) or cores (cpu), and more "
+        "than one in a gang (gang: in tpud.yaml), which does not carry them yet.")
 
 
 def _interval(value: object) -> object:

@@ -23,13 +23,31 @@ def processes_per_host(device: DeviceConfig, environ: Mapping[str, str] = os.env
         return device.processes_per_host
     if device.backend in ("cpu", "xla"):
         return 1
+    return max(1, visible_gpus(environ, gpus))
+
+
+def visible_gpus(environ: Mapping[str, str] = os.environ, gpus: Path = NVIDIA_GPUS) -> int:
+    """The GPUs a worker's torch will see: CUDA_VISIBLE_DEVICES's ("" or -1: none), else the driver's."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # what the worker's torch will see; "" or -1: none
-        return max(1, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
     try:
-        return max(1, sum(1 for _ in gpus.iterdir()))
+        return sum(1 for _ in gpus.iterdir())
     except OSError:
-        return 1
+        return 0
+
+
+def too_many(device: DeviceConfig, processes: int, environ: Mapping[str, str] = os.environ,
+             gpus: Path = NVIDIA_GPUS) -> str | None:
+    """Why `processes` cannot run on this host: more than its GPUs (cuda), or its cores (cpu: each
+    process needs one); None when they can."""
+    if processes == 1 or device.backend == "xla":  # xla's is refused by the spec itself
+        return None
+    visible = visible_gpus(environ, gpus)
+    if device.backend == "cuda" or (device.backend == "auto" and visible):
+        return None if processes <= visible else f"{processes} processes but {visible} GPUs visible (one a GPU)"
+    cores = os.cpu_count() or 1
+    return None if processes <= cores else f"{processes} processes but this host has {cores} cores (one a core)"
 
 
 def local_env(local_rank: int, processes: int, port: int | None) -> dict[str, str]:
