@@ -4,8 +4,10 @@ one killed or hung restarts them all, and the run resumes bit for bit."""
 
 import json
 import os
+import random
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -104,3 +106,36 @@ def test_two_local_processes_train_like_torchrun_and_one_killed_or_hung_restarts
     # The same two ranks under torchrun: the same losses (the log prints 6 significant digits).
     reference = torchrun(tmp_path / "torchrun", "data.micro_batch_size=2", "train.max_steps=8", "train.log_interval=1")
     assert [losses(whole)[step] for step in range(1, 9)] == pytest.approx(reference["losses"], abs=5e-6)
+
+
+@pytest.mark.slow
+def test_a_stop_mid_step_takes_a_partial_step_checkpoint_of_both_that_resumes_bit_for_bit(tmp_path):
+    """SIGTERM with a deadline shorter than a step: both processes agree on the next micro-batch
+    boundary, each saves its shards of the weights and of the gradients accumulated so far."""
+    longer = ("train.grad_accum_steps=6", "train.max_steps=7")
+    whole = finish(run(tmp_path / "whole", *longer), [])
+    home = tmp_path / "cut"
+    home.mkdir()
+    (home / "tpud.yaml").write_text("preemption_deadline_seconds: 0.05\n")
+    rng = random.Random(5)
+    # First at the boundary of step 2, whose interval save is in flight: every rank must agree that it
+    # committed (each looks once its own writer is done, and rank 0 writes the manifest last) or one
+    # saves alone and hangs. A stop on a boundary rightly takes a whole step: then mid-step.
+    for attempt in range(5):
+        proc = run(home, *longer)
+        step = read_records(proc, lambda r: r["event"] == "step" and r["step"] >= 2 + attempt, timeout=300)[-1]
+        time.sleep(0 if attempt == 0 else rng.uniform(0.2, 0.7) * step["step_time_s"])
+        proc.send_signal(signal.SIGTERM)
+        records = [json.loads(line) for line in proc.stdout if line.startswith("{")]
+        assert proc.wait(timeout=120) == 75
+        saved = [r for r in records if r["event"] == "checkpoint committed" and r.get("tier") == "local"][-1]
+        if saved["micro_step"]:
+            break
+    else:
+        pytest.fail("every stop landed on a step boundary")
+    resumed = finish(run(home, *longer), [])
+    restored = next(r for r in resumed if r["event"] == "checkpoint restored")
+    assert (restored["step"], restored["micro_step"]) == (saved["step"], saved["micro_step"])
+    final = "checkpoints/tiny-cpu/step_000000007"
+    assert_same_state(checkpoint_state(home / "state" / final, tmp_path),
+                      checkpoint_state(tmp_path / "whole" / "state" / final, tmp_path))

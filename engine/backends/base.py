@@ -179,13 +179,20 @@ class Backend:
 
     def smallest(self, value: int) -> int:
         """The smallest `value` of all ranks (one tiny all-reduce on the agreement group)."""
+        return self._reduced(value, "MIN")
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        return bool(self._reduced(int(flag), "MAX"))
+
+    def _reduced(self, value: int, op: str) -> int:
         if self.agreement_group is None:
             return value
         import torch.distributed as dist
 
-        least = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.agreement_group)
-        return int(least)
+        reduced = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op), group=self.agreement_group)
+        return int(reduced)
 
     def rng_state(self) -> dict:
         state = {"torch": torch.get_rng_state()}

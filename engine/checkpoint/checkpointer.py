@@ -178,10 +178,16 @@ class Checkpointer:
         self.wait()
         existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
         manifest = mf.read_manifest(existing)
-        if manifest is not None and mf.is_global(existing, manifest):  # e.g. the step this run resumed from
+        committed = manifest is not None and mf.is_global(existing, manifest)
+        if self.hosts is None and self.world > 1:
+            # The ranks' writers are done, but rank 0 writes the manifest last: a rank that looked
+            # before it was there would save alone, waiting in collectives no other rank enters.
+            committed = self.backend.any_rank(committed)
+            manifest = manifest or mf.read_manifest(existing)
+        if committed:  # e.g. the step this run resumed from
             self.writer.failures = 0
             self.emit(events.CheckpointCommitted(progress.step, progress.micro_step, reason, str(existing),
-                                                 bytes=manifest.total_bytes, seconds=0.0))
+                                                 bytes=manifest.total_bytes if manifest else 0, seconds=0.0))
             return True
         started = time.monotonic()
         blocking = wait or not self.cfg.async_
