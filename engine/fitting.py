@@ -78,7 +78,7 @@ class MicroBatchFit:
         """configured: data.micro_batch_size; enabled: auto, or train.fit_micro_batch."""
         self.path, self.configured = Path(job_dir) / RECORD, configured
         self.enabled = enabled or configured == "auto"
-        record = read(self.path)
+        record = read(self.path) if self.enabled else None  # fitting off: the job file's size, as written
         # The record belongs to the job file that made it: a changed micro_batch_size starts over.
         self.record = record if record is not None and record.configured == configured else None
 

@@ -249,7 +249,8 @@ class Trainer:
             # A checkpoint made on another host carries skips that this host's state file lacks, in
             # micro-batches of the geometry it was saved with.
             per = self.ledger.per_micro_batch
-            skips = regeometry(restored.data_skips, saved.get("micro_batch_size", 0) * saved.get("world", 0) or per, per)
+            saved_per = saved.get("micro_batch_size", 0) * saved.get("world", 0) or per
+            skips = regeometry(restored.data_skips, saved_per, per)
             self.ledger.adopt(skips)
             self.loader.skips = merge_skips(self.loader.skips, skips)
         self.checkpointer.data_skips = self.loader.skips

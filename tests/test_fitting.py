@@ -66,6 +66,7 @@ def test_sizes_halve_to_divisors_and_one_sequence_fails_naming_the_memory(tmp_pa
     fit.refit(error, 0, 64, 64, memory)
     assert fit.cap == 32 and fitting.MicroBatchFit(tmp_path, 64, enabled=True).cap == 32  # recorded
     assert fitting.MicroBatchFit(tmp_path, 48, enabled=True).cap is None  # another job file starts over
+    assert fitting.MicroBatchFit(tmp_path, 64, enabled=False).cap is None  # fitting off: the size as written
     fit.refit(error, 0, 12, 24, memory)
     assert fit.cap == 6  # the largest divisor of the batch not above half
     with pytest.raises(ValueError) as failed:

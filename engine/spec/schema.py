@@ -268,7 +268,8 @@ class TrainConfig(Section):
         True, description="On an out-of-memory error in a worker's first steps, halve data.micro_batch_size and "
         "double the micro-batches per step (the batch and the maths unchanged up to summation order), record the "
         "size in the job's state (micro_batch.json: later starts begin there) and restart at once; at 1 sequence "
-        "the job fails, naming the memory needed and available. false: such an error is a crash like any other.")
+        "the job fails, naming the memory needed and available. false: such an error is a crash like any other, and "
+        "the job file's size runs as written.")
     global_batch_size: PositiveInt | None = Field(
         None, description="Sequences per optimizer step across all hosts, kept when the job resumes on another "
         "number of hosts: each host's micro-batch is the largest divisor of global_batch_size / hosts not above "
