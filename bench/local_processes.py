@@ -5,10 +5,12 @@ turns: under `tpud run` (the daemon starts both, relays their output, watches ea
 heartbeats over its channel) and under torchrun (`python -m torch.distributed.run
 --nproc-per-node=2 -m engine.train`, no supervisor). Each arm's step time is the worker's own
 (`step_time_s` of the step lines, both ranks), after a warm-up; the arms alternate for
---rounds rounds so drift lands on both. Reported: each arm's median step time, and supervised /
-torchrun (target <= 1.02).
+--rounds rounds so drift lands on both. Both run without the memory tier (torchrun's workers have
+no daemon to keep it); a third arm runs supervised with it (each process keeping its own shards at
+the tier's auto interval), reported beside. Reported: each arm's median step time, and supervised
+/ torchrun (target <= 1.02), and the memory arm / torchrun.
 
-    .venv/bin/python bench/local_processes.py        # ~2.5 min on 2 idle cores
+    .venv/bin/python bench/local_processes.py        # ~4 min on 2 idle cores
 
 Results: a table on stdout and bench/results/local_processes.json.
 """
@@ -32,12 +34,13 @@ sys.path.insert(0, str(REPO))
 from testkit import TINY_JOB, python_env  # noqa: E402
 
 TARGET = 1.02
+NO_MEMORY = ("checkpoint.memory=null",)  # torchrun's workers have no daemon to keep a memory tier
 
 
-def job_args(steps: int) -> list[str]:
+def job_args(steps: int, memory: tuple[str, ...] = NO_MEMORY) -> list[str]:
     return ["data.corpus_bytes=400000", "data.micro_batch_size=8", "data.seq_len=256", f"train.max_steps={steps}",
             "train.log_interval=5", "scheduler.warmup_steps=1", "checkpoint.interval_steps=0", "device.backend=cpu",
-            "device.processes_per_host=2"]
+            "device.processes_per_host=2", *memory]
 
 
 def step_times(stdout: str, warmup: int) -> list[float]:
@@ -52,10 +55,11 @@ def step_times(stdout: str, warmup: int) -> list[float]:
     return [r["step_time_s"] for r in records if r.get("event") == "step" and r["step"] > warmup]
 
 
-def supervised(steps: int, warmup: int) -> tuple[list[float], float]:
+def supervised(steps: int, warmup: int, memory: tuple[str, ...] = NO_MEMORY) -> tuple[list[float], float]:
     with tempfile.TemporaryDirectory() as home:
         started = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "tpud", "run", str(TINY_JOB), "--home", home, *job_args(steps)],
+        out = subprocess.run([sys.executable, "-m", "tpud", "run", str(TINY_JOB), "--home", home,
+                              *job_args(steps, memory)],
                              capture_output=True, text=True, env=python_env(), timeout=1800, check=True)
         return step_times(out.stdout, warmup), time.monotonic() - started
 
@@ -78,26 +82,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "local_processes.json")
     args = parser.parse_args()
-    arms: dict[str, dict[str, list[float]]] = {"torchrun": {"steps": [], "wall": []},
-                                               "supervised": {"steps": [], "wall": []}}
+    runs = {"torchrun": torchrun, "supervised": supervised,
+            "supervised+memory": lambda steps, warmup: supervised(steps, warmup, memory=())}
+    arms: dict[str, dict[str, list[float]]] = {name: {"steps": [], "wall": []} for name in runs}
     for _ in range(args.rounds):
-        for name, run in (("torchrun", torchrun), ("supervised", supervised)):
+        for name, run in runs.items():
             times, wall = run(args.steps, args.warmup)
             arms[name]["steps"] += times
             arms[name]["wall"].append(round(wall, 2))
     medians = {name: statistics.median(arm["steps"]) for name, arm in arms.items()}
     ratio = medians["supervised"] / medians["torchrun"]
+    memory_ratio = medians["supervised+memory"] / medians["torchrun"]
     import torch
 
     result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-              "median_step_s": medians, "ratio": ratio, "target": TARGET, "met": ratio <= TARGET, "arms": arms}
+              "median_step_s": medians, "ratio": ratio, "target": TARGET, "met": ratio <= TARGET,
+              "memory_ratio": memory_ratio, "arms": arms}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"{'arm':<12} {'median step (s)':>16} {'steps timed':>12} {'wall per run (s)':>18}")
+    print(f"{'arm':<18} {'median step (s)':>16} {'steps timed':>12} {'wall per run (s)':>22}")
     for name, arm in arms.items():
-        print(f"{name:<12} {medians[name]:>16.4f} {len(arm['steps']):>12} {str(arm['wall']):>18}")
+        print(f"{name:<18} {medians[name]:>16.4f} {len(arm['steps']):>12} {str(arm['wall']):>22}")
     print(f"supervised / torchrun: {ratio:.4f} (target <= {TARGET}){'' if ratio <= TARGET else '  MISSED'}")
+    print(f"supervised with the memory tier / torchrun: {memory_ratio:.4f}")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class Checkpointer:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             retention.remove_unfinished(self.job_dir)
-        self.memory = memory_tier(cfg, backend, self.world, memory_dir, job, self._describe, self.emit)
+        self.memory = memory_tier(cfg, backend, self.world, self.rank, memory_dir, job, self._describe, self.emit)
         self.promotion = None if self.memory is None else Promotion(self.memory, self.writer, self.last_committed_step)
         self.state = TrainingState(backend, model, optimizer, loader_state, every_step=self.memory is not None)
         self.restorer = Restorer(self.job_dir, self.state, backend, self.group, self.rank, hosts, self.hosts_group,
@@ -156,7 +156,12 @@ class Checkpointer:
 
     def memory_due(self, step: int) -> bool:
         """Whether the memory tier saves at this step (engine.checkpoint.schedule)."""
-        return self.memory is not None and self.schedule.memory_due(step)
+        if self.memory is None:
+            return False
+        due = self.schedule.memory_due(step)
+        # Several processes sharing one checkpoint save their shards together (each judges the auto
+        # interval by its own clock), so that they hold the same steps to restore.
+        return self.backend.any_rank(due) if self.world > 1 else due
 
     def save_memory(self, progress: Progress) -> None:
         """A memory checkpoint of this boundary, unless the tier is still writing the previous one."""
@@ -168,7 +173,7 @@ class Checkpointer:
         """Write the newest memory state to disk now, from any thread (a request between
         boundaries): the step being written, or None. Not when a disk write is in flight, or the
         disk tier already has that step."""
-        if self.promotion is None or self.hosts is not None:  # several hosts commit together, at boundaries
+        if self.promotion is None or self.hosts is not None or self.world > 1:  # several commit together, at boundaries
             return None
         return self.promotion.promote(self.data_skips)
 

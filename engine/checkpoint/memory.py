@@ -38,6 +38,7 @@ from pathlib import Path
 
 import structlog
 import torch
+from torch.distributed.tensor import DTensor
 
 from engine.checkpoint import manifest as mf
 from engine.checkpoint.errors import describe_error
@@ -85,6 +86,25 @@ def unflatten(leaves: list, structure: object) -> object:
     return build(structure)
 
 
+def _local(leaf: object) -> object:
+    """What this process holds of a leaf: a DTensor's local shard (the bytes a slot keeps)."""
+    return leaf.to_local() if isinstance(leaf, DTensor) else leaf
+
+
+def _spec(leaf: object) -> tuple | None:
+    """How a DTensor lies over its mesh, to make its local shard one again; None for anything else."""
+    if not isinstance(leaf, DTensor):
+        return None
+    return leaf.device_mesh, leaf.placements, leaf.shape, leaf.stride()
+
+
+def _sharded_like(view: torch.Tensor, spec: tuple | None) -> torch.Tensor:
+    if spec is None:
+        return view
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -106,8 +126,8 @@ class Held:
     @property
     def state(self) -> dict:
         slot = self.slot
-        return unflatten([value if view is None else view for view, value in zip(slot.views, slot.values)],
-                         slot.structure)
+        return unflatten([value if view is None else _sharded_like(view, spec)
+                          for view, value, spec in zip(slot.views, slot.values, slot.specs)], slot.structure)
 
 
 @dataclass
@@ -128,6 +148,9 @@ class _Slot:
     views: list = field(default_factory=list)  # a tensor over the mapping per tensor leaf, None per other value
     tree_head: str = ""  # tree.json but for the values
     values: list = field(default_factory=list)  # the other values of the state it holds
+    # Per tensor leaf, how a sharded one (a DTensor: one of a host's processes) lies over its mesh,
+    # so a disk write from the slot is the sharded state again; None for a plain one.
+    specs: list = field(default_factory=list)
 
     def release(self) -> None:
         self.buffer, self.structure, self.views = None, None, []
@@ -184,6 +207,8 @@ class MemoryTier:
             slot = free[0]
             slot.readers += 2  # the caller's hold, and the commit's
         leaves, structure = flatten(state)
+        slot.specs = [_spec(leaf) for leaf in leaves]
+        leaves = [_local(leaf) for leaf in leaves]  # what this process holds of each
         try:
             self._withdraw(slot)
             self._place(slot, leaves, structure)
@@ -381,12 +406,12 @@ def load(path: Path, template: dict) -> dict:
         if entry is None:
             leaves.append(value)
             continue
-        dtype, shape = _dtype(entry["dtype"]), tuple(entry["shape"])
-        if not isinstance(target, torch.Tensor) or target.dtype != dtype or tuple(target.shape) != shape:
+        dtype, shape, local = _dtype(entry["dtype"]), tuple(entry["shape"]), _local(target)
+        if not isinstance(target, torch.Tensor) or local.dtype != dtype or tuple(local.shape) != shape:
             raise ValueError(f"a tensor of {list(shape)} {dtype} does not fit its place in this model")
-        nbytes = target.numel() * target.element_size()
+        nbytes = local.numel() * local.element_size()
         if not 0 <= entry["offset"] <= size - nbytes:
             raise ValueError("a tensor lies beyond the end of state.bin")
-        target.copy_(_view(buffer, entry["offset"], nbytes, dtype, shape))
+        local.copy_(_view(buffer, entry["offset"], nbytes, dtype, shape))
         leaves.append(target)
     return unflatten(leaves, structure)

@@ -24,16 +24,16 @@ from engine.spec.schema import CheckpointConfig
 log = structlog.get_logger()
 
 
-def memory_tier(cfg: CheckpointConfig, backend: Backend, world: int, memory_dir: Path | None, job: str,
+def memory_tier(cfg: CheckpointConfig, backend: Backend, world: int, rank: int, memory_dir: Path | None, job: str,
                 describe: mem.Describe, emit: Callable[[events.Event], None]) -> mem.MemoryTier | None:
-    """This job's memory tier, when the job has one and this process can keep it."""
+    """This job's memory tier, when the job has one and this process can keep it. The processes of
+    one host (world > 1) each keep their own shards, in a directory of their own."""
     if memory_dir is None or cfg.memory is None or not cfg.memory.interval_steps:
         return None
-    if not backend.memory_tier or world > 1:
-        log.info("no memory tier here", why="torch_xla's sharded state" if not backend.memory_tier
-                 else "several processes on one host")
+    if not backend.memory_tier:
+        log.info("no memory tier here", why="torch_xla's sharded state")
         return None
-    job_dir = Path(memory_dir) / job
+    job_dir = Path(memory_dir) / job / (f"rank-{rank}" if world > 1 else "")
 
     def committed(key: mem.Key, path: Path, manifest: mf.Manifest, started: float) -> None:
         emit(events.CheckpointCommitted(key[0], key[1], "interval", str(path), bytes=manifest.total_bytes,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from engine.backends.base import Backend
@@ -102,9 +103,19 @@ class Restorer:
             return []
         newest = max(((step, m.micro_step) for step, _, m in on_disk), default=(-1, -1))
         held = [(step, path, m) for step, path, m in mf.parts(self.memory.job_dir) if (step, m.micro_step) >= newest]
-        if self.hosts is not None:
+        if self.hosts is None and self.group is not None:
+            self._memory_agreed = self._held_by_every_process(held)
+        if self.hosts is not None or self.group is not None:
             held = [item for item in held if (item[0], item[2].micro_step) in self._memory_agreed]
         return held
+
+    def _held_by_every_process(self, held: list[Candidate]) -> frozenset:
+        """The processes of one host each keep their own shards: the states every one of them holds,
+        verified, so that all restore the same step (or all go to the disk's)."""
+        mine = frozenset((step, m.micro_step) for step, path, m in held if not mf.problems(path, m, checksums=True))
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return frozenset.intersection(*everyone)
 
     def _restore_memory(self, path: Path, manifest: mf.Manifest) -> Restored | None:
         """Load a memory state once every byte matches its manifest; None (and the state discarded) otherwise."""
