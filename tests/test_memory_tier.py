@@ -216,7 +216,7 @@ def test_tpud_checkpoints_lists_the_memory_tier(tmp_path):
 
 
 def test_flatten_keeps_the_structure_and_leaf_order():
-    from engine.checkpoint.memory import flatten, unflatten
+    from engine.checkpoint.leaves import flatten, unflatten
 
     state = {"model": {"w": torch.ones(2), 3: [1, (2.5, None)]}, "empty": {}, "l": [], "t": (), "s": "x"}
     leaves, structure = flatten(state)

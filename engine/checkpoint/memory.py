@@ -38,9 +38,9 @@ from pathlib import Path
 
 import structlog
 import torch
-from torch.distributed.tensor import DTensor
 
 from engine.checkpoint import manifest as mf
+from engine.checkpoint.leaves import dtype_named, flatten, local, sharded_like, spec, unflatten, view_of
 from engine.checkpoint.errors import describe_error
 from engine.side_threads import side_thread
 
@@ -54,68 +54,6 @@ Describe = Callable[[Path, int, int, str, tuple[mf.FileEntry, ...]], mf.Manifest
 Committed = Callable[[Key, Path, mf.Manifest, float], None]
 
 
-def flatten(tree: object) -> tuple[list, object]:
-    """A state's leaves in order, and its structure as JSON-able nesting: {"d": [keys, children]}
-    for a dict, {"l": [...]} or {"t": [...]} for a list or tuple, None for a leaf. A tenth of
-    torch's pytree's time, which matters when it runs every step."""
-    leaves: list = []
-
-    def walk(node: object) -> object:
-        if isinstance(node, dict):
-            return {"d": [list(node), [walk(v) for v in node.values()]]}
-        if isinstance(node, (list, tuple)):
-            return {"l" if isinstance(node, list) else "t": [walk(v) for v in node]}
-        leaves.append(node)
-        return None
-
-    return leaves, walk(tree)
-
-
-def unflatten(leaves: list, structure: object) -> object:
-    it = iter(leaves)
-
-    def build(node: object) -> object:
-        if node is None:
-            return next(it)
-        if "d" in node:
-            keys, children = node["d"]
-            return {key: build(child) for key, child in zip(keys, children)}
-        children = [build(child) for child in node.get("l", node.get("t", []))]
-        return children if "l" in node else tuple(children)
-
-    return build(structure)
-
-
-def _local(leaf: object) -> object:
-    """What this process holds of a leaf: a DTensor's local shard (the bytes a slot keeps)."""
-    return leaf.to_local() if isinstance(leaf, DTensor) else leaf
-
-
-def _spec(leaf: object) -> tuple | None:
-    """How a DTensor lies over its mesh, to make its local shard one again; None for anything else."""
-    if not isinstance(leaf, DTensor):
-        return None
-    return leaf.device_mesh, leaf.placements, leaf.shape, leaf.stride()
-
-
-def _sharded_like(view: torch.Tensor, spec: tuple | None) -> torch.Tensor:
-    if spec is None:
-        return view
-    mesh, placements, shape, stride = spec
-    return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def _view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    return buffer[offset:offset + nbytes].view(dtype).view(shape)
-
-
 @dataclass(frozen=True)
 class Held:
     """A slot's state as tensors over its mapping, readable until `release()`."""
@@ -126,8 +64,8 @@ class Held:
     @property
     def state(self) -> dict:
         slot = self.slot
-        return unflatten([value if view is None else _sharded_like(view, spec)
-                          for view, value, spec in zip(slot.views, slot.values, slot.specs)], slot.structure)
+        return unflatten([value if view is None else sharded_like(view, layout)
+                          for view, value, layout in zip(slot.views, slot.values, slot.specs)], slot.structure)
 
 
 @dataclass
@@ -207,8 +145,8 @@ class MemoryTier:
             slot = free[0]
             slot.readers += 2  # the caller's hold, and the commit's
         leaves, structure = flatten(state)
-        slot.specs = [_spec(leaf) for leaf in leaves]
-        leaves = [_local(leaf) for leaf in leaves]  # what this process holds of each
+        slot.specs = [spec(leaf) for leaf in leaves]
+        leaves = [local(leaf) for leaf in leaves]  # what this process holds of each
         try:
             self._withdraw(slot)
             self._place(slot, leaves, structure)
@@ -270,7 +208,7 @@ class MemoryTier:
             slot.release()
             self._map(slot, max(offset, 1))
         slot.structure, slot.shapes, slot.places = structure, shapes, places
-        slot.views = [None if place is None else _view(slot.buffer, place[0], place[1], shape[1], tuple(shape[0]))
+        slot.views = [None if place is None else view_of(slot.buffer, place[0], place[1], shape[1], tuple(shape[0]))
                       for place, shape in zip(places, shapes)]
         slot.tree_head = json.dumps({"structure": structure, "tensors": [
             None if place is None else {"offset": place[0], "nbytes": place[1], "dtype": str(shape[1]),
@@ -406,12 +344,12 @@ def load(path: Path, template: dict) -> dict:
         if entry is None:
             leaves.append(value)
             continue
-        dtype, shape, local = _dtype(entry["dtype"]), tuple(entry["shape"]), _local(target)
-        if not isinstance(target, torch.Tensor) or local.dtype != dtype or tuple(local.shape) != shape:
+        dtype, shape, mine = dtype_named(entry["dtype"]), tuple(entry["shape"]), local(target)
+        if not isinstance(target, torch.Tensor) or mine.dtype != dtype or tuple(mine.shape) != shape:
             raise ValueError(f"a tensor of {list(shape)} {dtype} does not fit its place in this model")
-        nbytes = local.numel() * local.element_size()
+        nbytes = mine.numel() * mine.element_size()
         if not 0 <= entry["offset"] <= size - nbytes:
             raise ValueError("a tensor lies beyond the end of state.bin")
-        local.copy_(_view(buffer, entry["offset"], nbytes, dtype, shape))
+        mine.copy_(view_of(buffer, entry["offset"], nbytes, dtype, shape))
         leaves.append(target)
     return unflatten(leaves, structure)
