@@ -17,7 +17,8 @@ from engine.spec.loader import SpecError
 from engine.spec.schema import TrainConfig
 from engine.runtime import Runtime
 from engine.train import Trainer
-from testkit.recorders import StepLosses
+from engine.requests import Action, Request
+from testkit.recorders import Recorder, StepLosses
 from tests.conftest import PYTHON, TINY_JOB, python_env, tiny
 from tpud.job.report import WorkerReport
 from tpud.view.status import lines
@@ -168,3 +169,20 @@ def test_skips_recorded_before_a_smaller_micro_batch_skip_the_same_samples(tmp_p
     assert regeometry([(3, 2)], 64, 16) == ((12, 8),)
     assert regeometry([(3, 2)], 64, 48) == ((4, 3),)  # micro-batches 4..6 hold samples 192..319
     assert regeometry([(3, 2)], 16, 16) == ((3, 2),)
+
+
+def test_a_partial_step_saved_at_another_micro_batch_is_trained_again_from_its_start(tmp_path, runtime):
+    """Its gradients were summed over micro-batches of 8 and scaled for 2 of them: a worker that now runs
+    4 x 4 cannot add to them, so it trains the step again on the same weights, and the run goes on as
+    one never cut (up to summation order)."""
+    spec = tiny("train.max_steps=4", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
+                "checkpoint.interval_steps=0", "data.micro_batch_size=8", "train.grad_accum_steps=2")
+    reference = StepLosses()
+    assert Trainer(spec, tmp_path / "whole", reference, runtime=Runtime(memory_dir=tmp_path / "m0")).run() == 0
+    stop = Recorder({(2, 1): Request(Action.CHECKPOINT_AND_EXIT, deadline_s=0)})
+    assert Trainer(spec, tmp_path / "cut", stop, runtime=runtime).run() == exit_codes.STOPPED
+    fitting.write(tmp_path / "cut" / "jobs" / spec.name / fitting.RECORD, fitting.Fitted(4, 8, "out of memory"))
+    resumed = Trainer(spec, tmp_path / "cut", losses := StepLosses(), runtime=runtime)
+    assert (resumed.loader.micro_batch_size, resumed.progress.step, resumed.progress.micro_step) == (4, 2, 0)
+    assert resumed.run() == 0
+    assert losses.losses == pytest.approx(reference.losses[2:], abs=1e-5)

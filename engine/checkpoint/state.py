@@ -126,11 +126,26 @@ class TrainingState:
             log.warning("data geometry changed since the checkpoint; batches will differ from the saved run",
                         saved=template["loader"], now=self.loader_state)
         progress = Progress(**template["progress"])
+        saved = template["loader"]
+        if manifest.micro_step and _geometry(saved) != _geometry(self.loader_state):
+            # Its gradients were summed over micro-batches of another size and scaled by another count
+            # (a micro-batch fitted smaller, another number of processes): the step is trained again
+            # from its start, on the same weights (a partial step's update has not happened yet).
+            unseen = progress.micro_step * saved["micro_batch_size"] * saved["world"] * (saved["window"] - 1)
+            log.warning("a partial step saved with another micro-batch geometry: its accumulated gradients are "
+                        "dropped and the step trained again from its start", step=progress.step,
+                        micro_step=progress.micro_step, saved=_geometry(saved), now=_geometry(self.loader_state))
+            return Progress(progress.step, 0, progress.tokens_seen - unseen)
         if manifest.micro_step:
             for name, param in self.model.named_parameters():
                 param.grad = template["partial"]["grads"][name]
             progress.loss_sum = template["partial"]["loss_sum"]
         return progress
+
+
+def _geometry(loader: dict) -> tuple:
+    """What a partial step's accumulated values depend on: the micro-batch, the ranks, the schedule."""
+    return loader.get("micro_batch_size"), loader.get("world"), loader.get("accum")
 
 
 def _same(a: object, b: object) -> bool:

@@ -125,9 +125,9 @@ class CurrentWorker:
             self.signal(signal.SIGKILL)
             self.kill_at = None
         if self.processes and self.hang is None and self.kill_at is None:
-            self.hang = next((why for watch in self.watches if (why := watch.verdict(now)) is not None), None)
-            if self.hang is not None:
-                hung = next(w for w in self.watches if w.verdict(now) is not None)
+            hung, self.hang = next(((w, why) for w in self.watches if (why := w.verdict(now)) is not None),
+                                   (None, None))
+            if hung is not None:
                 log.error("worker hung; terminating it", job=self.job, silent_s=round(now - hung.last_heard, 3),
                           bound_s=round(hung.bound(), 3), step=hung.step, local_rank=self.watches.index(hung))
                 # Stopped by a signal, SIGTERM would wait for a SIGCONT. In a gang, or beside processes
