@@ -17,10 +17,10 @@ COMMON = ["train.max_steps=4", "train.log_interval=2", "scheduler.warmup_steps=1
           "data.corpus_bytes=400000", "device.backend=cpu"]
 
 
-def torchrun(state_dir, *overrides, timeout=300, **env) -> dict:
-    """Two ranks train under tests/ddp_probe.py; rank 0's result."""
+def torchrun(state_dir, *overrides, timeout=300, nproc=2, **env) -> dict:
+    """`nproc` ranks train under tests/ddp_probe.py; rank 0's result."""
     out = subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          str(REPO / "tests" / "ddp_probe.py"), str(TINY_JOB), str(state_dir), *COMMON, *overrides],
         env=python_env(OMP_NUM_THREADS="1", **env), capture_output=True, text=True, timeout=timeout,
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.backends.base import Backend, DataPosition
 from engine.errors import WorkerExit
 from engine.health.faults import flip_bit
 from engine.health.replicas import (NEVER, Mismatch, ReplicaCheck, departure, fingerprint, first_to_depart,
@@ -64,6 +65,10 @@ def test_a_gradient_flip_changes_that_ranks_gradient_once_before_its_update(tmp_
 def test_the_odd_replicas_are_those_outside_a_majority():
     assert odd_ones([7, 7, 7]) == [] and odd_ones([7, 9, 7]) == [1] and odd_ones([3, 7, 7, 7, 5]) == [0, 4]
     assert odd_ones([7, 9]) == [] and odd_ones([1, 1, 2, 2]) == []  # no majority: none can be named
+    # HSDP, three hosts of two processes: ranks 0, 2, 4 hold one shard, 1, 3, 5 the other.
+    by_shard = lambda rank: rank % 2  # noqa: E731
+    assert odd_ones([7, 5, 7, 5, 7, 5], by_shard) == [] and odd_ones([7, 5, 7, 6, 7, 5], by_shard) == [3]
+    assert odd_ones([7, 5, 8, 6, 7, 5], by_shard) == [2, 3] and odd_ones([7, 5, 8, 5, 9, 5], by_shard) == []
 
 
 def test_a_replay_names_the_replica_whose_own_values_departed_first():
@@ -80,15 +85,19 @@ def test_a_replay_names_the_replica_whose_own_values_departed_first():
     assert where([NEVER, 6 * 4 + 3, output]) == [None, "step 6 fingerprint", "step 6 output"]
 
 
-def test_a_step_begun_before_a_partial_step_restore_has_no_output_print_to_compare():
-    from types import SimpleNamespace
+def process(rank: int = 0, per_host: int = 1) -> Backend:
+    """A backend as the replica check sees it: this process's rank, and its host's processes."""
+    backend = Backend()
+    backend.data, backend.processes_per_host = DataPosition(rank, 1), per_host
+    return backend
 
+
+def test_a_step_begun_before_a_partial_step_restore_has_no_output_print_to_compare():
     from engine.checkpoint.state import Progress
     from engine.spec.schema import ReplicaConfig
 
     model, optimizer = model_and_optimizer()
-    check = ReplicaCheck(ReplicaConfig(), SimpleNamespace(data=SimpleNamespace(world=1, rank=0)), model, optimizer,
-                         Path("unused"))
+    check = ReplicaCheck(ReplicaConfig(), process(), model, optimizer, Path("unused"))
     output = torch.randn(4, 8)
     check.restored(Progress(step=3, micro_step=1))  # step 4's first micro-batch ran before this state
     check._print_output(None, (), output)
@@ -101,19 +110,30 @@ def test_a_step_begun_before_a_partial_step_restore_has_no_output_print_to_compa
 
 
 def test_a_mismatch_that_cannot_be_recorded_still_quarantines_and_restarts(tmp_path):
-    from types import SimpleNamespace
-
     from engine.spec.schema import ReplicaConfig
 
     (tmp_path / "job").write_text("a file where the job's directory should be")  # replicas.json cannot be written
     emitted = []
     for rank, code in ((0, 79), (1, 77)):
-        check = ReplicaCheck(ReplicaConfig(), SimpleNamespace(data=SimpleNamespace(world=1, rank=rank)),
-                             *model_and_optimizer(), tmp_path / "job")
+        check = ReplicaCheck(ReplicaConfig(), process(rank), *model_and_optimizer(), tmp_path / "job")
         with pytest.raises(WorkerExit) as exited:
             check.settle(Mismatch(6, [1, 2], [0], "replay"), emitted.append)
         assert exited.value.code == code
     assert [e.odd for e in emitted] == [[0], [0]]
+
+
+def test_every_process_of_a_host_with_an_odd_shard_is_quarantined_and_the_other_hosts_restart(tmp_path):
+    """Two hosts of two processes: rank 3's shard differs, so host 1 (ranks 2 and 3) leaves the gang."""
+    from engine.spec.schema import ReplicaConfig
+
+    codes = []
+    for rank in range(4):
+        check = ReplicaCheck(ReplicaConfig(), process(rank, per_host=2), *model_and_optimizer(), tmp_path)
+        with pytest.raises(WorkerExit) as exited:
+            check.settle(Mismatch(6, [7, 5, 7, 6], [3], "majority", replicas=2), lambda event: None)
+        codes.append(exited.value.code)
+    assert codes == [77, 77, 79, 79]
+    assert "(2 replicas: ranks [3] differ" in Mismatch(6, [7, 5, 7, 6], [3], "majority", replicas=2).describe()
 
 
 def test_status_says_how_the_odd_replica_was_found_and_a_healed_mismatch_goes_back_nowhere():
@@ -159,6 +179,23 @@ def test_of_two_replicas_the_one_a_bit_flipped_in_is_named_by_replaying_the_step
         (mismatch,) = report["mismatches"]
         assert (mismatch["step"], mismatch["agreed_step"], mismatch["odd"]) == (6, 4, [named])
         assert (mismatch["found_by"], mismatch["healed"]) == ("replay", False)
+    assert committed(tmp_path / "checkpoints" / "tiny-cpu") == [(4, 0)]
+
+
+@pytest.mark.slow
+def test_of_two_sharded_replicas_the_one_a_bit_flipped_in_is_named_with_both_its_processes(tmp_path):
+    """HSDP, as a gang of two hosts of two processes lays it out: ranks 0 and 1 shard one replica, 2
+    and 3 the other. A bit flipped in rank 1's shard reaches rank 0 through the replica's all-gather,
+    so both depart first on replay and both are named."""
+    ranks = data_parallel(tmp_path, 4, "debug.inject.bit_flips=[{step: 5, rank: 1}]", "device.mesh.data=2",
+                          "device.mesh.fsdp=2", steps=8)
+    assert [r["exit"] for r in ranks] == [79, 79, 77, 77]
+    for report in ranks:
+        (mismatch,) = report["mismatches"]
+        assert (mismatch["step"], mismatch["agreed_step"], mismatch["odd"]) == (6, 4, [0, 1])
+        assert mismatch["found_by"] == "replay" and "(2 replicas: ranks [0, 1] departed first" in mismatch["reason"]
+        # Four fingerprints, two shards: each replica's shards hold the other's values but for the flip.
+        assert len(mismatch["fingerprints"]) == 4
     assert committed(tmp_path / "checkpoints" / "tiny-cpu") == [(4, 0)]
 
 

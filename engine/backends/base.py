@@ -160,6 +160,23 @@ class Backend:
     checkpoint_group = None  # process group for checkpoint collectives; None in one process
     # Its own group: an async save's collectives run on the writer thread meanwhile.
     agreement_group = None
+    # In a gang (engine.checkpoint.hosts), the groups a host's part of a checkpoint is written and
+    # committed over: its own processes (None: one process a host), and one process of each host
+    # holding the same part of the state (the checkpoint group with one process a host).
+    host_group = None
+    replica_group = None
+    replicas = 1  # copies of the whole state among the processes (data parallelism)
+    # A gang's host runs this many processes, consecutive ranks that live, die and leave together.
+    processes_per_host = 1
+
+    def shard_of(self, rank: int) -> int:
+        """Which part of the state process `rank` holds (0 where each holds all of it): the ranks
+        holding the same part are the replicas of that part."""
+        return 0
+
+    def host_of(self, rank: int) -> int:
+        """The unit process `rank` is quarantined or evicted with: its host in a gang."""
+        return rank // self.processes_per_host
 
     def agree(self, request: Request | None) -> Request | None:
         """Every rank acts on the same request at the same boundary (docs/architecture.md,

@@ -70,22 +70,41 @@ class TorchBackend(Backend):
         self.distributed = world > 1
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        # A gang's host runs LOCAL_WORLD_SIZE processes (device.processes_per_host), consecutive ranks.
+        self.processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if gang else 1
+        self.sizes = resolve_mesh(mesh or MeshConfig(), world, gang, self.processes_per_host)
         if self.distributed:
             # Checkpoints are written from a background thread: their collectives get a
             # group of their own so they never interleave with the training step's.
             self.checkpoint_group = dist.new_group(backend="gloo")
             self.agreement_group = dist.new_group(backend="gloo")
+            if gang:
+                self.host_group, self.replica_group = self._gang_groups(world)
         self.num_devices = world
         self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
         self._peak_flops = peak_flops
-        self.sizes = resolve_mesh(mesh or MeshConfig(), world, gang)
         self.sharded = self.sizes["fsdp"] > 1
+        self.replicas = self.sizes["data"]
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
 
             # HSDP when there are replicas: the outer dimension replicates, the inner one shards.
             self.mesh = init_device_mesh(device_type, (self.sizes["data"], self.sizes["fsdp"]),
                                          mesh_dim_names=("data", "fsdp"))
+
+    def _gang_groups(self, world: int) -> tuple:
+        """(this host's processes, this process's peers of every host); new_subgroups_by_enumeration
+        makes every group on every rank, as new_group must be called."""
+        per = self.processes_per_host
+        if per == 1:
+            return None, self.checkpoint_group
+        hosts = range(world // per)
+        host, _ = dist.new_subgroups_by_enumeration([[h * per + i for i in range(per)] for h in hosts], backend="gloo")
+        peers, _ = dist.new_subgroups_by_enumeration([[h * per + i for h in hosts] for i in range(per)], backend="gloo")
+        return host, peers
+
+    def shard_of(self, rank: int) -> int:
+        return rank % self.sizes["fsdp"]  # the mesh is (data, fsdp): the fsdp coordinate varies fastest
 
     def shard(self, model: nn.Module) -> None:
         if not self.sharded:
@@ -242,18 +261,22 @@ def deterministic_kernels() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def resolve_mesh(mesh: MeshConfig, world: int, gang: bool = False) -> dict[str, int]:
+def resolve_mesh(mesh: MeshConfig, world: int, gang: bool = False, per_host: int = 1) -> dict[str, int]:
     """The mesh's axis sizes over `world` processes; tensor parallelism is XLA's alone.
 
     The hosts of a gang are data replicas: each host checkpoints a whole state of its own, which
     is what lets any host restore alone (from its disk, a peer's memory, or GCS) and the gang
-    resume on another number of hosts.
+    resume on another number of hosts. A host's `per_host` processes shard its state (fsdp -1,
+    the default) or replicate it too (fsdp 1).
     """
     if gang:
-        if mesh.fsdp > 1 or mesh.tensor > 1 or mesh.expert > 1:
+        if mesh.fsdp not in (-1, 1, per_host) or mesh.tensor > 1 or mesh.expert > 1:
             raise ConfigError("device.mesh", "on cpu and cuda the hosts of a gang are data replicas (each host "
-                              "checkpoints a whole state): leave fsdp, tensor and expert at -1 or 1")
-        return {"data": world, "expert": 1, "fsdp": 1, "tensor": 1}
+                              f"checkpoints a whole state), sharded over a host's {per_host} process(es) "
+                              "(device.processes_per_host): leave fsdp at -1 (or 1 to replicate), tensor and "
+                              "expert at 1")
+        fsdp = per_host if mesh.fsdp == -1 else mesh.fsdp
+        return {"data": world // fsdp, "expert": 1, "fsdp": fsdp, "tensor": 1}
     try:
         sizes = mesh.resolve(world)
     except ValueError as e:

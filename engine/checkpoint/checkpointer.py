@@ -92,11 +92,12 @@ class Checkpointer:
         self.job_dir = Path(job_dir)  # this job's local tier (engine.layout.StateLayout.checkpoints)
         self.backend, self.model, self.optimizer = backend, model, optimizer
         self.loader_state, self._emit = loader_state, emit
-        # Several hosts: each writes its own part, alone, into its own directory.
-        self.group = None if hosts else backend.checkpoint_group
-        self.hosts_group = backend.checkpoint_group if hosts else None
-        self.rank = dist.get_rank() if dist.is_initialized() and not hosts else 0
-        self.world = dist.get_world_size() if dist.is_initialized() and not hosts else 1
+        # Several hosts: each writes its own part into its own directory, alone or with its own
+        # processes, and commits it with one process of each other host (engine.checkpoint.hosts).
+        self.group = backend.host_group if hosts else backend.checkpoint_group
+        self.hosts_group = backend.replica_group if hosts else None
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
         self.wandb_run_id = wandb_run_id
         self.restored: mf.Manifest | None = None  # the manifest of the checkpoint restore() loaded
@@ -184,7 +185,7 @@ class Checkpointer:
         existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
         manifest = mf.read_manifest(existing)
         committed = manifest is not None and mf.is_global(existing, manifest)
-        if self.hosts is None and self.world > 1:
+        if self.world > 1:
             # The ranks' writers are done, but rank 0 writes the manifest last: a rank that looked
             # before it was there would save alone, waiting in collectives no other rank enters.
             committed = self.backend.any_rank(committed)

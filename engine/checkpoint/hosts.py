@@ -8,6 +8,11 @@ hosts exchange their outcome over a gloo group (one rank per host) and each writ
 the marker leaves a part that some peers marked and it did not; restore sees that through
 the agreement below, so no step is lost to the order in which hosts die.
 
+A host of several processes (device.processes_per_host) writes its part together, each process
+its shards (one DCP checkpoint over the host's group); its processes agree on their outcome
+before the exchange, which each runs with the processes of the other hosts that hold the same
+shards, and its rank 0 writes the manifest and the marker.
+
 Restore takes the newest step that some host marked (so every part was durable) and whose
 part every host holds now; the supervisor has by then brought a missing part from GCS.
 
@@ -33,8 +38,9 @@ Key = tuple[int, int]  # (step, micro_step)
 
 @dataclass(frozen=True)
 class Hosts:
-    """This worker's place among the job's hosts: one worker per host, its rank the host's index.
-    The commit and the agreement run on the backend's checkpoint group (gloo, one rank per host).
+    """This worker's place among the job's hosts: `index` its host's rank in the gang. The commit
+    and the agreement run on the backend's replica group (gloo, one process per host), a host of
+    several processes agreeing first on its host group.
     `fence`, when given, says why this host may not write a global marker now (its gang moved on
     without it), or None. `source`: the rank that holds the gang's newest live state (a gang that
     changed while its survivors kept training), which the others take instead of a checkpoint;
@@ -112,9 +118,33 @@ def holders(job_dir: Path) -> dict[Key, list[int]]:
 
 
 def exchange(mine: Any, hosts: Hosts, group: Any) -> list[Any]:
-    """Every host's `mine`, in host order (a collective on `group`, one rank per host)."""
+    """Every host's `mine`, in host order (a collective on `group`, one rank per host: with several
+    processes a host, each exchanges with the processes of the other hosts that hold its part)."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * hosts.count
     dist.all_gather_object(gathered, mine, group=group)
     return gathered
+
+
+def gather_host(mine: Any, group: Any) -> list[Any]:
+    """Every process of this host's `mine` (a collective on `group`, the host's processes); [mine]
+    when the host runs one."""
+    if group is None:
+        return [mine]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return gathered
+
+
+def from_host_rank_0(value: Any, group: Any) -> Any:
+    """The host's rank 0's `value`, on every process of the host (`group`; itself when alone)."""
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    carried = [value]
+    dist.broadcast_object_list(carried, src=dist.get_global_rank(group, 0), group=group)
+    return carried[0]

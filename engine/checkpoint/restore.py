@@ -137,10 +137,13 @@ class Restorer:
         held = {(step, m.micro_step): (step, path, m) for step, path, m in mf.parts(self.job_dir)
                 if not mf.problems(path, m, checksums=False)}
         mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
-        # Verified before they are offered: every host must restore the step it agreed to.
+        # Verified before they are offered: every host must restore the step it agreed to. A host's
+        # processes each hold their own shards: the host offers the states all of them hold.
         in_memory = frozenset((step, m.micro_step) for step, path, m in mf.parts(self.memory.job_dir)
-                              if m.hosts == self.hosts.count and not mf.problems(path, m, checksums=True)
+                              if (m.hosts, m.world_size) == (self.hosts.count, self._processes())
+                              and not mf.problems(path, m, checksums=True)
                               ) if self.memory is not None else frozenset()
+        in_memory = frozenset.intersection(*gang.gather_host(in_memory, self.group))
         everyone = gang.exchange((mine, {k: m.hosts for k, (_, _, m) in held.items()}, in_memory,
                                   self.memory is not None), self.hosts, self.hosts_group)
         memories, tiers = [memory for _, _, memory, _ in everyone], [tier for *_, tier in everyone]
@@ -148,7 +151,8 @@ class Restorer:
         self._memory_agreed = frozenset.intersection(*memories)
         everyone = [(h, made) for h, made, _, _ in everyone]
         hosts_of = {k: n for _, made in everyone for k, n in made.items()}
-        gang.note_holdings(self.job_dir, [h.parts for h, _ in everyone])
+        if self.rank == 0:
+            gang.note_holdings(self.job_dir, [h.parts for h, _ in everyone])
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:
             log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
@@ -160,9 +164,13 @@ class Restorer:
                                    "give the job a checkpoint.remote so a host can fetch its part")
             return []
         step, path, manifest = held[key]
-        if not mf.is_global(path, manifest):
+        if self.rank == 0 and not mf.is_global(path, manifest):
             mf.write_global(path, manifest)
         return [held[key]]
+
+    def _processes(self) -> int:
+        """The processes writing one checkpoint together (a memory state is each one's shards)."""
+        return dist.get_world_size(self.group) if self.group is not None else 1
 
     def _memory_from_peer(self, memories: list[frozenset], on_disk: tuple[int, int] | None) -> None:
         """Hosts whose memory states are gone (a replaced VM) take the newest state that every other
@@ -177,7 +185,9 @@ class Restorer:
             return
         key = newer[-1]
         source = next(i for i, memory in enumerate(memories) if key in memory)
+        # Each process from the process of the source host that holds the same shards.
         received = self.memory.transfer(key, source, empty, self.hosts.index, self.hosts_group)
+        received = all(gang.gather_host(received, self.group))
         if all(gang.exchange(received, self.hosts, self.hosts_group)):
             log.info("a peer's memory state restores the hosts that lost theirs", step=key[0], micro_step=key[1],
                      source=source, hosts=empty)

@@ -85,6 +85,7 @@ class DiskWriter:
                        data_skips: tuple[tuple[int, int], ...]) -> bool:
         final = self.job_dir / mf.step_dir_name(step, micro_step)
         tmp = self.job_dir / f".tmp-{final.name}"
+        manifest = None  # rank 0's: it writes it
         try:
             if self.rank == 0:
                 self._prepare(tmp, staged)
@@ -123,16 +124,26 @@ class DiskWriter:
     def _commit_globally(self, final: Path, manifest: mf.Manifest | None, error: str | None) -> str | None:
         """Every host's outcome, then the global marker if all parts are durable: why not, or None.
 
-        Every host takes part even when its own part failed: the others wait for its answer.
+        Every host takes part even when its own part failed: the others wait for its answer. A
+        host of several processes (`group`) first agrees on its own outcome (the manifest, the
+        rename and the marker are its rank 0's), and all of them return rank 0's verdict.
         """
         held = frozenset((step, m.micro_step) for step, _, m in mf.parts(self.job_dir))
         try:
+            error = next((e for e in gang.gather_host(error, self.group) if e is not None), None)
             outcomes = gang.exchange((error, held), self.hosts, self.hosts_group)
         except Exception as e:  # noqa: BLE001  (a peer died mid-save: its part is unknown)
             return error or f"the global commit failed: {describe_error(e)}"
-        gang.note_holdings(self.job_dir, [parts for _, parts in outcomes])
-        if error is not None:
-            return error
+        if self.rank == 0:
+            gang.note_holdings(self.job_dir, [parts for _, parts in outcomes])
+            error = error or self._mark_global(final, manifest, outcomes)
+        try:
+            return gang.from_host_rank_0(error, self.group)
+        except Exception as e:  # noqa: BLE001  (rank 0 died after the exchange)
+            return error or f"the global commit failed: {describe_error(e)}"
+
+    def _mark_global(self, final: Path, manifest: mf.Manifest, outcomes: list) -> str | None:
+        """The global marker, when every host's part is durable and the gang is still this host's."""
         failed = {host: outcome for host, (outcome, _) in enumerate(outcomes) if outcome is not None}
         if failed:
             return "; ".join(f"host {host} could not write its part: {why}" for host, why in failed.items())

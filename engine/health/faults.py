@@ -168,8 +168,10 @@ class Faults:
 
 def flip_bit(model, flip) -> None:
     """Flip bit `flip.bit` of element `flip.element` of parameter `flip.tensor` (the first by
-    default), or of its gradient."""
+    default), or of its gradient: of this process's shard where the state is sharded (a sharded
+    tensor's whole view would be a collective that the other processes never enter)."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     params = dict(model.named_parameters())
     name = flip.tensor or next(iter(params))
@@ -179,7 +181,7 @@ def flip_bit(model, flip) -> None:
     if target is None:
         raise ValueError(f"debug.inject.bit_flips: parameter {name!r} has no gradient at this step")
     with torch.no_grad():
-        flat = target.detach().view(-1)
+        flat = (target.to_local() if isinstance(target, DTensor) else target).detach().view(-1)
         i = flip.element % flat.numel()
         bits = flat[i:i + 1].view(torch.int32)  # 32-bit parameters: fp32
         bits ^= (1 << flip.bit) if flip.bit < 31 else -(1 << 31)  # the sign bit, as an int32

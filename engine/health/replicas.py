@@ -75,6 +75,7 @@ class Mismatch:
     spike: bool = False      # found by the healer: a spike its replay did not reproduce
     healed: bool = False     # none named, and the replay agreed: training went on in place
     replayed: bool = False   # the steps since the last agreed state were replayed
+    replicas: int = 0        # copies of the state (0: one a rank); HSDP's hold theirs over several ranks
 
     def describe(self) -> str:
         if self.spike:
@@ -90,15 +91,30 @@ class Mismatch:
             who = "no majority, and a replay named none"
         else:
             who = "no majority, and no replay (no state to replay from, or stopping)"
-        return f"the replicas' states differ after step {self.step} ({len(self.fingerprints)} replicas: {who})"
+        return f"the replicas' states differ after step {self.step} ({self.replicas or len(self.fingerprints)} replicas: {who})"
 
 
-def odd_ones(prints: list[int]) -> list[int]:
-    """The ranks whose fingerprint is not the majority's; [] when no value has a majority."""
-    value, count = collections.Counter(prints).most_common(1)[0]
-    if count * 2 <= len(prints):
-        return []
-    return [rank for rank, p in enumerate(prints) if p != value]
+def parts(prints: list[int], shard_of=lambda rank: 0) -> list[list[tuple[int, int]]]:
+    """(rank, fingerprint) grouped by the part of the state the ranks hold (`shard_of`: with HSDP
+    each host's processes hold its shards, and only the ranks holding the same shard are copies)."""
+    grouped: dict[int, list[tuple[int, int]]] = {}
+    for rank, p in enumerate(prints):
+        grouped.setdefault(shard_of(rank), []).append((rank, p))
+    return list(grouped.values())
+
+
+def odd_ones(prints: list[int], shard_of=lambda rank: 0) -> list[int]:
+    """The ranks whose fingerprint is not the majority's of their part; [] when a part that differs
+    has no majority."""
+    odd = []
+    for part in parts(prints, shard_of):
+        value, count = collections.Counter(p for _, p in part).most_common(1)[0]
+        if count == len(part):
+            continue
+        if count * 2 <= len(part):
+            return []
+        odd += [rank for rank, p in part if p != value]
+    return sorted(odd)
 
 
 NEVER = 2**62  # a replica whose replayed values all matched its first ones
@@ -140,8 +156,8 @@ class ReplicaCheck:
                  optimizer: torch.optim.Optimizer, job_dir: Path):
         self.cfg, self.backend, self.model, self.optimizer = cfg, backend, model, optimizer
         self.path = Path(job_dir) / "replicas.json"
-        # Replicas: several processes that do not shard the state between them.
-        replicated = backend.data.world > 1 and not getattr(backend, "sharded", True)
+        # Replicas: copies of the state (DDP's processes, or HSDP's hosts, each a copy sharded over its own).
+        replicated = backend.replicas > 1
         # The training thread's own group (as backend.agree's): the checkpoint group also carries a
         # background save's collectives, and two threads' collectives on one group mix their messages.
         self.group = backend.agreement_group if cfg is not None and replicated else None
@@ -238,13 +254,13 @@ class ReplicaCheck:
         if not self.enabled:
             return None
         values = self._gather(fingerprint(self.model, self.optimizer))
-        if len(set(values)) == 1:
+        if all(len({p for _, p in part}) == 1 for part in parts(values, self.backend.shard_of)):
             self.agreed = step
             # Kept a while after: the guard finds a spike at its next report, which may come later.
             self._trace = {s: v for s, v in self._trace.items() if s > step - KEEP_STEPS}
             return None
-        odd = odd_ones(values)
-        return Mismatch(step, values, odd, "majority" if odd else "")
+        odd = odd_ones(values, self.backend.shard_of)
+        return Mismatch(step, values, odd, "majority" if odd else "", replicas=self.backend.replicas)
 
     def replay(self, mismatch: Mismatch, loop) -> Mismatch:
         """No majority: replay the steps since the last agreed state in place (`loop`: the
@@ -278,7 +294,8 @@ class ReplicaCheck:
         """Say what was found; returns when healed in place, else raises WorkerExit (79 for a named
         replica, else 77)."""
         rank = self.backend.data.rank
-        odd = rank in mismatch.odd
+        # A host's processes (consecutive ranks of a gang) are quarantined together.
+        odd = self.backend.host_of(rank) in {self.backend.host_of(r) for r in mismatch.odd}
         event = events.ReplicaMismatch(step=mismatch.step, agreed_step=self.agreed, rank=rank, odd=mismatch.odd,
                                        fingerprints=[f"{p & (2**64 - 1):016x}" for p in mismatch.fingerprints],
                                        reason=mismatch.describe(), found_by=mismatch.found_by,

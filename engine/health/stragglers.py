@@ -137,4 +137,6 @@ class StragglerWatch:
         evicted = [event.straggler for event in found if event.evicted]
         if not evicted:
             return None
-        return exit_codes.QUARANTINED if self.backend.data.rank in evicted else exit_codes.GANG_RESTART
+        # A host's processes (consecutive ranks of a gang) are evicted together.
+        host_of = self.backend.host_of
+        return exit_codes.QUARANTINED if host_of(self.backend.data.rank) in map(host_of, evicted) else exit_codes.GANG_RESTART

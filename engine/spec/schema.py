@@ -467,7 +467,8 @@ class MeshConfig(Section):
     Under xla, SPMD axes over the host's devices; on cpu and cuda, over the job's processes: an
     fsdp axis above 1 shards weights, gradients and optimizer state with FSDP2 (HSDP with data
     replicas), fsdp 1 replicates the model with DDP (`data: -1, fsdp: 1`), and the hosts of a gang are
-    always replicas (each host checkpoints a whole state); tensor is xla's alone."""
+    always replicas (each host checkpoints a whole state, sharded over its own processes unless
+    fsdp is 1); tensor is xla's alone."""
 
     data: int = 1
     expert: int = Field(1, description="Expert parallelism (xla): the experts of each MoE layer are split over "
@@ -523,8 +524,8 @@ class DeviceConfig(Section):
         "they shard the model among themselves (FSDP2 over torch.distributed), each with its rank and local rank, "
         "heartbeats and hang judgement; one's death or hang restarts them all. auto: one per visible GPU on cuda "
         "(CUDA_VISIBLE_DEVICES, else the driver's list), one on cpu and xla (one xla process drives every chip). "
-        "More than one on cpu runs gloo (tests). A daemon refuses more than its GPUs (cuda) or cores (cpu), and more "
-        "than one in a gang (gang: in tpud.yaml), which does not carry them yet.")
+        "More than one on cpu runs gloo (tests). A daemon refuses more than its GPUs (cuda) or cores (cpu). In a gang "
+        "a host's processes shard its state and the hosts are its replicas (HSDP); every host must run as many.")
 
 
 def _interval(value: object) -> object:

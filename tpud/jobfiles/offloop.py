@@ -65,9 +65,6 @@ def refusal(loaded: LoadedSpec, settings: Settings, config_dir: Path) -> str | N
         return str(loaded.problem("debug.inject", "fault injection is refused: set allow_fault_injection: true "
                                                   f"in {config_dir / 'tpud.yaml'} to allow it"))
     processes = ranks.processes_per_host(spec.device)
-    if settings.gang is not None and processes > 1:
-        return str(loaded.problem("device.processes_per_host", f"{processes} processes per host cannot run in a gang "
-                                  f"yet ({config_dir / 'tpud.yaml'} sets gang): set it to 1, or run the job alone"))
     if (too_many := ranks.too_many(spec.device, processes)) is not None:
         return str(loaded.problem("device.processes_per_host", too_many))
     return None

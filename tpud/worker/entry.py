@@ -123,11 +123,12 @@ class ChannelHooks(SignalHooks):
 
 
 def _leaves_the_gang(event: events.Event) -> bool:
-    """A replica named the odd one (by the majority or a replay), or an evicted straggler: this
-    worker exits 79 next."""
+    """A process of this host named an odd replica (by the majority or a replay), or an evicted
+    straggler: this worker exits 79 next. A host's processes are consecutive ranks of its gang."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if isinstance(event, events.ReplicaMismatch):
-        return event.rank in event.odd
-    return isinstance(event, events.Straggler) and event.evicted and event.straggler == event.rank
+        return event.rank // per_host in {rank // per_host for rank in event.odd}
+    return isinstance(event, events.Straggler) and event.evicted and event.straggler // per_host == event.rank // per_host
 
 
 def run_and_exit(run: Callable[[], int | None]) -> NoReturn:
@@ -168,6 +169,12 @@ def share_cores() -> None:
         torch.set_num_threads(int(threads))
 
 
+def gang_fingerprint(spec: JobSpec, per_host: int) -> dict:
+    """What the hosts compare as the gang forms: the spec's fingerprint with device.processes_per_host
+    as resolved on this host (auto counts its own GPUs: hosts of unlike counts cannot share a mesh)."""
+    return {**fingerprint(spec), "device.processes_per_host": per_host}
+
+
 def newest_commit(spec: JobSpec, state_dir: Path) -> int:
     """The newest step globally committed in this host's local tier, or -1."""
     from engine.checkpoint.manifest import committed_steps
@@ -205,8 +212,8 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     kept: list = []  # the model and optimizer this worker keeps when its gang changes in place
     while True:
         try:
-            joined = gang.join(backend, hooks.stop_asked, fingerprint(spec), kept[0].progress.step if kept else -1,
-                               newest_commit(spec, args.state_dir))
+            joined = gang.join(backend, hooks.stop_asked, gang_fingerprint(spec, gang.per_host),
+                               kept[0].progress.step if kept else -1, newest_commit(spec, args.state_dir))
         except ConfigError as e:
             log.error("job cannot run here", key=e.key, error=str(e))
             return exit_codes.BAD_INPUT
@@ -214,8 +221,9 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
             log.info("stopping on request while waiting for the other hosts")
             return exit_codes.STOPPED
         hooks.gang = gang
-        # The gang's ranks: without hosts left out, the daemon's RANK and WORLD_SIZE already.
-        os.environ.update(RANK=str(gang.rank), WORLD_SIZE=str(len(gang.members)))
+        # The gang's ranks, a host's processes consecutive: with one process a host and no host left
+        # out, the daemon's RANK and WORLD_SIZE already.
+        os.environ.update(RANK=str(gang.process_rank), WORLD_SIZE=str(gang.world))
         try:
             code = train(spec, args.state_dir, hooks, gang.place, kept if gang.in_place else None, runtime)
         except BaseException as e:

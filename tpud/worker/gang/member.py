@@ -15,7 +15,7 @@ which, when every host runs one), under `tpud/<job>/`:
     g<G>/members          the hosts of the gang, fixed by the first worker to see it complete
     g<G>/started          the gang formed
     g<G>/beat/<host>      a counter each worker bumps every `interval`
-    g<G>/arrivals/<host>  loop boundaries its training thread has reached
+    g<G>/arrivals/<host>  loop boundaries its training thread has reached (<host>.<N>: local rank N's)
     g<G>/left/<host>      it exits on purpose (done, stopped, bad input): not a failure
 
 A worker that starts finds the current generation; if that gang already formed, one of its
@@ -44,6 +44,11 @@ peer's failure only from a collective's error or its daemon's hang bound.
 A worker whose training thread is ahead of a peer's (more arrivals) is waiting for that
 peer: the watcher sends its daemon heartbeats, so that a hang is judged on the host whose
 worker stopped, not on every host.
+
+A host of several processes (device.processes_per_host) is one member: its local rank 0 meets
+the others and beats for it, and tells its host's other processes the gang it formed
+(tpud/worker/gang/host.py); each process publishes its own arrivals, so the one that stopped is
+the one judged hung. Such a gang always changes by the restart path.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from engine.errors import ConfigError
 from engine.spec import fingerprint
 from tpud.worker.gang import stores
 from tpud.worker.gang.formation import Seats
+from tpud.worker.gang.host import Formed, HostProcesses, arrival_key
 
 log = structlog.get_logger()
 
@@ -80,8 +86,11 @@ class GangMember:
     def __init__(self, job: str, host: int, hosts: int, coordinator: str, peer_timeout_s: float,
                  emit: Callable[[events.Event], None], restart_peers: bool = True, min_hosts: int | None = None,
                  addresses: list[str] | None = None, record: Path | None = None,
-                 clock: Callable[[], float] = time.monotonic, in_place: bool = True):
+                 clock: Callable[[], float] = time.monotonic, in_place: bool = True,
+                 local: HostProcesses | None = None):
+        """local: this process's place among its host's (device.processes_per_host above 1; host.py)."""
         self.host, self.hosts, self.coordinator = host, hosts, coordinator
+        self.local = local
         self.addresses = addresses or [coordinator]
         self.min_hosts = min_hosts or hosts
         self.members = list(range(hosts))  # this generation's, once formed
@@ -120,12 +129,31 @@ class GangMember:
         return cls(job, int(env["TPUD_GANG_HOST"]), hosts, addresses[0],
                    float(env.get("TPUD_GANG_PEER_TIMEOUT", "3")), emit, env.get("TPUD_GANG_RESTART_PEERS") != "0",
                    int(env.get("TPUD_GANG_MIN_HOSTS", hosts)), addresses, record,
-                   in_place=env.get("TPUD_GANG_IN_PLACE", "1") != "0")
+                   in_place=env.get("TPUD_GANG_IN_PLACE", "1") != "0", local=HostProcesses.from_env(env))
 
     @property
     def rank(self) -> int:
         """This host's rank in the gang: its place among the members."""
         return self.members.index(self.host)
+
+    @property
+    def per_host(self) -> int:
+        """The processes of each host (every host runs as many: they compared their specs)."""
+        return self.local.count if self.local is not None else 1
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process meets the other hosts for its host (its local rank 0)."""
+        return self.local is None or self.local.leads
+
+    @property
+    def process_rank(self) -> int:
+        """This process's rank in the gang's process group: a host's processes are consecutive."""
+        return self.rank * self.per_host + (self.local.local_rank if self.local is not None else 0)
+
+    @property
+    def world(self) -> int:
+        return len(self.members) * self.per_host
 
     @property
     def place(self) -> Hosts:
@@ -148,11 +176,14 @@ class GangMember:
         meanwhile; ConfigError when the members' job specs (their fingerprints) differ. `holds`:
         the step whose state this worker holds live (it kept it through a change of its gang), or -1;
         `committed`: the newest step globally committed on this host's disk, or -1."""
-        import torch.distributed as dist
-
         self._stop_asked, self._holds = stop_asked, f"{holds},{committed}"
-        # Only gloo's gang changes in place: nccl's abort and xla's runtime are not built on here.
-        self.in_place = self.allow_in_place and self.restart_peers and backend == "cpu"
+        # Only gloo's gang changes in place, with one process a host: nccl's abort and xla's runtime
+        # are not built on here, and a host's processes restart together.
+        self.in_place = self.allow_in_place and self.restart_peers and backend == "cpu" and self.local is None
+        if not self.leads:
+            return self._follow(backend, stop_asked)
+        if self.local is not None:
+            self.local.store()  # served from now on: the host's other processes wait in it for the gang
         while True:
             if not self._connect():
                 return False
@@ -174,10 +205,35 @@ class GangMember:
             self.leave()  # every host finds the same: none is waited for
             raise
         self._live_state()
+        if self.local is not None:
+            self.local.share(Formed(self.generation, self.members, self.at))
         log.info("gang formed", host=self.host, hosts=self.hosts, members=self.members, generation=self.generation,
                  coordinator=self.addresses[self.at], path=self.path, source=self.source, transfer=self.transfer)
         self.emit(events.Gang(self.host, self.hosts, len(self.members), self.generation, self.members,
                               coordinator=self.addresses[self.at], path=self.path))
+        self._start(backend)
+        return True
+
+    def _follow(self, backend: str, stop_asked: Callable[[], bool]) -> bool:
+        """A host's process other than local rank 0: that one meets the other hosts; this one waits
+        until it says the gang formed (host.py), then joins the gang's process group."""
+        formed = self.local.wait(stop_asked, lambda: self.emit(events.Heartbeat(0)))
+        if formed is None:
+            return False
+        self.generation, self.members, self.at = formed.generation, formed.members, formed.coordinator
+        self.store = stores.open_store(self.addresses[self.at], stores.STORE_TIMEOUT_S)
+        if self.store is None:
+            raise RuntimeError(f"the gang's coordinator {self.addresses[self.at]} does not answer")
+        log.info("gang formed", host=self.host, local_rank=self.local.local_rank, members=self.members,
+                 generation=self.generation, coordinator=self.addresses[self.at])
+        self._start(backend)
+        return True
+
+    def _start(self, backend: str) -> None:
+        """Watch the gang, and form its process group (not under xla, whose xla:// initialisation
+        finds its peers through the TPU runtime)."""
+        import torch.distributed as dist
+
         if self.restart_peers:
             self._watcher = threading.Thread(target=self._watch, name="gang-watch", daemon=True)
             self._watcher.start()
@@ -186,9 +242,8 @@ class GangMember:
             # must reach the coordinator meanwhile (a gang that changes under the rendezvous).
             dist.init_process_group("nccl" if backend == "cuda" else "gloo",
                                     store=dist.PrefixStore(self._key("pg/"), self.store.clone()),
-                                    rank=self.rank, world_size=len(self.members),
+                                    rank=self.process_rank, world_size=self.world,
                                     timeout=datetime.timedelta(minutes=10))
-        return True
 
     def _connect(self) -> bool:
         """Meet in the best coordinator that answers (tpud/worker/gang/stores.py), waiting while none does
@@ -270,8 +325,9 @@ class GangMember:
         self.generation = g
         store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
         store.set(self._key(f"holds/{self.host}"), self._holds)
-        for name in ("beat", "arrivals"):  # before the seat: once the gang forms, every member's exist
-            store.add(self._key(f"{name}/{self.host}"), 0)
+        # Before the seat: once the gang forms, every member's exist (its processes' arrivals each).
+        for name in [f"beat/{self.host}", *(arrival_key(self.host, local) for local in range(self.per_host))]:
+            store.add(self._key(name), 0)
         store.set(self._host_key("mark", self.host), "")  # this host is back
         store.append(self._key("roster"), f"{self.host},")
         reported, told, probed, observed = None, 0.0, self.clock(), {}
@@ -372,36 +428,47 @@ class GangMember:
         self._at, self._arrivals = at, self._arrivals + 1
 
     def _watch(self) -> None:
-        store, me = self.store, self.host
+        """Every interval: publish how far the training thread got, and tell the daemon it lives while
+        another process (of any host) is behind it. Local rank 0 also beats for its host and judges
+        the others' (a host's other processes leave that to it: their daemon ends them with it)."""
+        store, me, leads = self.store, self.host, self.leads
         peers = [h for h in self.members if h != me]
-        arrivals = [self._key(f"arrivals/{h}") for h in peers]
+        mine = self._key(arrival_key(me, self.local.local_rank if self.local is not None else 0))
+        others = [key for key in (self._key(arrival_key(h, local)) for h in self.members
+                                  for local in range(self.per_host)) if key != mine]
         published, lost_since = 0, None
         while not self._stop.wait(INTERVAL_S):
             if self.regroup_wanted is not None:
                 self._disrupted(self.regroup_wanted)  # falls back to a restart if the training thread is held
             try:
-                store.add(self._key(f"beat/{me}"), 1)
-                store.add(self._host_key("alive", me), 1)
                 arrived = self._arrivals
-                store.add(self._key(f"arrivals/{me}"), arrived - published)
+                store.add(mine, arrived - published)
                 published = arrived
-                if (g := int(store.add(self.prefix + "gen", 0))) != self.generation:
-                    self._disrupted(f"another host's worker restarted (generation {self.generation} -> {g})")
-                now = self.observe()
-                stale = [h for h in peers if now - self._alive_at[h] > self.peer_timeout_s
-                         and not store.check([self._key(f"left/{h}")])]
-                if stale:
-                    self._lost(stale)
-                if peers and any(int(a) < published for a in store.multi_get(arrivals)):
-                    # Waiting for a slower host in a collective: alive, and not the one to blame.
+                if leads:
+                    self._judge(peers)
+                if others and any(int(a) < published for a in store.multi_get(others)):
+                    # Waiting for a slower process in a collective: alive, and not the one to blame.
                     self.emit(self._at)
                 lost_since = None
             except Exception as e:  # noqa: BLE001
                 # The coordinator is gone, and so is the gang: unless the coordinator's host has just
                 # finished the job and this worker is about to, which the grace lets it do.
                 lost_since = lost_since or self.clock()
-                if self.clock() - lost_since > self.peer_timeout_s:
+                if leads and self.clock() - lost_since > self.peer_timeout_s:
                     self._disrupted(f"lost the gang's coordinator {self.addresses[self.at]}: {e}", reachable=False)
+
+    def _judge(self, peers: list[int]) -> None:
+        """Beat for this host, and end this worker when the gang moved on or a peer's beat stood still."""
+        store, me = self.store, self.host
+        store.add(self._key(f"beat/{me}"), 1)
+        store.add(self._host_key("alive", me), 1)
+        if (g := int(store.add(self.prefix + "gen", 0))) != self.generation:
+            self._disrupted(f"another host's worker restarted (generation {self.generation} -> {g})")
+        now = self.observe()
+        stale = [h for h in peers if now - self._alive_at[h] > self.peer_timeout_s
+                 and not store.check([self._key(f"left/{h}")])]
+        if stale:
+            self._lost(stale)
 
     def observe(self) -> float:
         """Read the peers' beats in this generation (the watcher, every interval); the time read.
@@ -540,7 +607,8 @@ class GangMember:
         if self.generation < 0:
             return
         try:
-            self.store.set(self._key(f"left/{self.host}"), "1")
+            if self.leads:
+                self.store.set(self._key(f"left/{self.host}"), "1")
         except Exception:  # noqa: BLE001
             pass
         self._stop.set()
