@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -221,7 +222,16 @@ def test_under_the_daemon_a_full_disk_warns_counts_and_never_restarts(tmp_path, 
         while not mf.committed_steps(job_dir):
             assert time.monotonic() < deadline, daemon.tail()
             time.sleep(0.1)
-        small_fs.leave(ckpt_bytes(job_dir) // 2)  # room for half a checkpoint: the next save fails
+        # Room for half a checkpoint once a save has made room by deleting the older steps (never the
+        # newest): the next save fails. Measured and filled with the worker stopped: a save that
+        # committed while the filler was written once left room for a whole one in CI.
+        worker = daemon.status()["disk"]["pid"]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            *older, newest = mf.committed_steps(job_dir)
+            small_fs.leave(max(0, newest[2].total_bytes // 2 - sum(m.total_bytes for _, _, m in older)))
+        finally:
+            os.kill(worker, signal.SIGCONT)
 
         jobs = daemon.wait_for(lambda j: j["disk"]["warnings"], "a warning in tpud status")
         (warning,) = jobs["disk"]["warnings"]

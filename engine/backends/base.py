@@ -161,8 +161,9 @@ class Backend:
     # Its own group: an async save's collectives run on the writer thread meanwhile.
     agreement_group = None
     # In a gang (engine.checkpoint.hosts), the groups a host's part of a checkpoint is written and
-    # committed over: its own processes (None: one process a host), and one process of each host
-    # holding the same part of the state (the checkpoint group with one process a host).
+    # committed over, with several processes a host: its own processes, and one process of each
+    # host holding the same part of the state (None: one process a host, which commits over the
+    # checkpoint group).
     host_group = None
     replica_group = None
     replicas = 1  # copies of the whole state among the processes (data parallelism)

@@ -78,7 +78,7 @@ class TorchBackend(Backend):
             # group of their own so they never interleave with the training step's.
             self.checkpoint_group = dist.new_group(backend="gloo")
             self.agreement_group = dist.new_group(backend="gloo")
-            if gang:
+            if gang and self.processes_per_host > 1:
                 self.host_group, self.replica_group = self._gang_groups(world)
         self.num_devices = world
         self.data = DataPosition(rank=dist.get_rank() if self.distributed else 0, world=world)
@@ -96,8 +96,6 @@ class TorchBackend(Backend):
         """(this host's processes, this process's peers of every host); new_subgroups_by_enumeration
         makes every group on every rank, as new_group must be called."""
         per = self.processes_per_host
-        if per == 1:
-            return None, self.checkpoint_group
         hosts = range(world // per)
         host, _ = dist.new_subgroups_by_enumeration([[h * per + i for i in range(per)] for h in hosts], backend="gloo")
         peers, _ = dist.new_subgroups_by_enumeration([[h * per + i for h in hosts] for i in range(per)], backend="gloo")

@@ -95,7 +95,8 @@ class Checkpointer:
         # Several hosts: each writes its own part into its own directory, alone or with its own
         # processes, and commits it with one process of each other host (engine.checkpoint.hosts).
         self.group = backend.host_group if hosts else backend.checkpoint_group
-        self.hosts_group = backend.replica_group if hosts else None
+        self.hosts_group = (backend.checkpoint_group if backend.replica_group is None else backend.replica_group
+                            ) if hosts else None
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.data_skips: tuple[tuple[int, int], ...] = ()  # written into every manifest from now on
