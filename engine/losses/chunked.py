@@ -37,16 +37,25 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """Mean token loss of hidden [N, D] against weight [V, D], equal to engine.losses.ce.cross_entropy.
 
     `losses` computes a chunk's token losses: token_losses, or a compiled token_losses."""
+    return chunked_loss(hidden, weight, targets, (), ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                        losses=losses, **terms)
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, per_token: tuple, *,
+                 ignore_index: int = -100, chunk_tokens: int | None = None, losses: Callable, **terms) -> torch.Tensor:
+    """Mean over the targets not ignored of losses(hidden rows, weight, target rows, *per_token rows,
+    **terms), chunk by chunk. `per_token`: more [N, ...] inputs that take no gradient (a teacher's
+    hidden states, engine.losses.distill)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [N, D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     chunk_tokens = chunk_tokens or default_chunk_tokens(hidden.shape[0])
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, losses,
-                                      {"ignore_index": ignore_index, **terms})
+    return _ChunkedLoss.apply(hidden, weight, targets, per_token, chunk_tokens, losses,
+                              {"ignore_index": ignore_index, **terms})
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
+class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, losses, terms):
+    def forward(ctx, hidden, weight, targets, per_token, chunk_tokens, losses, terms):
         count = (targets != terms["ignore_index"]).sum().clamp(min=1)
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -56,7 +65,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             h = hidden[rows].detach().requires_grad_()
             with torch.enable_grad():
-                loss = losses(h, w, targets[rows], **terms).sum()
+                loss = losses(h, w, targets[rows], *(t[rows] for t in per_token), **terms).sum()
                 d_hidden, d_weight = torch.autograd.grad(loss, (h, w))
             grad_hidden[rows] = d_hidden
             grad_weight += d_weight
@@ -70,4 +79,5 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_output / count
         return ((grad_hidden * scale).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None,
-                (grad_weight * scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None, None, None, None)
+                (grad_weight * scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None,
+                None, None, None, None, None)

@@ -1,0 +1,81 @@
+"""Knowledge distillation's loss: a student's distribution over the vocabulary pulled toward a
+frozen teacher's, token by token, from both models' final hidden states and output heads.
+
+Per token, with temperature T, p = softmax(teacher logits / T) and q = softmax(student logits / T):
+
+- `forward_kl`: KL(p || q), Hinton's soft targets (the student covers every mode of the teacher);
+- `reverse_kl`: KL(q || p) (mode-seeking, as in MiniLLM);
+- `jsd`: beta x KL(p || m) + (1 - beta) x KL(q || m), m = beta x p + (1 - beta) x q (generalised
+  Jensen-Shannon, bounded by log 2);
+
+times T^2, so the gradients keep their scale as T changes (Hinton et al. 2015). The hard-label
+cross-entropy enters only with its stated weight `alpha`: loss = (1 - alpha) x divergence +
+alpha x CE. Targets equal to the ignore index (loss masks, padding, document masking's cut
+positions) count in neither term, and the mean is over the targets kept, as the language
+model's own loss.
+
+`distill_loss` holds both models' logits at once: [N, V] each, in fp32. `chunked_distill_loss`
+walks the tokens in chunks (engine.losses.chunked), so at most a chunk's rows of either exist;
+the teacher takes no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from engine.losses.chunked import chunked_loss
+
+Kind = Literal["forward_kl", "reverse_kl", "jsd"]
+
+
+def divergence(log_student: torch.Tensor, log_teacher: torch.Tensor, kind: Kind, beta: float = 0.5) -> torch.Tensor:
+    """Each row's divergence [N] between two log-distributions [N, V] (the module docstring's)."""
+    if kind == "forward_kl":
+        return (log_teacher.exp() * (log_teacher - log_student)).sum(-1)
+    if kind == "reverse_kl":
+        return (log_student.exp() * (log_student - log_teacher)).sum(-1)
+    if kind != "jsd" or not 0 < beta < 1:
+        raise ValueError(f"unknown divergence {kind!r} (beta {beta})")
+    log_mix = torch.logaddexp(log_teacher + math.log(beta), log_student + math.log1p(-beta))
+    return (beta * (log_teacher.exp() * (log_teacher - log_mix)).sum(-1)
+            + (1 - beta) * (log_student.exp() * (log_student - log_mix)).sum(-1))
+
+
+def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher_hidden: torch.Tensor, *,
+                 teacher_weight: torch.Tensor, kind: Kind = "forward_kl", temperature: float = 1.0,
+                 beta: float = 0.5, alpha: float = 0.0, ignore_index: int = -100) -> torch.Tensor:
+    """Each token's loss [N] of student hidden [N, D] and head [V, D] against the teacher's hidden
+    [N, Dt] and head [V, Dt] (0 where ignored)."""
+    student = (hidden @ weight.T).float()
+    with torch.no_grad():
+        teacher = (teacher_hidden @ teacher_weight.T).float()
+    loss = divergence(F.log_softmax(student / temperature, dim=-1), F.log_softmax(teacher / temperature, dim=-1),
+                      kind, beta) * temperature ** 2
+    if alpha:
+        hard = F.cross_entropy(student, targets, ignore_index=ignore_index, reduction="none")
+        loss = (1 - alpha) * loss + alpha * hard
+    return torch.where(targets != ignore_index, loss, 0.0)
+
+
+def distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher_hidden: torch.Tensor,
+                 teacher_weight: torch.Tensor, *, ignore_index: int = -100, **terms) -> torch.Tensor:
+    """The mean token loss over the targets kept, from the full logits of both models."""
+    kept = (targets != ignore_index).sum().clamp(min=1)
+    return token_losses(hidden, weight, targets, teacher_hidden, teacher_weight=teacher_weight,
+                        ignore_index=ignore_index, **terms).sum() / kept
+
+
+def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, *, ignore_index: int = -100,
+                         chunk_tokens: int | None = None, losses=token_losses, **terms) -> torch.Tensor:
+    """distill_loss, chunk_tokens tokens at a time (default: an eighth, at least 256); `losses` may
+    be a compiled token_losses."""
+    if teacher_hidden.shape[0] != hidden.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher and student disagree: hidden {tuple(teacher_hidden.shape)} vs "
+                         f"{tuple(hidden.shape)}, heads of {teacher_weight.shape[0]} and {weight.shape[0]} tokens")
+    return chunked_loss(hidden, weight, targets, (teacher_hidden.detach(),), ignore_index=ignore_index,
+                        chunk_tokens=chunk_tokens, losses=losses, teacher_weight=teacher_weight.detach(), **terms)
