@@ -7,13 +7,9 @@ gradient. The engine's losses (engine.losses), each with its defaults:
            when the logits outgrow loss.logits_budget_mib);
   cce      cut cross-entropy, vocabulary tiles (only by name: the least memory).
 
-Each (case, method) runs in a fresh process so its peak memory is its own: the kernel's
-peak-RSS mark (VmHWM) is reset through /proc/self/clear_refs once the inputs exist and one
-warm-up pass is done (compilation happens there), and the peak above the RSS at that moment
-is reported. With --device cuda the tensors live on the GPU and the peak is the caching
-allocator's (max_memory_allocated above the allocation once the inputs exist, the mark reset
-after the warm-up). Time is the median of the timed passes (time.perf_counter, after a
-synchronize on cuda). Targets (issue 28): ce time <= 1.15x naive; chunked memory <= 0.25x
+Each (case, method) runs in a fresh process so its peak memory is its own (bench/isolated.py:
+above the memory held once the inputs exist and a warm-up pass is done; with --device cuda the
+caching allocator's). Targets (issue 28): ce time <= 1.15x naive; chunked memory <= 0.25x
 naive; cce memory <= 1/20 of naive.
 
     .venv/bin/python bench/cce.py            # about 5 minutes on 2 cores
@@ -26,11 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+import isolated
 from machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,11 +37,6 @@ CASES = {  # name: (tokens N, hidden D, vocab V, dtype)
 CPU_CASES = ("fp32 V=64k", "bf16 V=64k", "fp32 V=128k")
 METHODS = ("ce", "chunked", "cce")
 TARGETS = {"ce": ("time_ratio", 1.15), "chunked": ("memory_ratio", 0.25), "cce": ("memory_ratio", 1 / 20)}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def measure(case: str, method: str, repeats: int, device: str, compile: bool) -> dict:
@@ -65,50 +54,28 @@ def measure(case: str, method: str, repeats: int, device: str, compile: bool) ->
     hidden = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
     weight = (torch.randn(v, d, generator=g) * 0.02).to(device, dtype).requires_grad_()
     targets = torch.randint(0, v, (n,), generator=g).to(device)
-    cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if method != "naive":
         heads = next(h for h in (32, 16, 8, 4, 2, 1) if d % h == 0)
         loss_fn = build_loss(LossConfig(name=method), ModelConfig(vocab_size=v, dim=d, n_heads=heads), n,
                              torch.compile if compile and method == "ce" else (lambda fn: fn))
 
-    def step() -> float:
-        hidden.grad = weight.grad = None
-        sync()
-        start = time.perf_counter()
+    def step() -> None:
         if method == "naive":
             loss = F.cross_entropy((hidden @ weight.T).float(), targets)
         else:
             loss = loss_fn(hidden, weight, targets)
         loss.backward()
-        sync()
-        return time.perf_counter() - start
 
-    step()  # warm-up: first-touch page faults, kernel loading and lazy initialisation happen here
-    hidden.grad = weight.grad = None
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak-RSS mark to the current RSS
-        baseline = _status_kib("VmRSS") * 1024
-    times = [step()]
-    peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
-    times += [step() for _ in range(repeats - 1)]
-    return {"case": case, "method": method, "peak_bytes": peak - baseline, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if cuda else None,
-            "median_s": statistics.median(times), "times_s": times}
+    def reset() -> None:
+        hidden.grad = weight.grad = None
+
+    return {"case": case, "method": method, **isolated.peak_and_times(step, repeats, device == "cuda", reset)}
 
 
 def run_isolated(case: str, method: str, repeats: int, device: str, compile: bool) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", case, method, "--repeats", str(repeats),
-                          "--device", device, *(["--compile"] if compile else [])],
-                         capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
-    if out.returncode:
-        return {"case": case, "method": method, "error": out.stderr.strip().splitlines()[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = isolated.run(__file__, [case, method, "--repeats", str(repeats), "--device", device,
+                                     *(["--compile"] if compile else [])])
+    return {"case": case, "method": method, **result}
 
 
 def main() -> None:
