@@ -81,7 +81,8 @@ def test_a_gang_whose_coordinator_vanished_goes_on_in_the_next_hosts_without_hos
         stores.Known(3, (0, 1, 2), 0).write(record)
         members.append(member(addresses, host, 3, record, min_hosts=2))
     joined = []
-    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", lambda: False, {"a": 1})))
+    # Daemon threads: were the gang never to form, pytest would otherwise wait for them at exit.
+    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", lambda: False, {"a": 1})), daemon=True)
                for m in members]
     for t in threads:
         t.start()
@@ -102,13 +103,17 @@ def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_pa
     stop = threading.Event()
     m = member(addresses, 1, 3, record)
     other = member(addresses, 2, 3, record)
-    t = threading.Thread(target=lambda: other.join("xla", stop.is_set, {"a": 1}))
+    # A daemon thread, stopped however the test ends: a failed assertion once left it waiting for
+    # coordinators gone with the fixture, and pytest waited for it at exit.
+    t = threading.Thread(target=lambda: other.join("xla", stop.is_set, {"a": 1}), daemon=True)
     t.start()
-    started = time.monotonic()
-    assert m.join("xla", lambda: time.monotonic() > started + 2, {"a": 1}) is False  # still waiting after 2 s
-    assert stores.hosts_in(m.store, m._key("roster")) == {1, 2}
-    stop.set()
-    t.join(10)
+    try:
+        started = time.monotonic()
+        assert m.join("xla", lambda: time.monotonic() > started + 2, {"a": 1}) is False  # still waiting after 2 s
+        assert stores.hosts_in(m.store, m._key("roster")) == {1, 2}
+    finally:
+        stop.set()
+        t.join(10)
 
 
 def test_the_fence_refuses_a_commit_for_a_generation_the_others_left(coordinators):
@@ -119,7 +124,7 @@ def test_the_fence_refuses_a_commit_for_a_generation_the_others_left(coordinator
     now = [0.0]
     members = [GangMember("j", h, 2, address, 3.0, lambda e: None, restart_peers=False, clock=lambda: now[0])
                for h in (0, 1)]
-    threads = [threading.Thread(target=m.join, args=("xla", lambda: False, {"a": 1})) for m in members]
+    threads = [threading.Thread(target=m.join, args=("xla", lambda: False, {"a": 1}), daemon=True) for m in members]
     for t in threads:
         t.start()
     for t in threads:

@@ -65,18 +65,31 @@ def test_sigterm_checkpoints_then_stops_with_exit_75(tmp_path):
     assert not alive(worker)
 
 
-def test_a_killed_worker_is_restarted_and_resumes(tmp_path):
-    proc = tpud_run(tmp_path, "train.max_steps=100000", "checkpoint.interval_steps=3")
+def test_a_killed_worker_is_restarted_and_resumes_and_its_tensorboard_curves_go_on_without_going_back(tmp_path):
+    proc = tpud_run(tmp_path, "train.max_steps=100000", "checkpoint.interval_steps=3", "checkpoint.memory=null",
+                    f"logging.tensorboard={tmp_path / 'runs'}")
     worker = read_until(proc, "worker started")[-1]["pid"]
-    read_until(proc, "checkpoint committed")
+    committed = read_until(proc, "checkpoint committed")[-1]["step"]
+    # Two steps past the commit: the restart trains them again, and logs them again.
+    read_records(proc, lambda r: r["event"] == "step" and r["step"] >= committed + 2)
     os.kill(worker, signal.SIGKILL)
     backoff = next(r for r in read_until(proc, "job state") if r["event"] == "job state")
     assert backoff["state"] == "BACKOFF" and backoff["reason"].startswith("killed")
     restarted = read_until(proc, "checkpoint restored")[-1]
     assert restarted["step"] >= 3  # resumed from the checkpoint, not from zero
+    read_records(proc, lambda r: r["event"] == "step" and r["step"] >= committed + 4)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == exit_codes.STOPPED
+
+    from tests.test_tracking import read_board
+
+    shown = read_board(tmp_path / "runs" / "tiny-cpu")
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s",
+            "memory/host_rss_bytes", "goodput/ratio", "goodput/badput_startup_seconds"} <= set(shown)
+    steps = [step for step, _ in shown["train/loss"]]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= committed + 4  # each step once, in order
+    assert len(list((tmp_path / "runs" / "tiny-cpu").glob("events.out.tfevents.*"))) == 2  # a file a worker
 
 
 def test_worker_dies_with_a_killed_supervisor(tmp_path):

@@ -236,3 +236,68 @@ def test_eval_loss_is_logged_as_eval_loss_against_the_engine_step(wandb_env):
     metrics = {r.metric.glob_name or r.metric.name: r.metric.step_metric
                for r in records if r.WhichOneof("record_type") == "metric"}
     assert metrics.get("eval/*") == "train/step"
+
+
+# --- TensorBoard (tpud/tensorboard_log.py), read back with TensorBoard's own reader ---
+
+
+def read_board(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each tag's (step, value) as TensorBoard shows them: its reader, purging what a restart left behind."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def test_tensorboard_forgets_what_a_restart_trains_again_and_a_gs_directory_is_uploaded(tmp_path, gcs_server):
+    from tpud.tensorboard_log import TensorBoardLog
+
+    for directory in (str(tmp_path / "runs"), "gs://tpud-test/boards"):
+        board = TensorBoardLog(directory, "job", tmp_path / "staging" / directory[-5:])
+        board.begins_at(0)
+        for step in range(1, 9):  # steps 7 and 8 are lost in a crash: the state restored is step 6's
+            board.scalars({"train/loss": 10.0 - step, "perf/tokens_per_s": 100.0}, step)
+        board.begins_at(6)
+        for step in range(7, 11):
+            board.scalars({"train/loss": 100.0 + step}, step)
+        board.close()
+        if directory.startswith("gs://"):
+            local = tmp_path / "downloaded"
+            local.mkdir()
+            for blob in gcs_server.client().list_blobs("tpud-test", prefix="boards/job/"):
+                blob.download_to_filename(local / blob.name.rsplit("/", 1)[1])
+        else:
+            local = tmp_path / "runs" / "job"
+        shown = read_board(local)
+        assert shown["train/loss"] == [(s, 10.0 - s) for s in range(1, 7)] + [(s, 100.0 + s) for s in range(7, 11)]
+        assert [s for s, _ in shown["perf/tokens_per_s"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_first_hosts_tracker_logs_each_step_with_goodput_and_eval_and_restarts_the_curve(tmp_path):
+    from engine import events
+    from tpud.tracking import JobTracker
+
+    goodput = {"ratio": 0.75, "badput_seconds": {"startup": 3.0, "lost": 1.5}}
+    tracker = JobTracker(None, job="job", directory=tmp_path / "state", saved={}, newest_run_id=lambda: None,
+                         tensorboard=str(tmp_path / "runs"), goodput=lambda: goodput)
+    quiet = JobTracker(None, job="job", directory=tmp_path / "state1", saved={}, newest_run_id=lambda: None,
+                       tensorboard=str(tmp_path / "runs1"), goodput=lambda: goodput)
+    quiet.on_gang(events.Gang(host=1, hosts=2, present=2, generation=0, members=[0, 1]))  # not the first member
+    for t in (tracker, quiet):
+        t.on_started(events.Started(step=0))
+        for step in (1, 2, 3):
+            t.on_step(events.Step(step=step, loss=2.0 / step, grad_norm=1.0, lr=1e-3, tokens_per_s=50.0,
+                                  step_time_s=0.1, mfu=None))
+        t.on_eval(events.Eval(step=3, loss=1.25, perplexity=3.49, seconds=0.2))
+        t.on_rolled_back(events.RolledBack(step=3, kind="spike", reason="", restored_step=2, verdict="data", skip=None,
+                                           samples=None, redone_steps=1, seconds=0.1))
+        t.on_step(events.Step(step=3, loss=0.5, grad_norm=1.0, lr=1e-3, tokens_per_s=50.0, step_time_s=0.1))
+        t.close(10)
+    shown = read_board(tmp_path / "runs" / "job")
+    assert shown["train/loss"] == [(1, 2.0), (2, 1.0), (3, 0.5)]  # step 3 trained again after the rollback
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s", "goodput/ratio",
+            "goodput/badput_startup_seconds", "goodput/badput_lost_seconds", "eval/loss", "eval/perplexity"} <= set(shown)
+    assert "perf/mfu" not in shown  # no value (CPU without a peak): nothing logged, not a zero
+    assert shown["goodput/ratio"][0] == (1, 0.75)
+    assert not (tmp_path / "runs1").exists()

@@ -1,4 +1,5 @@
-"""Weights & Biases logging for one job, owned by the daemon (torch-free; wandb imported lazily).
+"""Weights & Biases logging for one job, owned by the daemon (torch-free; wandb imported lazily),
+and beside it TensorBoard's (logging.tensorboard: tpud/tensorboard_log.py), under the same tags.
 
 Design (logging.wandb in the job spec):
 - Only the daemon logs, from the host-side scalars of the worker's `step` events (rank 0's
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from engine import events
+from tpud.tensorboard_log import TensorBoardLog
 
 if TYPE_CHECKING:
     from engine.spec.schema import WandbConfig
@@ -263,7 +265,8 @@ class WandbRun:
 
 
 class JobTracker:
-    """The wandb side of one job: one run whatever restarts, whose steps never go back.
+    """The wandb side of one job: one run whatever restarts, whose steps never go back; and its
+    TensorBoard event files.
 
     The run id is created once per job and kept in job.json and in every checkpoint manifest,
     so a restart, a daemon restart or another host continues the same run. Only the host of
@@ -271,10 +274,14 @@ class JobTracker:
     """
 
     def __init__(self, cfg: WandbConfig | None, *, job: str, directory: Path, saved: dict,
-                 newest_run_id: Callable[[], str | None], config: Callable[[], dict] = dict):
+                 newest_run_id: Callable[[], str | None], config: Callable[[], dict] = dict,
+                 tensorboard: str | None = None, goodput: Callable[[], dict] = dict):
         """saved: the job record's {run_id, step}; newest_run_id(): the run id in the newest local checkpoint;
-        config(): the job's spec as plain data, for a run that starts."""
+        config(): the job's spec as plain data, for a run that starts; tensorboard: logging.tensorboard;
+        goodput(): the job's goodput snapshot (tpud/job/goodput.py), logged to TensorBoard with each step."""
         self.cfg, self.job, self.directory, self.config = cfg, job, directory, config
+        self.tensorboard, self.goodput = tensorboard, goodput
+        self.board: TensorBoardLog | None = None
         self._run_id: str | None = saved.get("run_id")
         self.step: int = saved.get("step", 0)
         self._newest_run_id = newest_run_id
@@ -319,21 +326,53 @@ class JobTracker:
     def on_step(self, event: events.Step) -> None:
         if self.rank == 0:
             self.log(event, self.config)
+            if (board := self._board()) is not None:
+                scalars = {metric_name(k): v for k in events.STEP_SCALARS if _is_scalar(v := getattr(event, k))}
+                goodput = self.goodput()
+                scalars.update({f"goodput/badput_{kind}_seconds": v for kind, v in goodput.get("badput_seconds", {}).items()})
+                if _is_scalar(goodput.get("ratio")):
+                    scalars["goodput/ratio"] = goodput["ratio"]
+                board.scalars(scalars, event.step)
 
     def on_eval(self, event: events.Eval) -> None:
         if self.rank == 0:
             self.log_eval(event)
+            if (board := self._board()) is not None:
+                board.scalars({"eval/loss": event.loss, "eval/perplexity": event.perplexity}, event.step)
+
+    def on_started(self, event: events.Started) -> None:
+        """A worker's loop begins at this step: TensorBoard forgets what was logged after it."""
+        if self.rank == 0 and (board := self._board()) is not None:
+            board.begins_at(event.step)
+
+    def on_rolled_back(self, event: events.RolledBack) -> None:
+        if self.rank == 0 and (board := self._board()) is not None:
+            board.begins_at(event.restored_step)
+
+    def _board(self) -> TensorBoardLog | None:
+        if self.board is None and self.tensorboard is not None:
+            self.board = TensorBoardLog(self.tensorboard, self.job, self.directory / "tensorboard")
+        return self.board
+
+    def adopt(self, cfg: WandbConfig | None, tensorboard: str | None) -> None:
+        """The job file changed: a TensorBoard directory of its own from now on."""
+        self.cfg = cfg
+        if tensorboard != self.tensorboard:
+            self.finish_in_background()
+            self.tensorboard = tensorboard
 
     def finish_in_background(self) -> None:
-        """The job ended: finish the run without waiting (a restart resumes it)."""
-        if self.run is not None:
-            threading.Thread(target=self.run.close, name=f"wandb-{self.job}", daemon=True).start()
-            self.run = None
+        """The job ended: finish the run and the event files without waiting (a restart resumes them)."""
+        for sink, name in ((self.run, "wandb"), (self.board, "tensorboard")):
+            if sink is not None:
+                threading.Thread(target=sink.close, name=f"{name}-{self.job}", daemon=True).start()
+        self.run = self.board = None
 
     def close(self, timeout: float) -> None:
-        if self.run is not None:
-            self.run.close(timeout)
-            self.run = None
+        for sink in (self.run, self.board):
+            if sink is not None:
+                sink.close(timeout)
+        self.run = self.board = None
 
     def to_dict(self) -> dict:
         return {"run_id": self._run_id, "step": self.step}

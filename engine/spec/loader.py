@@ -130,7 +130,7 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits
     if hf_problems := _with_hf_model(data, origins):
         raise SpecError(hf_problems)
     try:
-        return LoadedSpec(_with_absolute_datasets(JobSpec.model_validate(data), origins), origins)
+        return LoadedSpec(_with_absolute_paths(JobSpec.model_validate(data), origins), origins)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         problems = [_problem(error, origins) for error in errors[:MAX_PROBLEMS]]
@@ -149,12 +149,14 @@ def _absolute(path: str, key: str, origins: Mapping[str, Origin]) -> str:
     return str((base / path).absolute())
 
 
-def _with_absolute_datasets(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
-    """The worker, started elsewhere, gets absolute dataset paths."""
+def _with_absolute_paths(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
+    """The worker, started elsewhere, gets absolute dataset paths; the daemon an absolute TensorBoard directory."""
     if spec.data.dataset is not None:
         spec.data.dataset = _absolute(spec.data.dataset, "data.dataset", origins)
     for i, entry in enumerate(spec.data.mixture):
         entry.dataset = _absolute(entry.dataset, f"data.mixture.{i}.dataset", origins)
+    if spec.logging.tensorboard is not None:
+        spec.logging.tensorboard = _absolute(spec.logging.tensorboard, "logging.tensorboard", origins)
     return spec
 
 

@@ -8,6 +8,7 @@ and never imports torch. Loading YAML (includes, overrides, line numbers) lives 
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Literal, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError,
@@ -15,6 +16,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegative
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine.spec.fingerprint import RESUMABLE
+
+_GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/\S*)?$")
 
 
 class Section(BaseModel):
@@ -780,6 +783,25 @@ class WandbConfig(Section):
 class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     wandb: WandbConfig | None = Field(None, description="Off unless set.")
+    tensorboard: str | None = Field(
+        None, description="A directory, local or gs://bucket/prefix, where the daemon of the job's first host "
+        "writes its TensorBoard event files, under <directory>/<job>/: the step's scalars as wandb's tags, the "
+        "validation loss, goodput and badput; a resumed run's curves go on from the step it restored (what was "
+        "logged after it is purged). Off unless set.")
+
+    @model_validator(mode="after")
+    def _a_directory(self) -> LoggingConfig:
+        value = self.tensorboard
+        if value is None:
+            return self
+        if value.startswith("gs:"):
+            wrong = None if _GCS_URL.match(value) else "must be gs://bucket[/prefix]"
+        else:
+            wrong = None if value.strip() and "\0" not in value else "must name a directory"
+        if wrong:
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("directory", wrong), loc=("tensorboard",), input=value)])
+        return self
 
 
 class JobSpec(Section):

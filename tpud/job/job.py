@@ -119,7 +119,8 @@ class Job:
         self.checkpoints.found_local(self.tiers.local_job_dir)
         self.tracker = JobTracker(spec.logging.wandb, job=self.name, directory=paths.job_dir(self.name),
                                   saved=self.record.wandb, newest_run_id=lambda: self.tiers.newest_run_id(),
-                                  config=lambda: json.loads(self.spec.model_dump_json(by_alias=True)))
+                                  config=lambda: json.loads(self.spec.model_dump_json(by_alias=True)),
+                                  tensorboard=spec.logging.tensorboard, goodput=self.ledger.snapshot)
         self.metrics.job_state(self.name, self.state.value)
 
     # --- the record ---
@@ -244,7 +245,7 @@ class Job:
 
     def _adopt(self, spec: JobSpec) -> None:
         self.spec, self.next_spec = spec, None
-        self.tracker.cfg = spec.logging.wandb
+        self.tracker.adopt(spec.logging.wandb, spec.logging.tensorboard)
         self.metrics.job_series(self.name, tiers=CheckpointTiers.names(spec), restart_reasons=())  # a tier it gained
         self.tiers = self.tiers.adopt(spec)
 

@@ -14,7 +14,7 @@ from engine import events
 ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.Hello: ("tracker", "report", "watch"),
     events.Heartbeat: ("report", "watch", "job"),
-    events.Started: ("watch", "ledger", "job"),
+    events.Started: ("watch", "ledger", "tracker", "job"),
     events.Step: ("watch", "checkpoints", "report", "ledger", "tracker", "job"),
     events.Eval: ("report", "tracker"),
     events.CheckpointStarted: ("watch",),
@@ -22,7 +22,7 @@ ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.CheckpointFailed: ("checkpoints", "watch", "job"),
     events.CheckpointRestored: ("report",),
     events.NonFinite: ("report",),
-    events.RolledBack: ("report", "ledger"),
+    events.RolledBack: ("report", "ledger", "tracker"),
     events.ReplicaMismatch: ("report",),
     events.Straggler: ("report",),
     events.Gang: ("gang", "tracker"),
