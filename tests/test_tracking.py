@@ -301,3 +301,20 @@ def test_the_first_hosts_tracker_logs_each_step_with_goodput_and_eval_and_restar
     assert "perf/mfu" not in shown  # no value (CPU without a peak): nothing logged, not a zero
     assert shown["goodput/ratio"][0] == (1, 0.75)
     assert not (tmp_path / "runs1").exists()
+
+
+def test_a_job_file_that_moves_its_tensorboard_directory_logs_there_from_the_next_step(tmp_path):
+    from engine import events
+    from tpud.tracking import JobTracker
+
+    tracker = JobTracker(None, job="job", directory=tmp_path / "state", saved={}, newest_run_id=lambda: None,
+                         tensorboard=str(tmp_path / "before"))
+    step = lambda n: events.Step(step=n, loss=1.0 / n, grad_norm=1.0, lr=1e-3, tokens_per_s=5.0, step_time_s=0.1)  # noqa: E731
+    tracker.on_step(step(1))
+    before = tracker.board
+    tracker.adopt(None, str(tmp_path / "after"))  # the old directory's writer finishes in the background
+    tracker.on_step(step(2))
+    tracker.close(10)
+    before._thread.join(10)
+    assert [s for s, _ in read_board(tmp_path / "before" / "job")["train/loss"]] == [1]
+    assert [s for s, _ in read_board(tmp_path / "after" / "job")["train/loss"]] == [2]

@@ -358,8 +358,9 @@ class JobTracker:
         """The job file changed: a TensorBoard directory of its own from now on."""
         self.cfg = cfg
         if tensorboard != self.tensorboard:
-            self.finish_in_background()
-            self.tensorboard = tensorboard
+            if self.board is not None:
+                threading.Thread(target=self.board.close, name=f"tensorboard-{self.job}", daemon=True).start()
+            self.board, self.tensorboard = None, tensorboard
 
     def finish_in_background(self) -> None:
         """The job ended: finish the run and the event files without waiting (a restart resumes them)."""
