@@ -18,7 +18,7 @@ from engine.attention.sdpa import sdpa_attention
 from engine.backends.base import Backend
 from engine.backends.torch_native import KERNELS
 from engine.data.batch import IGNORE, Batch
-from engine.data.dataset import Shuffled, Windows, open_data
+from engine.data.dataset import Windows, open_data
 from engine.data.loader import PackedLoader
 from engine.prepare.pipeline import prepare
 from engine.prepare.command import Options
