@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine.health.faults import Faults
-from engine.health.stragglers import StragglerJudge
+from engine.health.stragglers import TOLERANCE, StragglerJudge
 from engine.spec.schema import InjectConfig
 from testkit.helpers import committed, data_parallel
 
@@ -78,6 +78,7 @@ def test_a_slowed_process_is_flagged_and_evicted_after_a_save(tmp_path):
     for rank, report in enumerate(ranks):
         (event,) = report["stragglers"]
         assert (event["straggler"], event["rank"], event["flagged"], event["evicted"]) == (1, rank, True, True)
-        assert event["step"] == step and event["ratio"] >= 2.5
+        # Flagged at the factor less the judge's allowance for timing noise (once in CI: 2.483).
+        assert event["step"] == step and event["ratio"] >= TOLERANCE * 2.5
         assert report["steps"][-1] == step
     assert committed(tmp_path / "checkpoints" / "tiny-cpu")[-1] == (step, 0)
