@@ -205,3 +205,32 @@ def test_every_host_runs_its_own_coordinator_when_the_gang_lists_them():
     assert alone.own_coordinator is None  # only host 0 runs one
     tpu = discover(Settings(), {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "w0,w1"})
     assert tpu.addresses == ("w0:8476", "w1:8476") and tpu.own_coordinator == "w1:8476"
+
+
+def test_a_hosts_other_processes_wait_for_the_gang_its_first_formed_or_for_a_stop(monkeypatch):
+    """tpud/worker/gang/host.py: local rank 0 serves the host's store and says which gang formed; the
+    others wait for it, telling their daemon they live, and give up on a stop. Local rank 0 gone
+    without a stop is its failure: the wait raises (the daemon ends the host's processes anyway)."""
+    import gc
+
+    from testkit.helpers import free_port
+    from tpud.worker.gang import host
+    from tpud.worker.gang.host import Formed, HostProcesses
+
+    monkeypatch.setattr(host, "POLL_S", 0.05)
+    monkeypatch.setattr(host, "STOP_GRACE_S", 0.2)
+    env = {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    assert HostProcesses.from_env({"LOCAL_WORLD_SIZE": "1"}) is None
+    first, second = (HostProcesses.from_env({**env, "LOCAL_RANK": str(r)}) for r in (0, 1))
+    assert first.leads and not second.leads
+    first.store()
+    beats: list[int] = []
+    assert second.wait(lambda: len(beats) >= 2, lambda: beats.append(1)) is None  # a stop while waiting
+    first.share(Formed(4, [0, 2], 2))
+    assert second.wait(lambda: False, lambda: None) == Formed(4, [0, 2], 2)
+    waiting = HostProcesses.from_env({**env, "LOCAL_RANK": "1"})
+    waiting.store()
+    first._store = None  # local rank 0's process is gone, and its store with it; no stop was asked
+    gc.collect()
+    with pytest.raises((RuntimeError, OSError)):
+        waiting.wait(lambda: False, lambda: None)
