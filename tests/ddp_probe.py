@@ -14,6 +14,7 @@ from engine.hooks import Boundary
 from engine.requests import Action, Request
 from engine.spec.loader import load_spec
 from engine.train import Trainer
+from tpud.worker.entry import run_and_exit
 from testkit.recorders import StepLosses
 
 
@@ -48,4 +49,6 @@ def main(job: str, state_dir: str, *overrides: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    # Ended as the worker ends (joined threads, atexit, flushed, os._exit): finalising the interpreter
+    # after a process group's use once aborted here ("terminate called without an active exception").
+    run_and_exit(lambda: main(*sys.argv[1:]))

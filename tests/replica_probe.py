@@ -11,6 +11,7 @@ import torch.distributed as dist
 from engine import events
 from engine.spec.loader import load_spec
 from engine.train import Trainer
+from tpud.worker.entry import run_and_exit
 from testkit.recorders import Recorder
 
 
@@ -29,4 +30,4 @@ def main(job: str, state_dir: str, *overrides: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    run_and_exit(lambda: main(*sys.argv[1:]))  # as the worker ends: no interpreter finalisation to abort in
