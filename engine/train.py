@@ -54,7 +54,8 @@ from engine.health.stragglers import StragglerWatch
 from engine.layout import StateLayout
 from engine.hooks import Boundary, Hooks, SignalHooks
 from engine.requests import Action, Request, merge
-from engine.losses import LossFn, build_loss, resolve_loss_name
+from engine.distill.teacher import IDENTITY, Teacher
+from engine.losses import DistillFn, LossFn, build_distill_loss, build_loss, resolve_loss_name
 from engine.checkpoint.manifest import parts
 from engine.hf import remote as hf_remote
 from engine.hf.weights import hf_values
@@ -71,11 +72,22 @@ FINAL_RETRY = Backoff(initial=1.0, maximum=10.0)  # a final checkpoint that fail
 
 
 class LanguageModel(nn.Module):
-    """The model plus its loss, so one forward call (and one DDP/SPMD wrapper) covers both."""
+    """The model plus its loss, so one forward call (and one DDP/SPMD wrapper) covers both. With a
+    distillation teacher (engine.distill), the teacher too: frozen, in eval mode, wrapped and sharded
+    with the student, and its loss is distill_fn's while gradients are taken (an evaluation's loss
+    stays the language model's cross-entropy, comparable with a run without a teacher)."""
 
-    def __init__(self, model: Transformer, loss_fn: LossFn):
+    def __init__(self, model: Transformer, loss_fn: LossFn, teacher: Transformer | None = None,
+                 distill_fn: DistillFn | None = None):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
+        self.teacher, self.distill_fn = teacher, distill_fn
+
+    def train(self, mode: bool = True) -> LanguageModel:
+        super().train(mode)
+        if self.teacher is not None:
+            self.teacher.eval()
+        return self
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,6 +104,13 @@ class LanguageModel(nn.Module):
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
             hidden = hidden.to(torch.get_autocast_dtype(device))
+        if self.teacher is not None and torch.is_grad_enabled():
+            with torch.no_grad(), record_function("tpud.teacher"):
+                teacher_hidden, _ = self.teacher.hidden_and_routing(inputs, segments, positions)
+            with record_function("tpud.loss"):
+                loss = self.distill_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten(),
+                                       teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight)
+            return loss, router
         with record_function("tpud.loss"):
             loss = self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
         return loss, router
@@ -106,6 +125,7 @@ class Warm:
     optimizer: torch.optim.Optimizer
     progress: Progress
     skips: list
+    teacher: Transformer | None = None
 
 
 class Trainer:
@@ -125,7 +145,9 @@ class Trainer:
         micro_batch_size, accum = self._fitted_geometry()
         kernel, source = self._build_model(layout, checkpoints, micro_batch_size, accum, warm)
         data = self._open_data(layout, source, micro_batch_size, accum)
-        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, fingerprint(spec),
+        if self.teacher is not None:
+            self.teacher.check_tokenizer(data.tokenizer)
+        self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, self._fingerprint(),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
                                          self.hooks.emit, hosts, memory_dir=runtime.memory_dir,
                                          disruptions_per_hour=runtime.disruptions_per_hour,
@@ -167,9 +189,11 @@ class Trainer:
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
         source = None
+        self.teacher = None if spec.distill is None else Teacher(spec.distill, layout.models(), spec.data.seq_len)
         if warm is not None:
-            self.model, weights = warm.model, None
+            self.model, weights, teacher = warm.model, None, warm.teacher
         else:
+            teacher = None if self.teacher is None else self.teacher.build(attention, build_mask(kernel))
             # Built on the meta device, then given its weights one tensor at a time in their final
             # placement: made on the host from the seed, so every backend starts from the same weights.
             with torch.device("meta"):
@@ -181,17 +205,22 @@ class Trainer:
                 weights = hf_values(self.model, source)
             else:
                 weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
+        self.teacher_model = teacher
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
         self.capacity = capacity = self.backend.memory_capacity()  # collective: read once, by every rank
-        self.loss_name = resolve_loss_name(spec.loss, spec.model, per_device, capacity)
+        self.loss_name = (f"distill:{spec.distill.loss}" if spec.distill is not None
+                          else resolve_loss_name(spec.loss, spec.model, per_device, capacity))
         language_model = LanguageModel(self.model, build_loss(spec.loss, spec.model, per_device, self.backend.compile,
-                                                              capacity))
+                                                              capacity),
+                                       teacher, build_distill_loss(spec.distill, self.backend.compile) if teacher else None)
         if warm is None:
-            for block in self.model.layers:
+            for block in [*self.model.layers, *(teacher.layers if teacher is not None else ())]:
                 self.backend.compile(block)
             self.backend.shard(language_model)
             self.backend.materialise(self.model, weights)
+            if teacher is not None:
+                self.backend.materialise(teacher, self.teacher.values(teacher))
         # Before the model is wrapped (DDP's constructor is collective): every rank sharing this
         # state directory (torchrun on one host) reads the fault markers before any can fire one.
         inject = spec.debug.inject
@@ -203,6 +232,13 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(spec.optimizer, self.model, self.backend.device)
         return kernel, source
+
+    def _fingerprint(self) -> dict:
+        """What each checkpoint records of the spec: the spec's fingerprint, and the teacher's identity."""
+        values = fingerprint(self.spec)
+        if self.teacher is not None:
+            values[IDENTITY] = self.teacher.identity
+        return values
 
     def _open_data(self, layout: StateLayout, source: str | None, micro_batch_size: int, accum):
         """The training batches (loader, prefetcher, skip ledger) and the evaluator: the opened data."""
@@ -241,9 +277,11 @@ class Trainer:
         else:
             self.progress = self.checkpointer.restore() or Progress()
         if (restored := self.checkpointer.restored) is not None:
+            allowed = self.spec.checkpoint.allow_spec_changes
             if hosts is not None or restored.hosts > 1:  # a gang's commit, or a gang resuming
-                check_resume(restored.fingerprint, self.checkpointer.fingerprint,
-                             self.spec.checkpoint.allow_spec_changes, restored.step)
+                check_resume(restored.fingerprint, self.checkpointer.fingerprint, allowed, restored.step)
+            else:
+                self._check_same_teacher(restored.fingerprint or {}, restored.step, allowed)
             saved = self.checkpointer.restored_loader
             self._check_same_data(saved)
             # A checkpoint made on another host carries skips that this host's state file lacks, in
@@ -278,7 +316,8 @@ class Trainer:
         self.replicas.close()
         p = self.progress  # the step in flight is redone: its micro-batches' tokens are not seen yet
         unseen = p.micro_step * self.loader.micro_batch_size * self.spec.data.seq_len * self.backend.data.world
-        return Warm(self.model, self.optimizer, Progress(p.step, 0, p.tokens_seen - unseen), list(self.loader.skips))
+        return Warm(self.model, self.optimizer, Progress(p.step, 0, p.tokens_seen - unseen), list(self.loader.skips),
+                    self.teacher_model)
 
     def _take_live_state(self, source: int) -> None:
         """The gang's newest live state, sent by rank `source` to every rank (one broadcast on the
@@ -305,6 +344,16 @@ class Trainer:
         log.info("state taken from a peer" if rank != source else "state sent to the gang", step=self.progress.step,
                  source=source, bytes=size, seconds=round(seconds, 3),
                  bytes_per_s=round(size / seconds) if seconds > 0 else None)
+
+    def _check_same_teacher(self, saved: dict, step: int, allowed: list[str]) -> None:
+        """A distilled checkpoint resumes only with the teacher it was distilled from (a gang's
+        resume compares this with the rest of the spec)."""
+        before = saved.get(IDENTITY)
+        if self.teacher is None or before is None or before == self.teacher.identity or "distill" in allowed:
+            return
+        raise ConfigError("distill.teacher", f"the checkpoint at step {step} was distilled from another teacher "
+                          f"(identity {before}; {self.teacher.source.path} is {self.teacher.identity}): name that "
+                          "teacher again, or list distill in checkpoint.allow_spec_changes to go on with this one")
 
     def _check_same_data(self, saved: dict) -> None:
         """A resume on different data is an error, unless the job says data.allow_change."""

@@ -110,7 +110,10 @@ class TorchBackend(Backend):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.mesh if self.sizes["data"] > 1 else self.mesh["fsdp"]
-        for block in model.model.layers:
+        # A distillation teacher's blocks are gathered one at a time too; its embedding, norm and
+        # head join the root's group with the student's (gathered for the whole forward and loss).
+        teacher = getattr(model, "teacher", None)
+        for block in [*model.model.layers, *(teacher.layers if teacher is not None else ())]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
 

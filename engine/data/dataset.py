@@ -177,6 +177,7 @@ class TrainingData:
     identity: str  # what a checkpoint records: the datasets' identities and weights, or the corpus
     max_token: int  # the largest token id the data may hold
     description: dict  # for the start-up log line
+    tokenizer: Path | None = None  # the first dataset's tokenizer.json (None: bytes, the corpus)
 
 
 def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
@@ -233,8 +234,10 @@ def _open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
     description = {"datasets": [str(p.path) for p in prepared], "weights": weights,
                    "train_tokens": sum(p.manifest.splits["train"].tokens for p in prepared),
                    "val_tokens": sum(p.manifest.splits["val"].tokens for p in prepared if "val" in p.manifest.splits)}
+    tokenizer = prepared[0].path / "tokenizer.json"
     return TrainingData(train_samples, val_samples, identity,
-                        max(p.manifest.tokenizer.vocab_size for p in prepared) - 1, description)
+                        max(p.manifest.tokenizer.vocab_size for p in prepared) - 1, description,
+                        tokenizer if tokenizer.is_file() else None)
 
 
 def _open(path: str, key: str, cache_root: Path) -> Prepared:

@@ -100,28 +100,28 @@ def engine_name(hf_name: str) -> str | None:
     return None
 
 
-def _files(directory: Path) -> dict[str, list[str] | None]:
+def _files(directory: Path, key: str) -> dict[str, list[str] | None]:
     """safetensors file -> the names the index promises in it (None: whatever it holds)."""
     index = directory / INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError("model.init_from", f"{index}: not a safetensors index: {e}") from None
+            raise ConfigError(key, f"{index}: not a safetensors index: {e}") from None
         files: dict[str, list[str] | None] = {}
         for name, file in weight_map.items():
             files.setdefault(file, []).append(name)
         return files
     single = sorted(p.name for p in directory.glob("*.safetensors"))
     if not single:
-        raise ConfigError("model.init_from", f"{directory}: no *.safetensors weights")
+        raise ConfigError(key, f"{directory}: no *.safetensors weights")
     return dict.fromkeys(single)
 
 
-def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_values(model: Transformer, directory: str | Path, key: str = "model.init_from") -> Iterator[tuple[str, torch.Tensor]]:
     """(engine parameter name, host tensor) for each weight in the directory, read one at a time and
     checked against `model`'s shapes (the model may live on the meta device); ConfigError naming what
-    is missing or mismatched."""
+    is missing or mismatched, against `key` (the job's key that names the directory)."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -129,17 +129,17 @@ def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, 
     loaded: set[str] = set()
     # Expert tensors being gathered: the tensor and the experts it has so far.
     partial: dict[str, tuple[torch.Tensor, set[int]]] = {}
-    for file, promised in _files(directory).items():
+    for file, promised in _files(directory, key).items():
         path = directory / file
         if not path.is_file():
-            raise ConfigError("model.init_from", f"{path}: missing (named by {INDEX})")
+            raise ConfigError(key, f"{path}: missing (named by {INDEX})")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name_there in promised or f.keys():
                     if _FUSED.match(name_there):
                         for name, tensor in fused_experts(name_there, f.get_tensor(name_there)):
                             if name not in params or tensor.shape != params[name].shape:
-                                raise ConfigError("model.init_from", f"{path}: {name_there} holds {name} of shape "
+                                raise ConfigError(key, f"{path}: {name_there} holds {name} of shape "
                                                   f"{list(tensor.shape)}; the model expects "
                                                   f"{list(params[name].shape) if name in params else 'no experts'}")
                             loaded.add(name)
@@ -150,7 +150,7 @@ def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, 
                         shape = params[name].shape
                         tensor = f.get_tensor(name_there)
                         if expert >= shape[0] or tensor.shape != shape[1:]:
-                            raise ConfigError("model.init_from", f"{path}: {name_there} has shape "
+                            raise ConfigError(key, f"{path}: {name_there} has shape "
                                               f"{list(tensor.shape)}, the model expects {shape[0]} experts of "
                                               f"{list(shape[1:])}")
                         whole, have = partial.setdefault(name, (torch.empty(shape, dtype=params[name].dtype), set()))
@@ -165,19 +165,19 @@ def hf_values(model: Transformer, directory: str | Path) -> Iterator[tuple[str, 
                     if name is None or name not in params:
                         if name == "output.weight" and model.output is None or _IGNORED.search(name_there):
                             continue  # a tied model's copy of the embedding, or a derived buffer
-                        raise ConfigError("model.init_from", f"{path}: unexpected tensor {name_there}")
+                        raise ConfigError(key, f"{path}: unexpected tensor {name_there}")
                     tensor = f.get_tensor(name_there)
                     if tensor.shape != params[name].shape:
-                        raise ConfigError("model.init_from", f"{path}: {name_there} has shape {list(tensor.shape)}, "
+                        raise ConfigError(key, f"{path}: {name_there} has shape {list(tensor.shape)}, "
                                           f"the model expects {list(params[name].shape)}")
                     loaded.add(name)
                     yield name, tensor.to(params[name].dtype)
         except SafetensorError as e:
-            raise ConfigError("model.init_from", f"{path}: unreadable safetensors file: {e}") from None
+            raise ConfigError(key, f"{path}: unreadable safetensors file: {e}") from None
     if missing := sorted(set(params) - loaded):
-        raise ConfigError("model.init_from", f"{directory}: no weights for {', '.join(missing[:5])}"
+        raise ConfigError(key, f"{directory}: no weights for {', '.join(missing[:5])}"
                           + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    log.info("weights loaded", init_from=str(directory), tensors=len(loaded))
+    log.info("weights loaded", key=key, directory=str(directory), tensors=len(loaded))
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Loss registry: loss(hidden [N, D], output weight [V, D], targets [N]) -> scalar mean.
+"""Loss registry: loss(hidden [N, D], output weight [V, D], targets [N]) -> scalar mean, and distillation's
+(the same plus the teacher's hidden states and head).
 
 `loss.name: auto` picks by size: the full-logits cross-entropy while one micro-batch's fp32
 logits on one device fit `loss.logits_budget_mib` (it is the fastest there: one matmul, and
@@ -17,9 +18,13 @@ import torch
 from engine.losses.cce import linear_cross_entropy
 from engine.losses.ce import cross_entropy, token_losses
 from engine.losses.chunked import chunked_cross_entropy
-from engine.spec.schema import LossConfig, ModelConfig
+from engine.losses.distill import chunked_distill_loss
+from engine.losses.distill import token_losses as distill_token_losses
+from engine.spec.schema import DistillConfig, LossConfig, ModelConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (student hidden, student head, targets, teacher hidden, teacher head) -> scalar mean
+DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 DEFAULT_BUDGET_MIB = 1024  # where the device's memory is unknown (cpu, xla): a TPU v5e's HBM / 16
@@ -53,3 +58,10 @@ def build_loss(cfg: LossConfig, model: ModelConfig, tokens_per_device: int,
         return functools.partial(chunked_cross_entropy, chunk_tokens=cfg.chunk_tokens,
                                  losses=compile(token_losses), **terms)
     return compile(functools.partial(cross_entropy, **terms))
+
+
+def build_distill_loss(cfg: DistillConfig, compile: Callable[[Callable], Callable] = lambda fn: fn) -> DistillFn:
+    """Distillation's loss (engine.losses.distill), always in token chunks: neither model's logits
+    ever exist for the whole micro-batch; `compile` is applied to each chunk's math."""
+    return functools.partial(chunked_distill_loss, kind=cfg.loss, temperature=cfg.temperature, beta=cfg.beta,
+                             alpha=cfg.alpha, chunk_tokens=cfg.chunk_tokens, losses=compile(distill_token_losses))

@@ -130,13 +130,33 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits
     if hf_problems := _with_hf_model(data, origins):
         raise SpecError(hf_problems)
     try:
-        return LoadedSpec(_with_absolute_paths(JobSpec.model_validate(data), origins), origins)
+        spec = _with_absolute_paths(JobSpec.model_validate(data), origins)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         problems = [_problem(error, origins) for error in errors[:MAX_PROBLEMS]]
         if len(errors) > MAX_PROBLEMS:
             problems.append(Problem(file, None, "", f"... and {len(errors) - MAX_PROBLEMS} more problems"))
         raise SpecError(problems) from None
+    if teacher_problems := _teacher_problems(spec, origins):
+        raise SpecError(teacher_problems)
+    return LoadedSpec(spec, origins)
+
+
+def _teacher_problems(spec: JobSpec, origins: Mapping[str, Origin]) -> list[Problem]:
+    """A distillation teacher must exist and share the student's vocabulary (engine.distill.source)."""
+    if spec.distill is None:
+        return []
+    from engine.distill.source import TeacherError, resolve
+
+    try:
+        teacher = resolve(spec.distill.teacher)
+    except TeacherError as e:
+        return [_located("distill.teacher", str(e), origins)]
+    if teacher.vocab_size != spec.model.vocab_size:
+        return [_located("distill.teacher", f"{teacher.path}: the teacher's vocabulary has {teacher.vocab_size} "
+                         f"tokens, the student's (model.vocab_size) {spec.model.vocab_size}: a teacher must "
+                         "share the student's tokenizer", origins)]
+    return []
 
 
 def _absolute(path: str, key: str, origins: Mapping[str, Origin]) -> str:
@@ -150,13 +170,16 @@ def _absolute(path: str, key: str, origins: Mapping[str, Origin]) -> str:
 
 
 def _with_absolute_paths(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
-    """The worker, started elsewhere, gets absolute dataset paths; the daemon an absolute TensorBoard directory."""
+    """The worker, started elsewhere, gets absolute dataset and teacher paths; the daemon an absolute TensorBoard
+    directory."""
     if spec.data.dataset is not None:
         spec.data.dataset = _absolute(spec.data.dataset, "data.dataset", origins)
     for i, entry in enumerate(spec.data.mixture):
         entry.dataset = _absolute(entry.dataset, f"data.mixture.{i}.dataset", origins)
     if spec.logging.tensorboard is not None:
         spec.logging.tensorboard = _absolute(spec.logging.tensorboard, "logging.tensorboard", origins)
+    if spec.distill is not None:
+        spec.distill.teacher = _absolute(spec.distill.teacher, "distill.teacher", origins)
     return spec
 
 

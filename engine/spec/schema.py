@@ -465,6 +465,28 @@ class LossConfig(Section):
         return self
 
 
+class DistillConfig(Section):
+    """Knowledge distillation: the student (this job's model) learns a frozen teacher's distribution
+    over the vocabulary, token by token, in chunks (engine.losses.distill). The teacher runs beside
+    the student, in eval mode, sharded like it, and is never checkpointed; its identity (a digest of
+    its weight files) is recorded in every checkpoint and must be the same on resume."""
+
+    teacher: str = Field(description="The teacher: a Hugging Face model directory (local or gs://), or a tpud "
+                         "checkpoint (a job's checkpoint directory, meaning its newest committed step, or one "
+                         "step_N directory). Its vocabulary must be the student's (model.vocab_size and the "
+                         "tokenizer).")
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl", description="forward_kl: KL(teacher || student), Hinton's soft targets; reverse_kl: "
+        "KL(student || teacher), mode-seeking; jsd: the generalised Jensen-Shannon divergence (beta).")
+    beta: float = Field(0.5, gt=0, lt=1, description="jsd only: the teacher's weight in the mixture.")
+    temperature: float = Field(1.0, gt=0, description="Both distributions are softened by it; the loss is "
+                               "scaled by its square so the gradients keep their size.")
+    alpha: float = Field(0.0, ge=0, le=1, description="The weight of the hard-label cross-entropy: loss = (1 - "
+                         "alpha) x divergence + alpha x CE. 0 (the default): the divergence alone.")
+    chunk_tokens: PositiveInt | None = Field(
+        None, description="Tokens per chunk of the loss (default: an eighth of the micro-batch's, at least 256).")
+
+
 class MeshConfig(Section):
     """How the devices share the model. One axis may be -1: all devices not used by the others.
     Under xla, SPMD axes over the host's devices; on cpu and cuda, over the job's processes: an
@@ -819,6 +841,7 @@ class JobSpec(Section):
     health: HealthConfig = HealthConfig()
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig | None = Field(None, description="Off unless set.")
+    distill: DistillConfig | None = Field(None, description="Off unless set.")
     debug: DebugConfig = DebugConfig()
 
     @model_validator(mode="after")
@@ -858,6 +881,12 @@ class JobSpec(Section):
         if self.eval is not None and not self.data.datasets:
             problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
                     "validation split")
+        if self.distill is not None:
+            loss = self.loss
+            for key, default in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("focal_gamma", 0.0)):
+                if getattr(loss, key) != default:
+                    problem(("loss", key), getattr(loss, key), "does not apply to distillation's loss "
+                            "(distill.alpha weighs a plain cross-entropy); leave it out")
         if self.scheduler.warmup_steps >= self.train.max_steps:
             problem(
                 ("scheduler", "warmup_steps"), self.scheduler.warmup_steps,

@@ -1,0 +1,165 @@
+"""Distillation as a job runs it (`distill:`): a teacher from a tpud checkpoint or a Hugging Face
+directory, refused when its vocabulary or tokenizer is not the student's or when it changed under
+a resume, and a run SIGKILLed mid-way that ends bit for bit as the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from engine import events
+from engine.errors import ConfigError
+from engine.spec.loader import SpecError
+from engine.train import Trainer
+from tests.conftest import PYTHON, TINY_JOB, python_env, tiny
+from testkit.recorders import StepLosses
+
+SHORT = ("train.log_interval=4", "scheduler.warmup_steps=2", "data.micro_batch_size=4", "data.seq_len=64",
+         "checkpoint.interval_steps=0")
+
+
+def train(spec, home, hooks=None):
+    hooks = hooks or StepLosses()
+    trainer = Trainer(spec, home, hooks)
+    return trainer, hooks, trainer.run()
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A teacher's checkpoint directory: the tiny model trained 20 steps (its newest commit, step 20)."""
+    home = tmp_path_factory.mktemp("teacher")
+    train(tiny(*SHORT, "name=teacher", "train.max_steps=20"), home)
+    return home / "checkpoints" / "teacher"
+
+
+def student(teacher_dir, *overrides):
+    return tiny(*SHORT, "name=student", "model.dim=64", "model.n_layers=2", "model.ffn_dim=192",
+                f"distill.teacher={teacher_dir}", *overrides)
+
+
+def test_the_student_learns_the_teachers_distribution_and_nothing_of_the_teacher_is_trained_or_saved(teacher, tmp_path):
+    trainer, hooks, code = train(student(teacher, "train.max_steps=6", "checkpoint.interval_steps=3"), tmp_path)
+    assert code == 0 and len(hooks.losses) == 6
+    assert hooks.losses[-1] < hooks.losses[0] - 0.3  # the divergence from the teacher falls
+    assert all(not p.requires_grad and p.grad is None for p in trainer.teacher_model.parameters())
+    assert not trainer.teacher_model.training and trainer.module.model.training
+    committed = json.loads((tmp_path / "checkpoints" / "student" / "step_000000006" / "manifest.json").read_text())
+    names = {f["path"] for f in committed["files"]}
+    assert committed["fingerprint"]["distill.teacher_identity"] == trainer.teacher.identity
+    metadata = torch.distributed.checkpoint.FileSystemReader(
+        str(tmp_path / "checkpoints" / "student" / "step_000000006")).read_metadata().state_dict_metadata
+    assert names and not any("teacher" in key for key in metadata)  # the student's state alone
+    assert sum(m.size.numel() for k, m in metadata.items() if k.startswith("model.")) == sum(
+        p.numel() for p in trainer.model.parameters())
+
+
+def test_with_alpha_one_distillation_is_the_hard_label_run(teacher, tmp_path):
+    """alpha weighs the hard-label cross-entropy: at 1 the teacher has no say, at 0 only the teacher."""
+    _, hard, _ = train(tiny(*SHORT, "name=student", "model.dim=64", "model.n_layers=2", "model.ffn_dim=192",
+                            "train.max_steps=3"), tmp_path / "hard")
+    _, alpha1, _ = train(student(teacher, "train.max_steps=3", "distill.alpha=1"), tmp_path / "alpha1")
+    _, alpha0, _ = train(student(teacher, "train.max_steps=3"), tmp_path / "alpha0")
+    assert alpha1.losses == pytest.approx(hard.losses, rel=1e-5)
+    assert alpha0.losses[0] != pytest.approx(hard.losses[0], rel=1e-2)
+
+
+def test_a_checkpoint_and_its_hugging_face_export_teach_alike(teacher, tmp_path):
+    from engine.hf.export import export
+
+    exported = tmp_path / "hf-teacher"
+    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", exported, dtype="fp32")
+    _, from_checkpoint, _ = train(student(teacher, "train.max_steps=3"), tmp_path / "a")
+    trainer, from_hf, _ = train(student(exported, "train.max_steps=3"), tmp_path / "b")
+    assert trainer.teacher.source.kind == "hf"
+    assert from_hf.losses == from_checkpoint.losses
+
+
+def test_a_teacher_of_another_vocabulary_or_none_at_all_is_refused_naming_the_key(teacher, tmp_path):
+    with pytest.raises(SpecError) as refused:
+        student(teacher, "model.vocab_size=300")
+    assert "distill.teacher" in str(refused.value) and "256 tokens" in str(refused.value)
+    with pytest.raises(SpecError, match="distill.teacher: .*no such directory"):
+        student(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecError, match="distill.teacher: .*neither config.json"):
+        student(tmp_path / "empty")
+    with pytest.raises(SpecError, match="loss.z_loss: .*does not apply to distillation"):
+        student(teacher, "loss.z_loss=1e-4")
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(teacher, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from engine.distill.teacher import Teacher, tokenizer_difference
+
+    def tokenizer(path, vocab, special=()):
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.add_special_tokens(list(special))
+        tok.save(str(path))
+        return path
+
+    ours = tokenizer(tmp_path / "a.json", {"<unk>": 0, "a": 1, "b": 2}, ["<eos>"])
+    assert tokenizer_difference(ours, tokenizer(tmp_path / "same.json", {"<unk>": 0, "a": 1, "b": 2}, ["<eos>"])) is None
+    swapped = tokenizer_difference(ours, tokenizer(tmp_path / "b.json", {"<unk>": 0, "b": 1, "a": 2}, ["<eos>"]))
+    assert "4 (token, id) pairs in one only" in swapped and "'a'=1" in swapped
+    assert tokenizer_difference(ours, tokenizer(tmp_path / "c.json", {"<unk>": 0, "a": 1, "b": 2}, ["<bos>"]))
+
+    from engine.hf.export import export
+
+    exported = tmp_path / "hf-teacher"
+    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", exported, dtype="fp32")
+    tokenizer(exported / "tokenizer.json", {"<unk>": 0, "b": 1, "a": 2})
+    opened = Teacher(student(exported).distill, tmp_path / "models", 64)
+    opened.check_tokenizer(None)  # the built-in corpus has no tokenizer file: only the vocabulary size is checked
+    with pytest.raises(ConfigError, match="the teacher's tokenizer is not the student's") as refused:
+        opened.check_tokenizer(ours)
+    assert refused.value.key == "distill.teacher"
+
+
+def test_a_changed_teacher_is_refused_on_resume_unless_the_job_allows_it(teacher, tmp_path):
+    home = tmp_path / "student"
+    _, _, code = train(student(teacher, "train.max_steps=4"), home)
+    assert code == 0
+    # The teacher trains on: its newest commit, the one distill.teacher names, is another model.
+    moved = tmp_path / "teacher-home"
+    train(tiny(*SHORT, "name=teacher", "train.max_steps=3"), moved)
+    with pytest.raises(ConfigError, match="distilled from another teacher") as refused:
+        Trainer(student(moved / "checkpoints" / "teacher", "train.max_steps=6"), home, StepLosses())
+    assert refused.value.key == "distill.teacher"
+    _, hooks, code = train(student(moved / "checkpoints" / "teacher", "train.max_steps=6",
+                                   "checkpoint.allow_spec_changes=[distill]"), home)
+    assert code == 0 and [e.step for e in hooks.of(events.Step)] == [5, 6]
+
+
+@pytest.mark.slow
+def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_one(teacher, tmp_path):
+    from tests.states import assert_same_state, checkpoint_state
+
+    args = [*SHORT, "train.max_steps=12", "train.log_interval=1", "checkpoint.interval_steps=4", "name=student",
+            "model.dim=64", "model.n_layers=2", "model.ffn_dim=192", f"distill.teacher={teacher}",
+            "data.corpus_bytes=400000"]
+
+    def start(home):
+        return subprocess.Popen([PYTHON, "-m", "engine.train", str(TINY_JOB), *args, "--state-dir", str(home)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=python_env())
+
+    whole = tmp_path / "whole"
+    train(tiny(*args), whole)
+    cut = tmp_path / "cut"
+    run = start(cut)
+    for line in run.stdout:  # killed in step 6's work, after step 4's commit
+        record = json.loads(line)
+        if record["event"] == "step" and record["step"] == 5:
+            run.send_signal(signal.SIGKILL)
+            break
+    run.wait()
+    resumed = start(cut)
+    records = [json.loads(line) for line in resumed.stdout]
+    assert resumed.wait() == 0
+    assert [r["step"] for r in records if r["event"] == "step"][0] <= 5  # it did resume, from step 4
+    final = "checkpoints/student/step_000000012"
+    assert_same_state(checkpoint_state(whole / final, tmp_path), checkpoint_state(cut / final, tmp_path))
