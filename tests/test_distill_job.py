@@ -163,3 +163,55 @@ def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_on
     assert [r["step"] for r in records if r["event"] == "step"][0] <= 5  # it did resume, from step 4
     final = "checkpoints/student/step_000000012"
     assert_same_state(checkpoint_state(whole / final, tmp_path), checkpoint_state(cut / final, tmp_path))
+
+
+def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gradients_are_the_plain_ones(tmp_path):
+    """One rank's gloo group is enough for FSDP2's arithmetic (tests/test_fsdp.py): every weight of
+    both models is a DTensor, the frozen teacher's head is gathered in the root's group for the loss."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from engine.attention.sdpa import sdpa_attention
+    from engine.backends.torch_native import TorchBackend
+    from engine.losses import build_distill_loss, build_loss
+    from engine.models.llama import Transformer, initial_values
+    from engine.train import LanguageModel
+    from tests.test_fsdp import ShardedBackend
+
+    from engine.spec.schema import DistillConfig, LossConfig
+
+    model_cfg = tiny(*SHORT).model
+    teacher_cfg = tiny(*SHORT, "model.dim=64", "model.n_layers=2", "model.ffn_dim=192").model
+    with torch.device("meta"):
+        student_lazy, teacher_lazy = Transformer(model_cfg, sdpa_attention), Transformer(teacher_cfg, sdpa_attention)
+    teacher_lazy.requires_grad_(False)
+    distill = DistillConfig(teacher="unused", loss="jsd", alpha=0.25, temperature=2.0, chunk_tokens=40)
+
+    def language_model(student, teacher):
+        return LanguageModel(student, build_loss(LossConfig(), model_cfg, 128), teacher, build_distill_loss(distill))
+
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(4))
+    results = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        for backend in (TorchBackend("cpu"), ShardedBackend()):
+            student, teacher = copy.deepcopy(student_lazy), copy.deepcopy(teacher_lazy)
+            module = language_model(student, teacher)
+            backend.shard(module)
+            backend.materialise(student, initial_values(student, torch.Generator().manual_seed(1)))
+            backend.materialise(teacher, initial_values(teacher, torch.Generator().manual_seed(2)))
+            loss, _ = module(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in student.parameters()]
+            results.append((loss.detach(), grads))
+            if isinstance(backend, ShardedBackend):
+                assert all(isinstance(p, DTensor) for p in module.parameters())
+                assert all(p.grad is None for p in teacher.parameters())
+    finally:
+        dist.destroy_process_group()
+    (plain_loss, plain_grads), (sharded_loss, sharded_grads) = results
+    torch.testing.assert_close(sharded_loss, plain_loss)
+    for a, b in zip(sharded_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

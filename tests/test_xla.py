@@ -88,8 +88,8 @@ def test_a_checkpoint_sharded_over_four_devices_exports_the_trained_weights(xla_
         assert torch.equal(exported[hf_name(name)], param), name
 
 
-@pytest.mark.parametrize("loss", ["cce", "chunked"])
-def test_chunked_losses_on_sharded_xla_tensors_match_the_cpu(loss):
+@pytest.mark.parametrize("loss", ["cce", "chunked", "distill"])
+def test_chunked_losses_on_sharded_xla_tensors_match_the_cpu_and_compile_once(loss):
     out = subprocess.run([PYTHON, str(REPO / "tests" / "xla_cce_probe.py"), loss], capture_output=True, text=True,
                          env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -97,6 +97,7 @@ def test_chunked_losses_on_sharded_xla_tensors_match_the_cpu(loss):
     # Loss, d hidden and d weight, relative to each one's largest element: fp32 rounding only.
     assert max(result["errors"]) < 1e-5, result
     assert result["item_calls"] == 0  # nothing read back to the host while tracing
+    assert result["recompiles"] == 0  # other values, the same graphs
 
 
 def test_graphs_compile_once_then_steps_reuse_them(xla_run):

@@ -40,7 +40,8 @@ def divergence(log_student: torch.Tensor, log_teacher: torch.Tensor, kind: Kind,
         return (log_student.exp() * (log_student - log_teacher)).sum(-1)
     if kind != "jsd" or not 0 < beta < 1:
         raise ValueError(f"unknown divergence {kind!r} (beta {beta})")
-    log_mix = torch.logaddexp(log_teacher + math.log(beta), log_student + math.log1p(-beta))
+    # logsumexp of the pair, not logaddexp: torch_xla runs logaddexp on the host (a graph cut per call).
+    log_mix = torch.stack((log_teacher + math.log(beta), log_student + math.log1p(-beta))).logsumexp(0)
     return (beta * (log_teacher.exp() * (log_teacher - log_mix)).sum(-1)
             + (1 - beta) * (log_student.exp() * (log_student - log_mix)).sum(-1))
 
