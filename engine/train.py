@@ -57,7 +57,7 @@ from engine.requests import Action, Request, merge
 from engine.distill.teacher import IDENTITY, Teacher
 from engine.losses import DistillFn, LossFn, build_distill_loss, build_loss, resolve_loss_name
 from engine.checkpoint.manifest import parts
-from engine.hf import remote as hf_remote
+from engine.hf.local import local_model
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer, flops_per_token, initial_values
 from engine.models.moe import STATS, require_static_capacity, router_terms
@@ -200,8 +200,7 @@ class Trainer:
                 self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn, build_mask(kernel))
             if spec.model.init_from is not None and not parts(checkpoints):  # parts: committed or not
                 source = spec.model.init_from  # a resume takes the job's own checkpoint instead
-                if source.startswith("gs://"):
-                    source = hf_remote.fetch(source, layout.models())  # a no-op when the daemon fetched it
+                source = local_model(source, layout.models(), "model.init_from")
                 weights = hf_values(self.model, source)
             else:
                 weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))

@@ -215,3 +215,40 @@ def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gr
     torch.testing.assert_close(sharded_loss, plain_loss)
     for a, b in zip(sharded_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_models_by_hub_id_come_from_the_hugging_face_cache_offline(teacher, tmp_path, monkeypatch):
+    """`org/name[@revision]` where a model directory is taken: resolved by huggingface_hub in its
+    cache (a machine with a warm cache, HF_HUB_OFFLINE=1), here a cache laid out as the library does."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from engine.hf.export import export
+
+    exported = tmp_path / "hf-teacher"
+    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", exported, dtype="fp32")
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--tpud-test--teacher"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(exported, repo / "snapshots" / commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    trainer, by_id, _ = train(student("tpud-test/teacher@main", "train.max_steps=3"), tmp_path / "a")
+    assert trainer.teacher.source.path == str(repo / "snapshots" / commit)
+    _, by_path, _ = train(student(exported, "train.max_steps=3"), tmp_path / "b")
+    assert by_id.losses == by_path.losses
+    # model.init_from takes one too: the model section from its config.json, the weights from its snapshot.
+    from safetensors.torch import load_file
+
+    spec = tiny(*SHORT, "name=student", "model.init_from=tpud-test/teacher")
+    assert spec.model.init_from == "tpud-test/teacher" and spec.model.dim == 128
+    started = Trainer(spec, tmp_path / "c", StepLosses())
+    torch.testing.assert_close(started.model.tok_embeddings.weight,
+                               load_file(exported / "model.safetensors")["model.embed_tokens.weight"], rtol=0, atol=0)
+    with pytest.raises(SpecError, match="distill.teacher: tpud-test/other: not in the Hugging Face cache"):
+        student("tpud-test/other")
+    with pytest.raises(SpecError, match="model.init_from: tpud-test/teacher@v2: no such revision|not in the"):
+        tiny(*SHORT, "model.init_from=tpud-test/teacher@v2")

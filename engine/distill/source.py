@@ -1,7 +1,7 @@
 """Where a distillation teacher comes from (`distill.teacher`), torch-free: the daemon validates
 job files with it.
 
-A teacher is either a Hugging Face model directory (local or gs://), whose config.json gives its
+A teacher is either a Hugging Face model directory (local, gs:// or a hub id), whose config.json gives its
 shape as `model.init_from`'s does, or a tpud checkpoint: a job's checkpoint directory (its newest
 committed step) or one committed step directory. A checkpoint's manifest records the job spec it
 was made with (engine.spec.fingerprint), so its model section is read from there, and the
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine.checkpoint import manifest as mf
+from engine.hf import hub
 from engine.hf.config import HfConfigError, model_fields
 
 # Model keys that are how a model is trained, not what it computes.
@@ -40,9 +41,9 @@ class TeacherSource:
 
 def resolve(teacher: str) -> TeacherSource:
     """The teacher that `distill.teacher` names; TeacherError when it names none."""
-    if teacher.startswith("gs://"):
-        return _hf(teacher)
     path = Path(teacher)
+    if teacher.startswith("gs://") or (hub.parse(teacher) is not None and not path.is_absolute()):
+        return _hf(teacher)  # a hub id: its config.json alone is read here (engine.hf.hub)
     if not path.is_dir():
         raise TeacherError(f"{teacher}: no such directory (expected a Hugging Face model directory or a tpud "
                            "checkpoint)")
@@ -56,7 +57,7 @@ def _hf(directory: str) -> TeacherSource:
         fields = model_fields(directory)
     except HfConfigError as e:
         raise TeacherError(str(e)) from None
-    tokenizer = None if directory.startswith("gs://") else Path(directory) / "tokenizer.json"
+    tokenizer = Path(directory) / "tokenizer.json" if Path(directory).is_absolute() else None  # not gs://, a hub id
     return TeacherSource("hf", directory, fields, tokenizer if tokenizer and tokenizer.is_file() else None)
 
 

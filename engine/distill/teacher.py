@@ -24,7 +24,7 @@ import torch
 from engine.checkpoint import manifest as mf
 from engine.distill.source import TeacherError, TeacherSource, resolve
 from engine.errors import ConfigError
-from engine.hf import remote as hf_remote
+from engine.hf.local import local_model
 from engine.hf.weights import hf_values
 from engine.models.llama import Transformer
 from engine.spec.schema import DistillConfig, ModelConfig
@@ -41,11 +41,8 @@ class Teacher:
     """The teacher's source, model section and identity, opened before any weight is read."""
 
     def __init__(self, cfg: DistillConfig, models_cache: Path, seq_len: int):
-        teacher = cfg.teacher
         try:
-            if teacher.startswith("gs://"):  # a no-op when the daemon fetched it
-                teacher = str(hf_remote.fetch(teacher, models_cache))
-            self.source: TeacherSource = resolve(teacher)
+            self.source: TeacherSource = resolve(str(local_model(cfg.teacher, models_cache, KEY)))
         except (TeacherError, OSError) as e:
             raise ConfigError(KEY, str(e)) from None
         fields = dict(self.source.model)

@@ -1,7 +1,8 @@
 """A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE config.json as the engine's model section, and
 back. Torch-free.
 
-`model.init_from` names a Hugging Face model directory; its config.json decides the model's
+`model.init_from` names a Hugging Face model directory (local, gs://, or a hub id: engine.hf.hub);
+its config.json decides the model's
 geometry. The job may leave the dimensions out (they are filled in from config.json) or write
 them out (each must then equal config.json's). Both the published format (top-level
 `rope_theta` and `rope_scaling`, Llama 3.1) and transformers 5's (`rope_parameters`) are read;
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.files import Refused, read_regular_file
+from engine.hf import hub
 
 if TYPE_CHECKING:
     from engine.spec.schema import ModelConfig
@@ -77,11 +79,15 @@ def _read_config(directory: str) -> tuple[str, dict]:
             from engine.hf import remote
 
             text = remote.read_config(directory, MAX_CONFIG_BYTES)
+        elif hub.parse(directory) is not None and not Path(directory).is_absolute():
+            text = read_regular_file(hub.config_file(directory), limit=MAX_CONFIG_BYTES)
         else:
             text = read_regular_file(Path(path), limit=MAX_CONFIG_BYTES)
         config = json.loads(text)
     except FileNotFoundError:
         raise HfConfigError(f"{directory}: no config.json (expected a Hugging Face model directory)") from None
+    except hub.HubError as e:
+        raise HfConfigError(str(e)) from None
     except Exception as e:  # OSError, ValueError, Refused, or GCS unreachable: the message says which
         raise HfConfigError(f"{path}: unreadable: {e}") from None
     if not isinstance(config, dict):

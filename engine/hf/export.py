@@ -161,7 +161,10 @@ def tokenizer_of(spec: JobSpec, scratch: Path) -> TokenizerFiles | None:
             if files:
                 return TokenizerFiles(files, config.get("bos_token_id"), config.get("eos_token_id"))
         elif init_from:
-            directory = Path(init_from)
+            from engine.hf import hub
+
+            is_hub = hub.parse(init_from) is not None and not Path(init_from).is_absolute()
+            directory = hub.snapshot(init_from) if is_hub else Path(init_from)
             files = [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
             if files:
                 config = _local_json(directory / "config.json")

@@ -37,6 +37,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from engine.files import Refused, read_regular_file
+from engine.hf import hub
 from engine.hf.config import CHOSEN_BY_THE_JOB, FIELDS, HfConfigError, model_fields, same
 from engine.spec.schema import JobSpec
 
@@ -164,9 +165,18 @@ def _absolute(path: str, key: str, origins: Mapping[str, Origin]) -> str:
     path = path if path.startswith("gs://") else os.path.expanduser(path)
     if path.startswith("gs://") or os.path.isabs(path):
         return path
+    return str((_base(key, origins) / path).absolute())
+
+
+def _model_location(value: str, key: str, origins: Mapping[str, Origin]) -> str:
+    """A model directory's absolute path, or a Hugging Face Hub id kept as it is (engine.hf.hub): one
+    that names nothing on disk."""
+    return value if hub.is_hub_id(value, _base(key, origins)) else _absolute(value, key, origins)
+
+
+def _base(key: str, origins: Mapping[str, Origin]) -> Path:
     origin = origins.get(key)
-    base = Path(origin.file).parent if origin is not None and os.path.isfile(origin.file) else Path.cwd()
-    return str((base / path).absolute())
+    return Path(origin.file).parent if origin is not None and os.path.isfile(origin.file) else Path.cwd()
 
 
 def _with_absolute_paths(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpec:
@@ -179,7 +189,7 @@ def _with_absolute_paths(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpe
     if spec.logging.tensorboard is not None:
         spec.logging.tensorboard = _absolute(spec.logging.tensorboard, "logging.tensorboard", origins)
     if spec.distill is not None:
-        spec.distill.teacher = _absolute(spec.distill.teacher, "distill.teacher", origins)
+        spec.distill.teacher = _model_location(spec.distill.teacher, "distill.teacher", origins)
     return spec
 
 
@@ -188,7 +198,7 @@ def _with_hf_model(data: dict, origins: dict[str, Origin]) -> list[Problem]:
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
         return []
-    path = model["init_from"] = _absolute(model["init_from"], "model.init_from", origins)
+    path = model["init_from"] = _model_location(model["init_from"], "model.init_from", origins)
     try:
         fields = model_fields(path)
     except HfConfigError as e:

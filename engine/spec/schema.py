@@ -74,7 +74,8 @@ class ModelConfig(Section):
     """A Llama-family decoder. Presets live in configs/models/*.yaml."""
 
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE directory (config.json + *.safetensors) to start from when "
+        None, description="A Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE directory (config.json + *.safetensors; local, gs://, or a "
+        "Hugging Face Hub id org/name[@revision], resolved through huggingface_hub's cache) to start from when "
         "the job has no checkpoint of its own. Dimensions left out are taken from its config.json; any set must match "
         "(model.moe key by key; its router loss coefficients are the job's to choose).")
 
@@ -471,7 +472,8 @@ class DistillConfig(Section):
     the student, in eval mode, sharded like it, and is never checkpointed; its identity (a digest of
     its weight files) is recorded in every checkpoint and must be the same on resume."""
 
-    teacher: str = Field(description="The teacher: a Hugging Face model directory (local or gs://), or a tpud "
+    teacher: str = Field(description="The teacher: a Hugging Face model directory (local, gs://, or a hub id "
+                         "org/name[@revision]), or a tpud "
                          "checkpoint (a job's checkpoint directory, meaning its newest committed step, or one "
                          "step_N directory). Its vocabulary must be the student's (model.vocab_size and the "
                          "tokenizer).")
