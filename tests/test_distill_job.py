@@ -248,6 +248,25 @@ def test_models_by_hub_id_come_from_the_hugging_face_cache_offline(teacher, tmp_
     started = Trainer(spec, tmp_path / "c", StepLosses())
     torch.testing.assert_close(started.model.tok_embeddings.weight,
                                load_file(exported / "model.safetensors")["model.embed_tokens.weight"], rtol=0, atol=0)
+    # tpud prepare --tokenizer takes one: the tokenizer files of the snapshot.
+    import argparse
+
+    from engine.prepare import command
+    from tokenizers import Tokenizer, models
+
+    vocab = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2}, unk_token="<unk>"))
+    vocab.add_special_tokens(["</s>"])
+    vocab.save(str(repo / "snapshots" / commit / "tokenizer.json"))
+    (tmp_path / "docs.jsonl").write_text('{"text": "a a a"}\n' * 20)
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path / "docs.jsonl"), "--tokenizer", "tpud-test/teacher", "--out",
+                              str(tmp_path / "data"), "--workers", "0", "--no-progress"])
+    assert command.run(args) == 0
+    assert (tmp_path / "data" / "tokenizer.json").read_text() == (repo / "snapshots" / commit / "tokenizer.json").read_text()
+    args = parser.parse_args([str(tmp_path / "docs.jsonl"), "--tokenizer", "tpud-test/none", "--out",
+                              str(tmp_path / "data2"), "--workers", "0", "--no-progress"])
+    assert command.run(args) == 1 and not (tmp_path / "data2" / "manifest.json").exists()
     with pytest.raises(SpecError, match="distill.teacher: tpud-test/other: not in the Hugging Face cache"):
         student("tpud-test/other")
     with pytest.raises(SpecError, match="model.init_from: tpud-test/teacher@v2: no such revision|not in the"):

@@ -1,5 +1,5 @@
 """Models by Hugging Face Hub id: `org/name` or `org/name@revision` wherever a model directory is
-taken (`model.init_from`, `distill.teacher`). Torch-free.
+taken (`model.init_from`, `distill.teacher`, `tpud prepare --tokenizer`). Torch-free.
 
 A value is a hub id when it has that form and names nothing on disk (relative to the job file).
 huggingface_hub resolves it with its own cache and settings: HF_HOME / HF_HUB_CACHE, HF_TOKEN for
@@ -49,6 +49,14 @@ def snapshot(value: str) -> Path:
 
     repo, revision = parse(value)
     return Path(_call(value, snapshot_download, repo, revision=revision, allow_patterns=FILES))
+
+
+def tokenizer(value: str) -> Path:
+    """A local directory holding the model's tokenizer files alone (`tpud prepare --tokenizer ID`)."""
+    from huggingface_hub import snapshot_download
+
+    repo, revision = parse(value)
+    return Path(_call(value, snapshot_download, repo, revision=revision, allow_patterns=FILES[4:]))
 
 
 def _call(value: str, fn, *args, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.prepare.options import Options, PrepareError
 
@@ -22,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optionally .gz or .zst")
     parser.add_argument("--tokenizer", required=True, metavar="SPEC",
                         help="a tokenizer.json, a directory holding one (its tokenizer_config.json names BOS/EOS), "
-                        "train:VOCAB_SIZE (a byte-level BPE trained on the inputs, saved with the data), or bytes")
+                        "a Hugging Face Hub id org/name[@revision] (its tokenizer files, through huggingface_hub's "
+                        "cache), train:VOCAB_SIZE (a byte-level BPE trained on the inputs, saved with the data), or "
+                        "bytes")
     parser.add_argument("--out", required=True, metavar="DIR|gs://bucket/prefix",
                         help="the dataset directory (new or empty, or an earlier run's)")
     parser.add_argument("--text-field", default="text", metavar="NAME",
@@ -104,10 +107,14 @@ def run(args: argparse.Namespace) -> int:
     from engine.data.manifest import DatasetError
     from engine.prepare.pipeline import prepare
 
+    from engine.hf import hub
+
     logs.configure(stream=sys.stderr)
     try:
+        if hub.is_hub_id(args.tokenizer, Path.cwd()):
+            args.tokenizer = str(hub.tokenizer(args.tokenizer))
         manifest = prepare(options(args))
-    except (PrepareError, DatasetError, OSError, GoogleAPIError) as e:  # bad input, a full disk, a bucket
+    except (PrepareError, DatasetError, OSError, GoogleAPIError, hub.HubError) as e:  # bad input, a full disk, a bucket
         print(f"tpud prepare: {e}", file=sys.stderr)
         return 1
     summary = {name: {"documents": s.documents, "tokens": s.tokens,
