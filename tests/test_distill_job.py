@@ -16,16 +16,11 @@ from engine.errors import ConfigError
 from engine.spec.loader import SpecError
 from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env, tiny
+from tests.test_train import run as train
 from testkit.recorders import StepLosses
 
 SHORT = ("train.log_interval=4", "scheduler.warmup_steps=2", "data.micro_batch_size=4", "data.seq_len=64",
          "checkpoint.interval_steps=0")
-
-
-def train(spec, home, hooks=None):
-    hooks = hooks or StepLosses()
-    trainer = Trainer(spec, home, hooks)
-    return trainer, hooks, trainer.run()
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +37,13 @@ def student(teacher_dir, *overrides):
 
 
 def test_the_student_learns_the_teachers_distribution_and_nothing_of_the_teacher_is_trained_or_saved(teacher, tmp_path):
+    from tests.states import checkpoint_state
+
     trainer, hooks, code = train(student(teacher, "train.max_steps=6", "checkpoint.interval_steps=3"), tmp_path)
     assert code == 0 and len(hooks.losses) == 6
+    saved = checkpoint_state(teacher / "step_000000020", tmp_path)["model"]
+    for name, param in trainer.teacher_model.named_parameters():  # the committed teacher, untouched by training
+        assert torch.equal(param, saved[name]), name
     assert hooks.losses[-1] < hooks.losses[0] - 0.3  # the divergence from the teacher falls
     assert all(not p.requires_grad and p.grad is None for p in trainer.teacher_model.parameters())
     assert not trainer.teacher_model.training and trainer.module.model.training
@@ -67,11 +67,8 @@ def test_with_alpha_one_distillation_is_the_hard_label_run(teacher, tmp_path):
     assert alpha0.losses[0] != pytest.approx(hard.losses[0], rel=1e-2)
 
 
-def test_a_checkpoint_and_its_hugging_face_export_teach_alike(teacher, tmp_path):
-    from engine.hf.export import export
-
-    exported = tmp_path / "hf-teacher"
-    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", exported, dtype="fp32")
+def test_a_checkpoint_and_its_hugging_face_export_teach_alike(teacher, hf_teacher, tmp_path):
+    exported = hf_teacher
     _, from_checkpoint, _ = train(student(teacher, "train.max_steps=3"), tmp_path / "a")
     trainer, from_hf, _ = train(student(exported, "train.max_steps=3"), tmp_path / "b")
     assert trainer.teacher.source.kind == "hf"
@@ -91,33 +88,76 @@ def test_a_teacher_of_another_vocabulary_or_none_at_all_is_refused_naming_the_ke
         student(teacher, "loss.z_loss=1e-4")
 
 
-def test_a_teacher_with_another_tokenizer_is_refused(teacher, tmp_path):
-    from tokenizers import Tokenizer, models
+def word_tokenizer(path, vocab, special=()):
+    """A tokenizer.json of whole words (the tokenizers library's WordLevel) with these ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from engine.distill.teacher import Teacher, tokenizer_difference
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(special))
+    tok.save(str(path))
+    return path
 
-    def tokenizer(path, vocab, special=()):
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.add_special_tokens(list(special))
-        tok.save(str(path))
-        return path
 
-    ours = tokenizer(tmp_path / "a.json", {"<unk>": 0, "a": 1, "b": 2}, ["<eos>"])
-    assert tokenizer_difference(ours, tokenizer(tmp_path / "same.json", {"<unk>": 0, "a": 1, "b": 2}, ["<eos>"])) is None
-    swapped = tokenizer_difference(ours, tokenizer(tmp_path / "b.json", {"<unk>": 0, "b": 1, "a": 2}, ["<eos>"]))
-    assert "4 (token, id) pairs in one only" in swapped and "'a'=1" in swapped
-    assert tokenizer_difference(ours, tokenizer(tmp_path / "c.json", {"<unk>": 0, "a": 1, "b": 2}, ["<bos>"]))
-
+@pytest.fixture(scope="module")
+def hf_teacher(teacher, tmp_path_factory):
+    """The teacher's step 20 exported as a Hugging Face directory (fp32: the same weights)."""
     from engine.hf.export import export
 
-    exported = tmp_path / "hf-teacher"
-    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", exported, dtype="fp32")
-    tokenizer(exported / "tokenizer.json", {"<unk>": 0, "b": 1, "a": 2})
-    opened = Teacher(student(exported).distill, tmp_path / "models", 64)
-    opened.check_tokenizer(None)  # the built-in corpus has no tokenizer file: only the vocabulary size is checked
+    out = tmp_path_factory.mktemp("hf") / "teacher"
+    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", out, dtype="fp32")
+    return out
+
+
+def test_tokenizers_are_compared_by_what_the_models_see(tmp_path):
+    from engine.distill.teacher import tokenizer_difference
+
+    words = {"<unk>": 0, "a": 1, "b": 2}
+    ours = word_tokenizer(tmp_path / "a.json", words, ["</s>"])
+    assert tokenizer_difference(ours, word_tokenizer(tmp_path / "same.json", dict(words), ["</s>"])) is None
+    swapped = tokenizer_difference(ours, word_tokenizer(tmp_path / "b.json", {"<unk>": 0, "b": 1, "a": 2}, ["</s>"]))
+    assert "4 (token, id) pairs in one only" in swapped and "'a'=1" in swapped
+    # The same ids, but </s> an ordinary word in one of them.
+    assert "special tokens" in tokenizer_difference(ours, word_tokenizer(tmp_path / "c.json", {**words, "</s>": 3}))
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "unreadable tokenizer" in tokenizer_difference(ours, tmp_path / "bad.json")
+
+
+def test_a_teacher_with_another_tokenizer_than_the_datas_is_refused_by_the_worker(hf_teacher, tmp_path):
+    import shutil
+
+    from engine.prepare.options import Options
+    from engine.prepare.pipeline import prepare
+
+    words = {"<unk>": 0, "</s>": 1, "a": 2, "b": 3}
+    source = tmp_path / "docs.jsonl"
+    source.write_text(('{"text": "' + "a b b a " * 500 + '"}\n') * 5)
+    prepare(Options(inputs=(str(source),), tokenizer=str(word_tokenizer(tmp_path / "words.json", words, ["</s>"])),
+                    out=str(tmp_path / "data"), workers=1, progress=False))
+    same, other = tmp_path / "same-teacher", tmp_path / "other-teacher"
+    for directory, vocab in ((same, dict(words)), (other, {"<unk>": 0, "</s>": 1, "b": 2, "a": 3})):
+        shutil.copytree(hf_teacher, directory)
+        word_tokenizer(directory / "tokenizer.json", vocab, ["</s>"])
+    Trainer(student(same, f"data.dataset={tmp_path / 'data'}"), tmp_path / "a", StepLosses())  # accepted
     with pytest.raises(ConfigError, match="the teacher's tokenizer is not the student's") as refused:
-        opened.check_tokenizer(ours)
+        Trainer(student(other, f"data.dataset={tmp_path / 'data'}"), tmp_path / "b", StepLosses())
     assert refused.value.key == "distill.teacher"
+
+
+def test_a_damaged_teacher_checkpoint_is_refused_before_training(teacher, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "teacher" / "step_000000020"
+    shutil.copytree(teacher / "step_000000020", damaged)
+    shard = max(damaged.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="damaged, not loaded: .*CRC32C mismatch"):
+        Trainer(student(damaged.parent), tmp_path / "home", StepLosses())
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(SpecError, match="distill.teacher: .*not a directory"):
+        student(tmp_path / "a-file")
 
 
 def test_a_changed_teacher_is_refused_on_resume_unless_the_job_allows_it(teacher, tmp_path):
@@ -156,11 +196,11 @@ def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_on
         if record["event"] == "step" and record["step"] == 5:
             run.send_signal(signal.SIGKILL)
             break
-    run.wait()
+    assert run.wait() == -signal.SIGKILL
     resumed = start(cut)
     records = [json.loads(line) for line in resumed.stdout]
     assert resumed.wait() == 0
-    assert [r["step"] for r in records if r["event"] == "step"][0] <= 5  # it did resume, from step 4
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(5, 13))  # from step 4's commit
     final = "checkpoints/student/step_000000012"
     assert_same_state(checkpoint_state(whole / final, tmp_path), checkpoint_state(cut / final, tmp_path))
 
@@ -217,17 +257,14 @@ def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gr
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_models_by_hub_id_come_from_the_hugging_face_cache_offline(teacher, tmp_path, monkeypatch):
+def test_models_by_hub_id_come_from_the_hugging_face_cache_offline(hf_teacher, tmp_path, monkeypatch):
     """`org/name[@revision]` where a model directory is taken: resolved by huggingface_hub in its
     cache (a machine with a warm cache, HF_HUB_OFFLINE=1), here a cache laid out as the library does."""
     import shutil
 
     import huggingface_hub.constants
 
-    from engine.hf.export import export
-
-    exported = tmp_path / "hf-teacher"
-    export(tiny(*SHORT, "name=teacher"), teacher / "step_000000020", exported, dtype="fp32")
+    exported = hf_teacher
     cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
     repo = cache / "models--tpud-test--teacher"
     (repo / "refs").mkdir(parents=True)
@@ -252,11 +289,8 @@ def test_models_by_hub_id_come_from_the_hugging_face_cache_offline(teacher, tmp_
     import argparse
 
     from engine.prepare import command
-    from tokenizers import Tokenizer, models
 
-    vocab = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2}, unk_token="<unk>"))
-    vocab.add_special_tokens(["</s>"])
-    vocab.save(str(repo / "snapshots" / commit / "tokenizer.json"))
+    word_tokenizer(repo / "snapshots" / commit / "tokenizer.json", {"<unk>": 0, "a": 1, "</s>": 2}, ["</s>"])
     (tmp_path / "docs.jsonl").write_text('{"text": "a a a"}\n' * 20)
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)

@@ -45,8 +45,8 @@ def resolve(teacher: str) -> TeacherSource:
     if teacher.startswith("gs://") or (hub.parse(teacher) is not None and not path.is_absolute()):
         return _hf(teacher)  # a hub id: its config.json alone is read here (engine.hf.hub)
     if not path.is_dir():
-        raise TeacherError(f"{teacher}: no such directory (expected a Hugging Face model directory or a tpud "
-                           "checkpoint)")
+        what = "not a directory" if path.exists() else "no such directory"
+        raise TeacherError(f"{teacher}: {what} (expected a Hugging Face model directory or a tpud checkpoint)")
     if (path / "config.json").exists():
         return _hf(teacher)
     return _checkpoint(path)
