@@ -99,6 +99,9 @@ class Step(Event):
     expert_load_max: float | None = None   # the busiest expert's share of its layer's choices (even: 1/experts)
     expert_load_cv: float | None = None    # the shares' coefficient of variation, mean over layers (even: 0)
     dropped_fraction: float | None = None  # of the choices, those beyond their expert's capacity
+    # A distillation's terms (engine.losses.distill.TERMS); None without a teacher.
+    distill_divergence: float | None = None  # the divergence from the teacher, times T^2, before (1 - alpha)
+    distill_ce: float | None = None          # the hard-label cross-entropy, before alpha (reported at alpha 0 too)
     # Each auto checkpoint tier's policy (engine.checkpoint.policy.Interval.as_dict): tier -> steps, seconds,
     # save_seconds, disruptions_per_hour, expected_loss_seconds. None when no tier is auto.
     checkpoint_intervals: dict[str, dict[str, int | float | None]] | None = None

@@ -23,7 +23,6 @@ from engine import events
 from engine.backends.base import Backend
 from engine.badput import Badput
 from engine.data.loader import PackedLoader
-from engine.models.moe import STATS
 from engine.health.guard import StepGuard
 from engine.spec.schema import TrainConfig
 
@@ -32,7 +31,7 @@ log = structlog.get_logger()
 
 @dataclass
 class StepResult:
-    NAMES = ("loss", "grad_norm")  # then, with experts, engine.models.moe.STATS
+    NAMES = ("loss", "grad_norm")  # then the statistics the loop reports (Reporter's stats)
 
     step: int              # steps completed, this one included
     values: torch.Tensor   # NAMES, on the device, not yet read
@@ -51,10 +50,11 @@ def host_rss_bytes() -> int:
 class Reporter:
     def __init__(self, train: TrainConfig, backend: Backend, loader: PackedLoader, flops_per_token: float,
                  guard: StepGuard, badput: Badput, emit: Callable[[events.Event], None],
-                 router_stats: bool = False, intervals: Callable[[], dict] = dict,
+                 stats: tuple[str, ...] = (), intervals: Callable[[], dict] = dict,
                  interval_s: Callable[[float], float | None] = lambda step_time_s: None):
         self.train, self.backend, self.loader, self.flops_per_token = train, backend, loader, flops_per_token
-        self.names = StepResult.NAMES + (STATS if router_stats else ())
+        # With experts engine.models.moe.STATS, with a teacher engine.losses.distill.TERMS: step event fields.
+        self.names = StepResult.NAMES + stats
         self.intervals = intervals  # the auto checkpoint intervals in force (engine.checkpoint.policy)
         self.interval_s = interval_s  # the local tier's interval in seconds, at a step time
         self.guard, self.badput, self.emit = guard, badput, emit

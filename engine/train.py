@@ -56,6 +56,7 @@ from engine.hooks import Boundary, Hooks, SignalHooks
 from engine.requests import Action, Request, merge
 from engine.distill.teacher import IDENTITY, Teacher
 from engine.losses import DistillFn, LossFn, build_distill_loss, build_loss, resolve_loss_name
+from engine.losses.distill import TERMS
 from engine.checkpoint.manifest import parts
 from engine.hf.local import local_model
 from engine.hf.weights import hf_values
@@ -91,15 +92,16 @@ class LanguageModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the mean loss over the targets not ignored (engine.data.batch), the routers' part): with
-        experts and while gradients are taken, [their weighted loss, *STATS] (engine.models.moe), to be
-        added and reported; else None (an evaluation's loss is the language model's alone)."""
+        """(the mean loss over the targets not ignored (engine.data.batch), the extras): while
+        gradients are taken, [a loss to add, *statistics to report] with experts (their weighted
+        loss, then STATS: engine.models.moe) or a teacher (then its TERMS: engine.losses.distill),
+        else None (an evaluation's loss is the language model's alone)."""
         moe = self.model.cfg.moe
         hidden, routing = self.model.hidden_and_routing(inputs, segments, positions)
-        router = None
+        extras = None
         if moe is not None and torch.is_grad_enabled():
             loss, stats = router_terms(routing, moe)
-            router = torch.cat([loss.reshape(1), stats])
+            extras = torch.cat([loss.reshape(1), stats])
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
@@ -108,12 +110,13 @@ class LanguageModel(nn.Module):
             with torch.no_grad(), record_function("tpud.teacher"):
                 teacher_hidden, _ = self.teacher.hidden_and_routing(inputs, segments, positions)
             with record_function("tpud.loss"):
-                loss = self.distill_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten(),
-                                       teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight)
-            return loss, router
+                loss, terms = self.distill_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten(),
+                                              teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight)
+            extras = torch.cat([loss.new_zeros(1) if extras is None else extras, terms])
+            return loss, extras
         with record_function("tpud.loss"):
             loss = self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
-        return loss, router
+        return loss, extras
 
 
 @dataclass
@@ -156,7 +159,8 @@ class Trainer:
             self._restore(hosts, warm)
         self._watch_health()
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
-                                 self.guard, self.badput, self.hooks.emit, router_stats=spec.model.moe is not None,
+                                 self.guard, self.badput, self.hooks.emit,
+                                 stats=(STATS if spec.model.moe is not None else ()) + (TERMS if self.teacher else ()),
                                  intervals=self.checkpointer.intervals,
                                  interval_s=self.checkpointer.schedule.local_interval_s)
         self._deferred: Request | None = None
@@ -445,7 +449,7 @@ class Trainer:
             with self.backend.autocast(self.bf16), record_function("tpud.forward"):
                 # Weighted by its share of the step's targets (1.0 without masks): divided by the
                 # micro-batch count below, the step's loss is that of one batch of all its targets.
-                loss, router = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)
+                loss, extras = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)
                 loss = loss * weight
             self.faults.slow_down(p.step, rank, time.monotonic() - began)
             self.stragglers.forward_took(time.monotonic() - began)  # no collective waits inside (stragglers.py)
@@ -454,10 +458,10 @@ class Trainer:
                 loss = loss * factor  # NaN: NaN gradients and weights, a real blow-up; else a spike
             began = time.monotonic()
             with record_function("tpud.backward"):
-                ((loss if router is None else loss + router[0]) / accum).backward()
+                ((loss if extras is None else loss + extras[0]) / accum).backward()
             self.faults.slow_down(p.step, rank, time.monotonic() - began)
-        # With experts, the router's statistics ride along: [loss, *STATS], summed like the loss.
-        values = loss.detach() if router is None else torch.cat([loss.detach().reshape(1), router[1:].detach()])
+        # With experts or a teacher, their statistics ride along: [loss, *STATS, *TERMS], summed like the loss.
+        values = loss.detach() if extras is None else torch.cat([loss.detach().reshape(1), extras[1:].detach()])
         p.loss_sum = values if p.loss_sum is None else p.loss_sum + values
         if not last:  # the step's last micro-batch runs on into the optimizer step: one graph under XLA
             self.backend.micro_step_end()
@@ -475,7 +479,7 @@ class Trainer:
         self.faults.before_update(p.step + 1, self.model, self.backend.data.rank)
         grad_norm = self.backend.clip_grad_norm(self.model.parameters(), train.grad_clip or float("inf"))
         # Stacked inside the step's graph, so reading them later is one plain copy.
-        mean = (p.loss_sum / p.micro_step).reshape(-1)  # the loss, then any router statistics
+        mean = (p.loss_sum / p.micro_step).reshape(-1)  # the loss, then any statistics
         values = torch.cat([mean[:1], grad_norm.to(mean.dtype).reshape(1), mean[1:]])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

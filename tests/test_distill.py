@@ -68,6 +68,25 @@ def test_the_loss_is_the_divergence_of_the_kept_targets_scaled_by_t_squared_and_
     assert distill_loss(hidden, weight, none, teacher_hidden, teacher_weight).item() == 0.0
 
 
+def test_the_terms_reported_beside_the_loss_are_its_divergence_and_the_hard_cross_entropy_whatever_alpha():
+    hidden, weight, teacher_hidden, teacher_weight, targets = problem(n=200)
+    kept = targets != IGNORE
+    hard = F.cross_entropy((hidden @ weight.T)[kept], targets[kept])
+    for temperature, alpha in ((1.0, 0.0), (2.0, 0.3)):
+        terms = dict(kind="jsd", beta=0.3, temperature=temperature)
+        divergence_only = distill_loss(hidden, weight, targets, teacher_hidden, teacher_weight, **terms)
+        plain = value_and_grads(chunked_distill_loss, hidden, weight, targets, teacher_hidden, teacher_weight,
+                                alpha=alpha, chunk_tokens=64, **terms)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, means = chunked_distill_loss(h, w, targets, teacher_hidden, teacher_weight, alpha=alpha,
+                                           chunk_tokens=64, with_terms=True, **terms)
+        loss.backward()
+        assert not means.requires_grad
+        torch.testing.assert_close(means.double(), torch.stack([divergence_only, hard]), rtol=1e-5, atol=1e-7)
+        for a, b in zip(plain, (loss.detach(), h.grad, w.grad)):  # reporting them changes nothing trained
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_each_divergence_is_zero_for_a_student_that_is_its_teacher_and_jsd_is_bounded_by_log_2():
     logits = torch.randn(50, 31, dtype=torch.float64) * 3
     other = torch.randn(50, 31, dtype=torch.float64) * 3

@@ -45,6 +45,8 @@ def test_the_student_learns_the_teachers_distribution_and_nothing_of_the_teacher
     for name, param in trainer.teacher_model.named_parameters():  # the committed teacher, untouched by training
         assert torch.equal(param, saved[name]), name
     assert hooks.losses[-1] < hooks.losses[0] - 0.3  # the divergence from the teacher falls
+    for step in hooks.of(events.Step):  # alpha 0: the loss is the divergence; the hard CE is reported beside it
+        assert step.distill_divergence == pytest.approx(step.loss, rel=1e-5) and step.distill_ce > step.loss
     assert all(not p.requires_grad and p.grad is None for p in trainer.teacher_model.parameters())
     assert not trainer.teacher_model.training and trainer.module.model.training
     committed = json.loads((tmp_path / "checkpoints" / "student" / "step_000000006" / "manifest.json").read_text())

@@ -288,7 +288,7 @@ def test_the_first_hosts_tracker_logs_each_step_with_goodput_and_eval_and_restar
         t.on_started(events.Started(step=0))
         for step in (1, 2, 3):
             t.on_step(events.Step(step=step, loss=2.0 / step, grad_norm=1.0, lr=1e-3, tokens_per_s=50.0,
-                                  step_time_s=0.1, mfu=None))
+                                  step_time_s=0.1, mfu=None, distill_divergence=1.0 / step, distill_ce=3.0))
         t.on_eval(events.Eval(step=3, loss=1.25, perplexity=3.49, seconds=0.2))
         t.on_rolled_back(events.RolledBack(step=3, kind="spike", reason="", restored_step=2, verdict="data", skip=None,
                                            samples=None, redone_steps=1, seconds=0.1))
@@ -297,7 +297,8 @@ def test_the_first_hosts_tracker_logs_each_step_with_goodput_and_eval_and_restar
     shown = read_board(tmp_path / "runs" / "job")
     assert shown["train/loss"] == [(1, 2.0), (2, 1.0), (3, 0.5)]  # step 3 trained again after the rollback
     assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s", "goodput/ratio",
-            "goodput/badput_startup_seconds", "goodput/badput_lost_seconds", "eval/loss", "eval/perplexity"} <= set(shown)
+            "goodput/badput_startup_seconds", "goodput/badput_lost_seconds", "eval/loss", "eval/perplexity",
+            "distill/divergence", "distill/hard_ce"} <= set(shown)
     assert "perf/mfu" not in shown  # no value (CPU without a peak): nothing logged, not a zero
     assert shown["goodput/ratio"][0] == (1, 0.75)
     assert not (tmp_path / "runs1").exists()

@@ -61,10 +61,12 @@ METRIC_NAMES = {
     "expert_load_max": "moe/expert_load_max",
     "expert_load_cv": "moe/expert_load_cv",
     "dropped_fraction": "moe/dropped_fraction",
+    "distill_divergence": "distill/divergence",
+    "distill_ce": "distill/hard_ce",
     "eval_perplexity": "eval/perplexity",
 }
 ENGINE_STEP = "train/step"
-_PREFIXES = ("train/*", "perf/*", "memory/*", "compile/*", "eval/*", "moe/*")
+_PREFIXES = ("train/*", "perf/*", "memory/*", "compile/*", "eval/*", "moe/*", "distill/*")
 # Event fields that are not metrics: the step comes as log()'s own argument.
 _NOT_METRICS = frozenset({"step", "type", "event"})
 

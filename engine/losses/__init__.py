@@ -23,8 +23,9 @@ from engine.losses.distill import token_losses as distill_token_losses
 from engine.spec.schema import DistillConfig, LossConfig, ModelConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (student hidden, student head, targets, teacher hidden, teacher head) -> scalar mean
-DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (student hidden, student head, targets, teacher hidden, teacher head) -> (scalar mean, its TERMS' means)
+DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor]]
 
 
 DEFAULT_BUDGET_MIB = 1024  # where the device's memory is unknown (cpu, xla): a TPU v5e's HBM / 16
@@ -64,4 +65,5 @@ def build_distill_loss(cfg: DistillConfig, compile: Callable[[Callable], Callabl
     """Distillation's loss (engine.losses.distill), always in token chunks: neither model's logits
     ever exist for the whole micro-batch; `compile` is applied to each chunk's math."""
     return functools.partial(chunked_distill_loss, kind=cfg.loss, temperature=cfg.temperature, beta=cfg.beta,
-                             alpha=cfg.alpha, chunk_tokens=cfg.chunk_tokens, losses=compile(distill_token_losses))
+                             alpha=cfg.alpha, chunk_tokens=cfg.chunk_tokens, losses=compile(distill_token_losses),
+                             with_terms=True)

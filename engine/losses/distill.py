@@ -14,6 +14,9 @@ alpha x CE. Targets equal to the ignore index (loss masks, padding, document mas
 positions) count in neither term, and the mean is over the targets kept, as the language
 model's own loss.
 
+Each token's two terms (the divergence and the hard-label cross-entropy, whatever alpha) can be
+reported beside the loss (`with_terms`): the trainer logs them as distill_divergence and distill_ce.
+
 `distill_loss` holds both models' logits at once: [N, V] each, in fp32. `chunked_distill_loss`
 walks the tokens in chunks (engine.losses.chunked), so at most a chunk's rows of either exist;
 the teacher takes no gradient.
@@ -46,20 +49,33 @@ def divergence(log_student: torch.Tensor, log_teacher: torch.Tensor, kind: Kind,
             + (1 - beta) * (log_student.exp() * (log_student - log_mix)).sum(-1))
 
 
+TERMS = ("distill_divergence", "distill_ce")  # what with_terms reports per token, in this order
+
+
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher_hidden: torch.Tensor, *,
                  teacher_weight: torch.Tensor, kind: Kind = "forward_kl", temperature: float = 1.0,
-                 beta: float = 0.5, alpha: float = 0.0, ignore_index: int = -100) -> torch.Tensor:
+                 beta: float = 0.5, alpha: float = 0.0, ignore_index: int = -100,
+                 with_terms: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Each token's loss [N] of student hidden [N, D] and head [V, D] against the teacher's hidden
-    [N, Dt] and head [V, Dt] (0 where ignored)."""
+    [N, Dt] and head [V, Dt] (0 where ignored). with_terms: also its two terms [N, 2] without
+    gradient (TERMS: the divergence times T^2, and the hard-label cross-entropy, taken whatever alpha)."""
     student = (hidden @ weight.T).float()
     with torch.no_grad():
         teacher = (teacher_hidden @ teacher_weight.T).float()
-    loss = divergence(F.log_softmax(student / temperature, dim=-1), F.log_softmax(teacher / temperature, dim=-1),
-                      kind, beta) * temperature ** 2
+    log_student = F.log_softmax(student / temperature, dim=-1)
+    loss = divergence(log_student, F.log_softmax(teacher / temperature, dim=-1), kind, beta) * temperature ** 2
+    kept = targets != ignore_index
+    hard = None
+    if alpha or with_terms:
+        log_probs = log_student if temperature == 1 else F.log_softmax(student, dim=-1)
+        if not alpha:
+            log_probs = log_probs.detach()  # reported only: no gradient through it
+        hard = -log_probs.gather(1, torch.where(kept, targets, 0)[:, None])[:, 0]
+    terms = torch.stack((loss.detach(), hard.detach()), 1) if with_terms else None
     if alpha:
-        hard = F.cross_entropy(student, targets, ignore_index=ignore_index, reduction="none")
         loss = (1 - alpha) * loss + alpha * hard
-    return torch.where(targets != ignore_index, loss, 0.0)
+    loss = torch.where(kept, loss, 0.0)
+    return (loss, torch.where(kept[:, None], terms, 0.0)) if with_terms else loss
 
 
 def distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -72,11 +88,15 @@ def distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
 def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, *, ignore_index: int = -100,
-                         chunk_tokens: int | None = None, losses=token_losses, **terms) -> torch.Tensor:
+                         chunk_tokens: int | None = None, losses=token_losses, with_terms: bool = False,
+                         **terms) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """distill_loss, chunk_tokens tokens at a time (default: an eighth, at least 256); `losses` may
-    be a compiled token_losses."""
+    be a compiled token_losses. with_terms: (the loss, TERMS' means over the targets kept)."""
     if teacher_hidden.shape[0] != hidden.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher and student disagree: hidden {tuple(teacher_hidden.shape)} vs "
                          f"{tuple(hidden.shape)}, heads of {teacher_weight.shape[0]} and {weight.shape[0]} tokens")
+    if with_terms:
+        terms["with_terms"] = True
     return chunked_loss(hidden, weight, targets, (teacher_hidden.detach(),), ignore_index=ignore_index,
-                        chunk_tokens=chunk_tokens, losses=losses, teacher_weight=teacher_weight.detach(), **terms)
+                        chunk_tokens=chunk_tokens, losses=losses, stats=len(TERMS) if with_terms else 0,
+                        teacher_weight=teacher_weight.detach(), **terms)
