@@ -91,11 +91,13 @@ class LanguageModel(nn.Module):
         return self
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                positions: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
+                teacher_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the mean loss over the targets not ignored (engine.data.batch), the extras): while
         gradients are taken, [a loss to add, *statistics to report] with experts (their weighted
         loss, then STATS: engine.models.moe) or a teacher (then its TERMS: engine.losses.distill),
-        else None (an evaluation's loss is the language model's alone)."""
+        else None (an evaluation's loss is the language model's alone). teacher_ids, teacher_logp:
+        an offline teacher's top k from the batch (engine.distill.offline), in place of a teacher model."""
         moe = self.model.cfg.moe
         hidden, routing = self.model.hidden_and_routing(inputs, segments, positions)
         extras = None
@@ -106,12 +108,16 @@ class LanguageModel(nn.Module):
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
             hidden = hidden.to(torch.get_autocast_dtype(device))
-        if self.teacher is not None and torch.is_grad_enabled():
-            with torch.no_grad(), record_function("tpud.teacher"):
-                teacher_hidden, _ = self.teacher.hidden_and_routing(inputs, segments, positions)
+        if self.distill_fn is not None and torch.is_grad_enabled():
+            if self.teacher is not None:
+                with torch.no_grad(), record_function("tpud.teacher"):
+                    teacher_hidden, _ = self.teacher.hidden_and_routing(inputs, segments, positions)
+                teacher = teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight
+            else:
+                teacher = teacher_ids.flatten(0, 1), teacher_logp.flatten(0, 1)
             with record_function("tpud.loss"):
                 loss, terms = self.distill_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten(),
-                                              teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight)
+                                              *teacher)
             extras = torch.cat([loss.new_zeros(1) if extras is None else extras, terms])
             return loss, extras
         with record_function("tpud.loss"):
@@ -150,6 +156,8 @@ class Trainer:
         data = self._open_data(layout, source, micro_batch_size, accum)
         if self.teacher is not None:
             self.teacher.check_tokenizer(data.tokenizer)
+        # What each checkpoint records of the teacher: a model's weights, or the data's stored top k.
+        self.teacher_identity = self.teacher.identity if self.teacher is not None else data.teacher
         self.checkpointer = Checkpointer(spec.checkpoint, spec.name, checkpoints, self._fingerprint(),
                                          self.backend, self.model, self.optimizer, self.loader.state_dict(),
                                          self.hooks.emit, hosts, memory_dir=runtime.memory_dir,
@@ -160,7 +168,7 @@ class Trainer:
         self._watch_health()
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.guard, self.badput, self.hooks.emit,
-                                 stats=(STATS if spec.model.moe is not None else ()) + (TERMS if self.teacher else ()),
+                                 stats=(STATS if spec.model.moe is not None else ()) + (TERMS if spec.distill else ()),
                                  intervals=self.checkpointer.intervals,
                                  interval_s=self.checkpointer.schedule.local_interval_s)
         self._deferred: Request | None = None
@@ -193,7 +201,8 @@ class Trainer:
         kernel, attention = build_attention(spec.attention, self.backend, spec.data.document_mask)
         torch.manual_seed(spec.train.seed)
         source = None
-        self.teacher = None if spec.distill is None else Teacher(spec.distill, layout.models(), spec.data.seq_len)
+        online = spec.distill is not None and not spec.distill.offline
+        self.teacher = Teacher(spec.distill, layout.models(), spec.data.seq_len) if online else None
         if warm is not None:
             self.model, weights, teacher = warm.model, None, warm.teacher
         else:
@@ -212,11 +221,11 @@ class Trainer:
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
         self.capacity = capacity = self.backend.memory_capacity()  # collective: read once, by every rank
-        self.loss_name = (f"distill:{spec.distill.loss}" if spec.distill is not None
+        self.loss_name = (f"distill:{'offline' if spec.distill.offline else spec.distill.loss}" if spec.distill
                           else resolve_loss_name(spec.loss, spec.model, per_device, capacity))
         language_model = LanguageModel(self.model, build_loss(spec.loss, spec.model, per_device, self.backend.compile,
                                                               capacity),
-                                       teacher, build_distill_loss(spec.distill, self.backend.compile) if teacher else None)
+                                       teacher, build_distill_loss(spec.distill, self.backend.compile) if spec.distill else None)
         if warm is None:
             for block in [*self.model.layers, *(teacher.layers if teacher is not None else ())]:
                 self.backend.compile(block)
@@ -239,20 +248,21 @@ class Trainer:
     def _fingerprint(self) -> dict:
         """What each checkpoint records of the spec: the spec's fingerprint, and the teacher's identity."""
         values = fingerprint(self.spec)
-        if self.teacher is not None:
-            values[IDENTITY] = self.teacher.identity
+        if self.teacher_identity is not None:
+            values[IDENTITY] = self.teacher_identity
         return values
 
     def _open_data(self, layout: StateLayout, source: str | None, micro_batch_size: int, accum):
         """The training batches (loader, prefetcher, skip ledger) and the evaluator: the opened data."""
         spec = self.spec
+        offline = spec.distill is not None and spec.distill.offline
         data = open_data(spec.data, spec.train.seed, layout.datasets(), spec.model.vocab_size, source,
-                         validation=spec.eval is not None)
+                         validation=spec.eval is not None, offline_teacher=spec.distill.temperature if offline else None)
         self.ledger = SkipLedger(layout.skips_file(spec.name), micro_batch_size * self.backend.data.world,
                                  spec.data.skip)
         self.loader = PackedLoader(data.train, micro_batch_size, accum,
                                    spec.train.seed, self.backend.data, self.ledger.ranges, data.identity,
-                                   spec.data.document_mask, self.backend.global_loss)
+                                   spec.data.document_mask, self.backend.global_loss, offline)
         self.batches = Prefetcher(self.loader, self.backend.host_ready)
         precision = spec.train.mixed_precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.backend.bf16)
@@ -351,12 +361,13 @@ class Trainer:
     def _check_same_teacher(self, saved: dict, step: int, allowed: list[str]) -> None:
         """A distilled checkpoint resumes only with the teacher it was distilled from (a gang's
         resume compares this with the rest of the spec)."""
-        before = saved.get(IDENTITY)
-        if self.teacher is None or before is None or before == self.teacher.identity or "distill" in allowed:
+        before, now = saved.get(IDENTITY), self.teacher_identity
+        if now is None or before is None or before == now or "distill" in allowed:
             return
+        where = self.teacher.source.path if self.teacher is not None else "the data's offline teacher"
         raise ConfigError("distill.teacher", f"the checkpoint at step {step} was distilled from another teacher "
-                          f"(identity {before}; {self.teacher.source.path} is {self.teacher.identity}): name that "
-                          "teacher again, or list distill in checkpoint.allow_spec_changes to go on with this one")
+                          f"(identity {before}; {where} is {now}): name that teacher again, or list distill in "
+                          "checkpoint.allow_spec_changes to go on with this one")
 
     def _check_same_data(self, saved: dict) -> None:
         """A resume on different data is an error, unless the job says data.allow_change."""
@@ -449,7 +460,8 @@ class Trainer:
             with self.backend.autocast(self.bf16), record_function("tpud.forward"):
                 # Weighted by its share of the step's targets (1.0 without masks): divided by the
                 # micro-batch count below, the step's loss is that of one batch of all its targets.
-                loss, extras = self.module(batch.inputs, batch.targets, batch.segments, batch.positions)
+                loss, extras = self.module(batch.inputs, batch.targets, batch.segments, batch.positions,
+                                           batch.teacher_ids, batch.teacher_logp)
                 loss = loss * weight
             self.faults.slow_down(p.step, rank, time.monotonic() - began)
             self.stragglers.forward_took(time.monotonic() - began)  # no collective waits inside (stragglers.py)

@@ -110,3 +110,29 @@ def test_the_teacher_takes_no_gradient_and_must_share_the_vocabulary():
     assert teacher_hidden.grad is None and teacher_weight.grad is None and hidden.grad is not None
     with pytest.raises(ValueError, match="heads of 96 and 97 tokens"):
         chunked_distill_loss(hidden, weight, targets, teacher_hidden, teacher_weight[:96])
+
+
+def test_an_offline_teachers_top_k_is_the_online_forward_kl_when_k_is_the_vocabulary_and_its_tail_counts_otherwise():
+    from engine.losses.distill import chunked_topk_distill_loss
+
+    hidden, weight, teacher_hidden, teacher_weight, targets = problem(v=50)
+    for temperature, alpha in ((1.0, 0.0), (2.0, 0.3)):
+        log_p = F.log_softmax((teacher_hidden @ teacher_weight.T) / temperature, -1)
+        logp, ids = log_p.sort(-1, descending=True)
+        online = value_and_grads(distill_loss, hidden, weight, targets, teacher_hidden, teacher_weight,
+                                 temperature=temperature, alpha=alpha)
+        whole = value_and_grads(chunked_topk_distill_loss, hidden, weight, targets, ids, logp,
+                                temperature=temperature, alpha=alpha, chunk_tokens=64)
+        for a, b in zip(online, whole):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+        # k of the 50: the teacher's 5 likeliest and one outcome for the other 45, on both sides.
+        k = 5
+        loss = chunked_topk_distill_loss(hidden, weight, targets, ids[:, :k], logp[:, :k], temperature=temperature,
+                                         chunk_tokens=64)
+        log_q = F.log_softmax((hidden @ weight.T) / temperature, -1)
+        p_k, q_k = logp[:, :k].exp(), log_q.gather(1, ids[:, :k]).exp()
+        p = torch.cat([p_k, 1 - p_k.sum(-1, keepdim=True)], -1)
+        q = torch.cat([q_k, 1 - q_k.sum(-1, keepdim=True)], -1)
+        kept = targets != IGNORE
+        by_hand = (p * (p.log() - q.log())).sum(-1)[kept].mean() * temperature ** 2
+        torch.testing.assert_close(loss.double(), by_hand, rtol=1e-5, atol=1e-7)  # the logits are fp32

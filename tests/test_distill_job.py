@@ -307,3 +307,166 @@ def test_models_by_hub_id_come_from_the_hugging_face_cache_offline(hf_teacher, t
         student("tpud-test/other")
     with pytest.raises(SpecError, match="model.init_from: tpud-test/teacher@v2: no such revision|not in the"):
         tiny(*SHORT, "model.init_from=tpud-test/teacher@v2")
+
+
+# --- an offline teacher: its top k stored with the data (tpud prepare --teacher) ---
+
+
+@pytest.fixture(scope="module")
+def offline_data(tmp_path_factory):
+    """A bytes dataset, a teacher trained on it (tiny, vocabulary 264), and the teacher's top 264 (the
+    whole vocabulary) stored beside the dataset for windows of 65 tokens."""
+    from engine.distill.offline import annotate
+    from engine.prepare.options import Options
+    from engine.prepare.pipeline import prepare
+    from testkit import corpus
+
+    root = tmp_path_factory.mktemp("offline")
+    source = corpus.write(root / "docs.jsonl", corpus.docstrings(60), "jsonl")  # ~140 windows: 20 MB of top k
+    prepare(Options(inputs=(str(source),), tokenizer="bytes", out=str(root / "data"), workers=1, progress=False))
+    train(tiny(*SHORT, "name=teacher", "train.max_steps=10", f"data.dataset={root / 'data'}", "model.vocab_size=264"),
+          root / "home")
+    teacher = root / "home" / "checkpoints" / "teacher"
+    annotate(root / "data", str(teacher), 264, 64, models_cache=root / "models")
+    return root / "data", teacher
+
+
+def offline_student(data, teacher, *overrides):
+    return tiny(*SHORT, "name=student", "model.dim=64", "model.n_layers=2", "model.ffn_dim=192", "model.vocab_size=264",
+                f"data.dataset={data}", f"distill.teacher={teacher}", *overrides)
+
+
+def test_an_offline_teacher_of_the_whole_vocabulary_trains_the_student_as_the_teacher_in_memory_does(offline_data,
+                                                                                                    tmp_path):
+    data, teacher = offline_data
+    _, online, _ = train(offline_student(data, teacher, "train.max_steps=3"), tmp_path / "online")
+    trainer, offline, _ = train(offline_student(data, teacher, "train.max_steps=3", "distill.teacher=offline"),
+                                tmp_path / "offline")
+    assert trainer.teacher_model is None and trainer.loss_name == "distill:offline"
+    assert offline.losses == pytest.approx(online.losses, rel=1e-5)
+    steps = offline.of(events.Step)
+    assert all(s.distill_divergence == pytest.approx(s.loss, rel=1e-5) for s in steps)
+    committed = json.loads((tmp_path / "offline" / "checkpoints" / "student" / "step_000000003" / "manifest.json")
+                           .read_text())
+    assert committed["fingerprint"]["distill.teacher_identity"].endswith(":k264:t1")
+
+
+def test_an_offline_teacher_is_refused_where_it_does_not_fit_the_job(offline_data, tmp_path):
+    data, teacher = offline_data
+    with pytest.raises(ConfigError, match="data.seq_len: 32, but .* windows of 65 tokens"):
+        Trainer(offline_student(data, teacher, "distill.teacher=offline", "data.seq_len=32"), tmp_path, StepLosses())
+    with pytest.raises(ConfigError, match="distill.temperature: 2.0, but .* temperature 1.0"):
+        Trainer(offline_student(data, teacher, "distill.teacher=offline", "distill.temperature=2"), tmp_path,
+                StepLosses())
+    with pytest.raises(SpecError, match="distill.loss: offline: only forward_kl"):
+        offline_student(data, teacher, "distill.teacher=offline", "distill.loss=jsd")
+    with pytest.raises(SpecError, match="distill.teacher: .*the built-in corpus carries no teacher"):
+        tiny(*SHORT, "distill.teacher=offline")
+
+
+def test_the_teachers_pass_resumes_where_it_stopped_and_a_finished_one_is_not_redone(offline_data, tmp_path,
+                                                                                     monkeypatch):
+    import shutil
+
+    import numpy as np
+
+    from engine.data import manifest as mf
+    from engine.distill import offline
+
+    data, teacher = offline_data
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest.pop("teacher")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    for name in ("train-topk-ids.npy", "train-topk-logp.npy"):
+        (copy / name).unlink()
+    calls, predict, stop_at = [], offline.predict, 3
+
+    def counting(*args):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # killed in its third batch of windows
+        return predict(*args)
+
+    monkeypatch.setattr(offline, "predict", counting)
+    with pytest.raises(KeyboardInterrupt):
+        offline.annotate(copy, str(teacher), 264, 64, models_cache=tmp_path / "models")
+    assert mf.read(copy).teacher is None  # the dataset reads as before, without a teacher
+    calls.clear()
+    stop_at = None
+    section = offline.annotate(copy, str(teacher), 264, 64, models_cache=tmp_path / "models")
+    windows = len(np.load(data / "train-topk-ids.npy", mmap_mode="r"))
+    assert len(calls) == -(-windows // offline.BATCH_WINDOWS) - 2  # the two batches done are not done again
+    assert section == mf.read(data).teacher  # the same files, byte for byte (their CRC32C)
+    for name in ("train-topk-ids.npy", "train-topk-logp.npy"):
+        assert np.array_equal(np.load(copy / name), np.load(data / name))
+    assert not (copy / offline.PROGRESS).exists()
+    monkeypatch.setattr(offline, "predict", lambda *a: pytest.fail("a finished pass ran again"))
+    assert offline.annotate(copy, str(teacher), 264, 64, models_cache=tmp_path / "models") == section
+
+
+def test_tpud_prepare_stores_a_teacher_from_the_command_line_and_validate_checks_it(offline_data, tmp_path):
+    import argparse
+    import contextlib
+    import io
+
+    from engine.data import manifest as mf
+    from engine.prepare import command
+
+    data, teacher = offline_data
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 30}) + "\n")
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = [str(tmp_path / "docs.jsonl"), "--tokenizer", "bytes", "--out", str(tmp_path / "data"), "--workers", "1",
+            "--no-progress", "--teacher", str(teacher), "--top-k", "4"]
+
+    def run(argv):
+        # Plain buffers, never closed: the command points the log at its stderr, which later tests still write to.
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return command.run(parser.parse_args(argv)), out.getvalue(), err.getvalue()
+
+    code, _, err = run(args)
+    assert code == 1 and "give --seq-len" in err and not (tmp_path / "data").exists()
+    code, out, _ = run([*args, "--seq-len", "32"])
+    assert code == 0 and json.loads(out.splitlines()[-1])["teacher"]["top_k"] == 4
+    stored = mf.read(tmp_path / "data").teacher
+    assert (stored.top_k, stored.window, stored.splits["train"][0].path) == (4, 33, "train-topk-ids.npy")
+    # tpud validate's local checks: the job's windows against the teacher's.
+    manifests = [("data.dataset", mf.read(tmp_path / "data"))]
+    assert mf.check_teacher(manifests, 32, 1.0, False) == []
+    assert [key for key, _ in mf.check_teacher(manifests, 64, 1.0, False)] == ["data.seq_len"]
+    assert [key for key, _ in mf.check_teacher([("data.dataset", mf.read(data).model_copy(update={"teacher": None}))],
+                                               64, 1.0, False)] == ["data.dataset"]
+
+
+def test_a_full_disk_fails_the_teachers_pass_cleanly_and_the_dataset_reads_as_before(offline_data, tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    from engine.data import manifest as mf
+    from engine.distill import offline
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    data, teacher = offline_data
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tpud-test", str(mount)], check=True)
+    try:
+        copy = mount / "data"
+        copy.mkdir()
+        for path in data.iterdir():
+            if "topk" not in path.name:
+                shutil.copy(path, copy / path.name)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest.pop("teacher")
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(OSError) as full:
+            offline.annotate(copy, str(teacher), 264, 64, models_cache=tmp_path / "models")
+        assert full.value.errno == 28  # ENOSPC, raised where the arrays are allocated: never a SIGBUS
+        assert mf.read(copy).teacher is None and mf.read(copy).identity == mf.read(data).identity
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

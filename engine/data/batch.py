@@ -26,22 +26,30 @@ class Batch:
     # in that document (the first document of a window counts from the window's start).
     segments: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    # With an offline teacher (engine.distill.offline), [B, T, k]: its likeliest next tokens at
+    # each input (int32) and their log-probabilities (float32).
+    teacher_ids: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, rows: np.ndarray, segments: np.ndarray | None = None, masks: np.ndarray | None = None) -> Batch:
+    def of(cls, rows: np.ndarray, segments: np.ndarray | None = None, masks: np.ndarray | None = None,
+           teacher: tuple[np.ndarray, np.ndarray] | None = None) -> Batch:
         """From windows [B, T + 1] of tokens and, when documents are masked, their segment ids;
-        masks: the windows' loss masks (1: a trained target), when the data has them."""
+        masks: the windows' loss masks (1: a trained target), when the data has them; teacher: an
+        offline teacher's top k (ids, log-probabilities [B, T, k])."""
         rows = rows.astype(np.int64)
         tokens = torch.from_numpy(rows)
         keep = kept(segments, masks)
         targets = tokens[:, 1:] if keep is None else torch.from_numpy(np.where(keep, rows[:, 1:], IGNORE))
+        top = {} if teacher is None else {"teacher_ids": torch.from_numpy(np.ascontiguousarray(teacher[0])),
+                                          "teacher_logp": torch.from_numpy(np.ascontiguousarray(teacher[1]))}
         if segments is None:
-            return cls(tokens[:, :-1], targets)
+            return cls(tokens[:, :-1], targets, **top)
         segments = np.ascontiguousarray(segments[:, :-1], dtype=np.int32)  # the inputs'
         index = np.arange(segments.shape[1], dtype=np.int32)
         starts = np.where(np.diff(segments, axis=1, prepend=segments[:, :1]) != 0, index, 0)
         positions = index - np.maximum.accumulate(starts, axis=1)
-        return cls(tokens[:, :-1], targets, torch.from_numpy(segments), torch.from_numpy(positions))
+        return cls(tokens[:, :-1], targets, torch.from_numpy(segments), torch.from_numpy(positions), **top)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """fn applied to each tensor (pinning, sending to the device)."""

@@ -48,13 +48,15 @@ class Windows:
     documents: the stream's document index (0, then where each document ends), for the
     segment ids of document masking; None when the job does not mask.
     masks: the stream's loss mask (chat data), None when every token is trained.
+    teacher: an offline teacher's top k per window (ids, log-probabilities [n, window - 1, k]), or None.
     """
 
     def __init__(self, stream: TokenStream | ArrayStream, window: int, name: str, documents: np.ndarray | None = None,
-                 masks: TokenStream | None = None):
+                 masks: TokenStream | None = None, teacher: tuple[np.ndarray, np.ndarray] | None = None):
         self.stream, self.window, self.name, self.documents, self.mask_stream = stream, window, name, documents, masks
         self.n = stream.n_tokens // window
         self.masked = masks is not None
+        self.teacher = teacher
 
     def read(self, what: str, windows: np.ndarray) -> np.ndarray:
         return getattr(self, what)(np.asarray(windows, dtype=np.int64))
@@ -62,6 +64,14 @@ class Windows:
     def rows(self, windows: np.ndarray) -> np.ndarray:
         """[len(windows), window] tokens."""
         return np.stack([self.stream.read(int(w) * self.window, (int(w) + 1) * self.window) for w in windows])
+
+    def teacher_ids(self, windows: np.ndarray) -> np.ndarray:
+        """int32 [len(windows), window - 1, k]: the offline teacher's likeliest next tokens at each input."""
+        return np.asarray(self.teacher[0][windows])
+
+    def teacher_logp(self, windows: np.ndarray) -> np.ndarray:
+        """float32 [len(windows), window - 1, k]: their log-probabilities."""
+        return np.asarray(self.teacher[1][windows])
 
     def masks(self, windows: np.ndarray) -> np.ndarray:
         """uint8 [len(windows), window]: 1 where a token is a trained target."""
@@ -159,15 +169,34 @@ class Prepared:
     def open(cls, path: str | Path) -> Prepared:
         return cls(Path(path), mf.read(path))
 
-    def windows(self, split: str, window: int, documents: bool = False) -> Windows | None:
-        """The split cut into windows, with its document index if `documents`; None when it holds
-        less than one window."""
+    def windows(self, split: str, window: int, documents: bool = False, teacher: bool = False) -> Windows | None:
+        """The split cut into windows, with its document index if `documents` and its offline
+        teacher's top k if `teacher`; None when it holds less than one window."""
         entry = self.manifest.splits.get(split)
         if entry is None or entry.tokens < window:
             return None
         return Windows(TokenStream(self.path, entry), window, f"{self.path} ({split})",
                        document_index(self.path, entry) if documents else None,
-                       TokenStream(self.path, entry, masks=True) if entry.masks else None)
+                       TokenStream(self.path, entry, masks=True) if entry.masks else None,
+                       self._teacher(split, window) if teacher else None)
+
+    def _teacher(self, split: str, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """The split's top-k arrays, memory-mapped after checking their sizes against the manifest."""
+        t = self.manifest.teacher
+        files = t.splits.get(split) if t is not None and t.window == window else None
+        if not files:
+            raise ValueError(f"{self.path}: no offline teacher for the {split} split's windows of {window} tokens")
+        arrays = []
+        for entry in files:
+            path = self.path / entry.path
+            if path.stat().st_size != entry.bytes:
+                raise ValueError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry.bytes} (damaged)")
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            expected = (self.manifest.splits[split].tokens // window, window - 1, t.top_k)
+            if array.shape != expected:
+                raise ValueError(f"{path}: shape {array.shape}, expected {expected}")
+            arrays.append(array)
+        return arrays[0], arrays[1]
 
 
 @dataclass(frozen=True)
@@ -178,14 +207,17 @@ class TrainingData:
     max_token: int  # the largest token id the data may hold
     description: dict  # for the start-up log line
     tokenizer: Path | None = None  # the first dataset's tokenizer.json (None: bytes, the corpus)
+    teacher: str | None = None  # the offline teacher's identity, when the training samples carry one
 
 
 def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
-              model_dir: Path | None = None, validation: bool = False) -> TrainingData:
+              model_dir: Path | None = None, validation: bool = False,
+              offline_teacher: float | None = None) -> TrainingData:
     """The job's training (and validation) samples; ConfigError naming the key when they cannot be.
     model_dir: the local model.init_from directory, whose tokenizer the datasets must share.
-    validation: the job evaluates (an eval section), so a validation split is required."""
-    opened = _open_data(data, seed, cache_root, vocab_size, model_dir)
+    validation: the job evaluates (an eval section), so a validation split is required.
+    offline_teacher: distill.temperature, when the training samples carry the data's stored teacher."""
+    opened = _open_data(data, seed, cache_root, vocab_size, model_dir, offline_teacher)
     if validation and opened.val is None:
         raise ConfigError("eval", "the dataset has no validation split: prepare it with --val-fraction "
                           "or --val-docs")
@@ -193,7 +225,7 @@ def open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
 
 
 def _open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
-               model_dir: Path | None) -> TrainingData:
+               model_dir: Path | None, offline_teacher: float | None) -> TrainingData:
     window = data.seq_len + 1
     if not data.datasets:
         from engine.data.corpus import stdlib_documents
@@ -210,12 +242,16 @@ def _open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
     prepared = [_open(path, key, cache_root) for (path, _), key in zip(data.datasets, keys)]
     manifests = [(key, p.manifest) for key, p in zip(keys, prepared)]
     problems = mf.check_vocab(manifests, vocab_size, model_dir) + mf.check_window(manifests, data.seq_len)
+    if offline_teacher is not None:
+        problems += mf.check_teacher(manifests, data.seq_len, offline_teacher, data.document_mask)
     if problems:
         raise ConfigError(*problems[0])
     trains, vals = [], []
     for i, (dataset, key) in enumerate(zip(prepared, keys)):
         try:
-            train, val = (dataset.windows(split, window, data.document_mask) for split in ("train", "val"))
+            teacher = offline_teacher is not None  # evaluation takes no teacher: the train split's alone
+            train, val = (dataset.windows(split, window, data.document_mask, teacher and split == "train")
+                          for split in ("train", "val"))
         except (ValueError, OSError) as e:  # a shard missing, truncated or damaged
             raise ConfigError(key, str(e)) from None
         if train is None:
@@ -237,7 +273,8 @@ def _open_data(data: DataConfig, seed: int, cache_root: Path, vocab_size: int,
     tokenizer = prepared[0].path / "tokenizer.json"
     return TrainingData(train_samples, val_samples, identity,
                         max(p.manifest.tokenizer.vocab_size for p in prepared) - 1, description,
-                        tokenizer if tokenizer.is_file() else None)
+                        tokenizer if tokenizer.is_file() else None,
+                        prepared[0].manifest.teacher.identity if offline_teacher is not None else None)
 
 
 def _open(path: str, key: str, cache_root: Path) -> Prepared:

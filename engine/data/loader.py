@@ -104,8 +104,10 @@ def batch_geometry(train: TrainConfig, micro_batch_size: int | str, world: int,
 class PackedLoader:
     def __init__(self, samples: Samples, micro_batch_size: int, accum: AccumSchedule | int,
                  seed: int = 0, position: DataPosition = DataPosition(), skips: Iterable[Iterable[int]] = (),
-                 identity: str = "", document_mask: bool = False, global_loss: bool = False):
+                 identity: str = "", document_mask: bool = False, global_loss: bool = False,
+                 offline_teacher: bool = False):
         """document_mask: batches carry segment ids, positions and ignored boundary targets.
+        offline_teacher: batches carry the data's stored teacher top k (engine.distill.offline).
         global_loss: one program's loss covers every process's slice (SPMD), instead of each
         process's loss its own slice with the gradients averaged over processes (DDP, FSDP)."""
         self.samples, self.window = samples, samples.window
@@ -116,7 +118,7 @@ class PackedLoader:
         self.micro_batch_size = micro_batch_size
         self.accum = accum if isinstance(accum, AccumSchedule) else AccumSchedule(accum)
         self.seed, self.position, self.identity = seed, position, identity
-        self.document_mask, self.global_loss = document_mask, global_loss
+        self.document_mask, self.global_loss, self.offline_teacher = document_mask, global_loss, offline_teacher
         self.skips = skips
         self._counted: tuple[tuple[int, ...], np.ndarray] | None = None  # the last step's target counts
 
@@ -167,7 +169,9 @@ class PackedLoader:
         samples = self._samples(index, self.position.rank)
         segments = self.samples.read("segments", samples) if self.document_mask else None
         masks = self.samples.read("masks", samples) if self.samples.masked else None
-        return Batch.of(self.samples.read("rows", samples), segments, masks)
+        teacher = ((self.samples.read("teacher_ids", samples), self.samples.read("teacher_logp", samples))
+                   if self.offline_teacher else None)
+        return Batch.of(self.samples.read("rows", samples), segments, masks, teacher)
 
     def _target_counts(self, step: int) -> np.ndarray:
         return self.target_counts(tuple(self.index(step, m) for m in range(self.accum.at(step))))

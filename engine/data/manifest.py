@@ -7,6 +7,9 @@
     DIR/train-docs.npy        document offsets into the split's token stream (uint64, docs + 1)
     DIR/train-mask-00000.npy  chat and prompt/completion data: which tokens are trained targets
                               (uint8, one per token, shard for shard beside the token shards)
+    DIR/train-topk-ids.npy    an offline teacher's top-k predictions (`tpud prepare --teacher`):
+    DIR/train-topk-logp.npy   [windows, window - 1, k] token ids (int32) and log-probabilities
+                              (float32) of each window's every position, as training cuts them
 
 A split's tokens are one stream cut into shards of a fixed number of tokens, so a document
 may straddle two shards; shards are storage, documents and windows are positions in the
@@ -66,6 +69,18 @@ class Chat(_Model):
     padding_tokens: int = 0
 
 
+class TeacherTopK(_Model):
+    """An offline teacher's top-k log-probabilities beside the tokens (engine.distill.offline)."""
+
+    identity: str = Field(description="The teacher's (engine.distill.teacher), with k and the temperature.")
+    source: str
+    top_k: int
+    window: int = Field(description="Tokens per window: the job's data.seq_len + 1, as training cuts them.")
+    temperature: float
+    document_mask: bool = Field(description="Whether the teacher saw each document of a window alone.")
+    splits: dict[str, list[FileEntry]] = Field(description="Per split: the ids file, then the log-probabilities'.")
+
+
 class Tokenizer(_Model):
     kind: Literal["bytes", "huggingface"]
     file: FileEntry | None  # tokenizer.json, when kind is huggingface
@@ -101,11 +116,14 @@ class Manifest(_Model):
     skipped: Skips
     options: dict
     chat: Chat | None = None
+    teacher: TeacherTopK | None = None
 
     @property
     def files(self) -> list[FileEntry]:
-        """Every data file, the tokenizer's included: what a copy must carry."""
+        """Every data file, the tokenizer's and an offline teacher's included: what a copy must carry."""
         entries = [entry for split in self.splits.values() for entry in (*split.shards, *split.masks, split.index)]
+        if self.teacher:
+            entries += [entry for files in self.teacher.splits.values() for entry in files]
         if self.tokenizer.file:
             entries.append(self.tokenizer.file)
         return entries
@@ -186,10 +204,34 @@ def check_window(manifests: list[tuple[str, Manifest]], seq_len: int) -> list[tu
             for key, m in manifests if m.chat is not None and m.chat.window != seq_len + 1]
 
 
+def check_teacher(manifests: list[tuple[str, Manifest]], seq_len: int, temperature: float,
+                  document_mask: bool) -> list[tuple[str, str]]:
+    """distill.teacher offline: every dataset must carry the same teacher's top-k, cut as this job cuts its windows."""
+    found = []
+    for key, m in manifests:
+        t = m.teacher
+        if t is None:
+            found.append((key, "has no offline teacher (distill.teacher: offline): prepare it with --teacher DIR "
+                          f"--top-k K --seq-len {seq_len}"))
+        elif t.window != seq_len + 1:
+            found.append(("data.seq_len", f"{seq_len}, but {key}'s teacher predicted windows of {t.window} tokens: "
+                          f"set data.seq_len to {t.window - 1} (or prepare the teacher again with --seq-len {seq_len})"))
+        elif t.temperature != temperature:
+            found.append(("distill.temperature", f"{temperature}, but {key}'s teacher was stored at temperature "
+                          f"{t.temperature}"))
+        elif t.document_mask != document_mask:
+            found.append(("data.document_mask", f"{document_mask}, but {key}'s teacher was run with document "
+                          f"masking {'on' if t.document_mask else 'off'}: its predictions saw other contexts"))
+    if len({m.teacher.identity for _, m in manifests if m.teacher}) > 1:
+        found.append(("data.mixture", "its datasets carry different offline teachers"))
+    return found
+
+
 def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size: int,
-                   model_dir: str | None = None, seq_len: int | None = None) -> list[tuple[str, str]]:
+                   model_dir: str | None = None, seq_len: int | None = None,
+                   offline_teacher: tuple[float, bool] | None = None) -> list[tuple[str, str]]:
     """What `tpud validate` can tell without the network: local datasets exist and fit the model
-    (and, given the job's seq_len, its windows)."""
+    (and, given the job's seq_len, its windows; given (temperature, document_mask), their offline teacher)."""
     found, manifests = [], []
     for i, (path, _) in enumerate(datasets):
         key = f"data.mixture.{i}.dataset" if mixture else "data.dataset"
@@ -201,4 +243,6 @@ def local_problems(datasets: list[tuple[str, float]], mixture: bool, vocab_size:
             found.append((key, str(e)))
     local_model = model_dir if model_dir and not model_dir.startswith("gs://") else None
     windows = check_window(manifests, seq_len) if seq_len is not None else []
+    if offline_teacher is not None and seq_len is not None:
+        windows += check_teacher(manifests, seq_len, *offline_teacher)
     return found + check_vocab(manifests, vocab_size, local_model) + windows

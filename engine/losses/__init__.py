@@ -18,7 +18,7 @@ import torch
 from engine.losses.cce import linear_cross_entropy
 from engine.losses.ce import cross_entropy, token_losses
 from engine.losses.chunked import chunked_cross_entropy
-from engine.losses.distill import chunked_distill_loss
+from engine.losses.distill import chunked_distill_loss, chunked_topk_distill_loss, topk_token_losses
 from engine.losses.distill import token_losses as distill_token_losses
 from engine.spec.schema import DistillConfig, LossConfig, ModelConfig
 
@@ -63,7 +63,11 @@ def build_loss(cfg: LossConfig, model: ModelConfig, tokens_per_device: int,
 
 def build_distill_loss(cfg: DistillConfig, compile: Callable[[Callable], Callable] = lambda fn: fn) -> DistillFn:
     """Distillation's loss (engine.losses.distill), always in token chunks: neither model's logits
-    ever exist for the whole micro-batch; `compile` is applied to each chunk's math."""
+    ever exist for the whole micro-batch; `compile` is applied to each chunk's math. An offline
+    teacher's takes its stored top k (ids, log-probabilities) in place of its hidden states and head."""
+    if cfg.offline:
+        return functools.partial(chunked_topk_distill_loss, temperature=cfg.temperature, alpha=cfg.alpha,
+                                 chunk_tokens=cfg.chunk_tokens, losses=compile(topk_token_losses), with_terms=True)
     return functools.partial(chunked_distill_loss, kind=cfg.loss, temperature=cfg.temperature, beta=cfg.beta,
                              alpha=cfg.alpha, chunk_tokens=cfg.chunk_tokens, losses=compile(distill_token_losses),
                              with_terms=True)

@@ -17,6 +17,9 @@ model's own loss.
 Each token's two terms (the divergence and the hard-label cross-entropy, whatever alpha) can be
 reported beside the loss (`with_terms`): the trainer logs them as distill_divergence and distill_ce.
 
+An offline teacher (`topk_token_losses`) is its top k log-probabilities per token, stored with the
+data: forward KL over those k tokens plus one outcome for the rest of the mass on each side.
+
 `distill_loss` holds both models' logits at once: [N, V] each, in fp32. `chunked_distill_loss`
 walks the tokens in chunks (engine.losses.chunked), so at most a chunk's rows of either exist;
 the teacher takes no gradient.
@@ -50,6 +53,7 @@ def divergence(log_student: torch.Tensor, log_teacher: torch.Tensor, kind: Kind,
 
 
 TERMS = ("distill_divergence", "distill_ce")  # what with_terms reports per token, in this order
+_LOG_TINY = -80.0  # an offline teacher's tail mass that rounded to nothing, as a log
 
 
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher_hidden: torch.Tensor, *,
@@ -64,6 +68,12 @@ def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         teacher = (teacher_hidden @ teacher_weight.T).float()
     log_student = F.log_softmax(student / temperature, dim=-1)
     loss = divergence(log_student, F.log_softmax(teacher / temperature, dim=-1), kind, beta) * temperature ** 2
+    return _with_hard_label(loss, student, log_student, targets, temperature, alpha, ignore_index, with_terms)
+
+
+def _with_hard_label(loss: torch.Tensor, student: torch.Tensor, log_student: torch.Tensor, targets: torch.Tensor,
+                     temperature: float, alpha: float, ignore_index: int, with_terms: bool):
+    """The divergence per token mixed with alpha x the hard-label cross-entropy, masked; with_terms: and TERMS."""
     kept = targets != ignore_index
     hard = None
     if alpha or with_terms:
@@ -100,3 +110,34 @@ def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return chunked_loss(hidden, weight, targets, (teacher_hidden.detach(),), ignore_index=ignore_index,
                         chunk_tokens=chunk_tokens, losses=losses, stats=len(TERMS) if with_terms else 0,
                         teacher_weight=teacher_weight.detach(), **terms)
+
+
+def topk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher_ids: torch.Tensor,
+                      teacher_logp: torch.Tensor, *, temperature: float = 1.0, alpha: float = 0.0,
+                      ignore_index: int = -100, with_terms: bool = False):
+    """token_losses' forward KL against an offline teacher's top k [N, K] (ids, and log-probabilities at
+    `temperature`), the rest of its mass one more outcome: KL over the k tokens and the tail, where
+    the student's tail is its mass outside the teacher's k. With k = the vocabulary there is no tail
+    and this is token_losses' forward_kl exactly."""
+    student = (hidden @ weight.T).float()
+    log_student = F.log_softmax(student / temperature, dim=-1)
+    log_q = log_student.gather(1, teacher_ids.long())
+    log_p = teacher_logp.float()
+    loss = (log_p.exp() * (log_p - log_q)).sum(-1)
+    if teacher_ids.shape[1] < weight.shape[0]:
+        tail_p = (-torch.logsumexp(log_p, -1).exp()).log1p().clamp(min=_LOG_TINY)  # log(1 - sum p)
+        tail_q = (-torch.logsumexp(log_q, -1).exp().clamp(max=1 - 1e-7)).log1p()
+        loss = loss + tail_p.exp() * (tail_p - tail_q)
+    loss = loss * temperature ** 2
+    return _with_hard_label(loss, student, log_student, targets, temperature, alpha, ignore_index, with_terms)
+
+
+def chunked_topk_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                              teacher_ids: torch.Tensor, teacher_logp: torch.Tensor, *, ignore_index: int = -100,
+                              chunk_tokens: int | None = None, losses=topk_token_losses, with_terms: bool = False,
+                              **terms):
+    """chunked_distill_loss against an offline teacher's top k (topk_token_losses)."""
+    if with_terms:
+        terms["with_terms"] = True
+    return chunked_loss(hidden, weight, targets, (teacher_ids, teacher_logp.detach()), ignore_index=ignore_index,
+                        chunk_tokens=chunk_tokens, losses=losses, stats=len(TERMS) if with_terms else 0, **terms)

@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chat.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
                       help="a conversation longer than a window: drop it (default) or keep its first window's "
                       "tokens; either way counted in the manifest")
+    _teacher_arguments(parser)
     val = parser.add_mutually_exclusive_group()
     val.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                      help="hold out this fraction of documents for validation, chosen by document (default 0)")
@@ -76,6 +77,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log lines instead of a progress bar, even on a terminal")
 
 
+def _teacher_arguments(parser: argparse.ArgumentParser) -> None:
+    teacher = parser.add_argument_group(
+        "an offline teacher (distillation without a teacher in memory: distill.teacher: offline)",
+        "After the tokens, a teacher model reads the windows training will cut (--seq-len + 1 tokens) and its k "
+        "likeliest next tokens at each position are stored beside them with their log-probabilities (k x 8 bytes "
+        "a token); resumable, and needs torch. Local output only.")
+    teacher.add_argument("--teacher", metavar="MODEL", help="a Hugging Face model directory, gs://, a hub id, or a "
+                         "tpud checkpoint; its tokenizer must be the dataset's")
+    teacher.add_argument("--top-k", type=int, default=32, metavar="K", help="predictions stored per token (default 32)")
+    teacher.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                         help="the log-probabilities' temperature: the jobs' distill.temperature (default 1)")
+    teacher.add_argument("--document-mask", action="store_true",
+                         help="the teacher sees each document of a window alone: for jobs with data.document_mask")
+
+
 def _size(text: str) -> int:
     """A byte count: 1048576, 1M, 1MiB, 512K, 2G."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -93,7 +109,9 @@ def options(args: argparse.Namespace) -> Options:
                    shard_tokens=args.shard_tokens, max_doc_bytes=args.max_doc_bytes, on_error=args.on_error,
                    workers=max(0, args.workers),
                    work_dir=args.work_dir, overwrite=args.overwrite, progress=args.progress, format=args.format,
-                   chat_template=args.chat_template, train_on=args.train_on, seq_len=args.seq_len,
+                   chat_template=args.chat_template, train_on=args.train_on,
+                   # Text is windowed by the jobs; --seq-len with text data is the offline teacher's.
+                   seq_len=args.seq_len if args.format != "text" or args.teacher is None else None,
                    overlong=args.overlong)
 
 
@@ -111,20 +129,62 @@ def run(args: argparse.Namespace) -> int:
 
     logs.configure(stream=sys.stderr)
     try:
+        if args.teacher is not None:
+            _check_teacher_arguments(args)
         if hub.is_hub_id(args.tokenizer, Path.cwd()):
             args.tokenizer = str(hub.tokenizer(args.tokenizer))
         manifest = prepare(options(args))
     except (PrepareError, DatasetError, OSError, GoogleAPIError, hub.HubError) as e:  # bad input, a full disk, a bucket
         print(f"tpud prepare: {e}", file=sys.stderr)
         return 1
+    if args.teacher is not None:
+        try:
+            manifest = _annotate(args)
+        except (ValueError, OSError) as e:  # OfflineError and ConfigError are ValueErrors; a full disk
+            print(f"tpud prepare: --teacher {args.teacher}: {e}", file=sys.stderr)
+            return 1
     summary = {name: {"documents": s.documents, "tokens": s.tokens,
                       **({"targets": s.targets} if s.targets is not None else {})}
                for name, s in manifest.splits.items()}
     print(json.dumps({"out": args.out, "identity": manifest.identity, "vocab_size": manifest.tokenizer.vocab_size,
                       "splits": summary, "skipped": manifest.skipped.count,
                       **({"chat": manifest.chat.model_dump(include={"conversations", "dropped", "truncated",
-                                                                    "padding_tokens"})} if manifest.chat else {})}))
+                                                                    "padding_tokens"})} if manifest.chat else {}),
+                      **({"teacher": manifest.teacher.model_dump(include={"identity", "top_k", "window"})}
+                         if manifest.teacher else {})}))
     return 0
+
+
+def _check_teacher_arguments(args: argparse.Namespace) -> None:
+    if args.seq_len is None:
+        raise PrepareError("--teacher reads the windows the jobs train on: give --seq-len, their data.seq_len")
+    if args.out.startswith("gs://"):
+        raise PrepareError("--teacher writes beside a local dataset: prepare it to a directory, then copy it")
+    if args.top_k < 1 or not args.temperature > 0:
+        raise PrepareError(f"--top-k {args.top_k} --temperature {args.temperature}: both must be above 0")
+
+
+def _annotate(args: argparse.Namespace):
+    """The teacher's pass (engine.distill.offline); the dataset's manifest with its teacher section."""
+    import tempfile
+
+    from engine.data import manifest as mf
+    from engine.distill.offline import annotate
+
+    def progress(split: str, done: int, total: int) -> None:
+        if done == total or done % max(1, total // 20) < 8:  # about every 5 %
+            print(f"tpud prepare: teacher: {split} {done}/{total} windows", file=sys.stderr)
+
+    annotate(Path(args.out), args.teacher, args.top_k, args.seq_len, temperature=args.temperature,
+             document_mask=args.document_mask, models_cache=Path(args.work_dir or tempfile.gettempdir()) / "tpud-models",
+             device="cuda" if _cuda() else "cpu", progress=progress)
+    return mf.read(args.out)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 DESCRIPTION = (

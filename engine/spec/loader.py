@@ -145,7 +145,7 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (), limits
 
 def _teacher_problems(spec: JobSpec, origins: Mapping[str, Origin]) -> list[Problem]:
     """A distillation teacher must exist and share the student's vocabulary (engine.distill.source)."""
-    if spec.distill is None:
+    if spec.distill is None or spec.distill.offline:  # an offline teacher is the data's: checked with it
         return []
     from engine.distill.source import TeacherError, resolve
 
@@ -188,7 +188,7 @@ def _with_absolute_paths(spec: JobSpec, origins: Mapping[str, Origin]) -> JobSpe
         entry.dataset = _absolute(entry.dataset, f"data.mixture.{i}.dataset", origins)
     if spec.logging.tensorboard is not None:
         spec.logging.tensorboard = _absolute(spec.logging.tensorboard, "logging.tensorboard", origins)
-    if spec.distill is not None:
+    if spec.distill is not None and not spec.distill.offline:
         spec.distill.teacher = _model_location(spec.distill.teacher, "distill.teacher", origins)
     return spec
 

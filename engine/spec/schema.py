@@ -476,7 +476,9 @@ class DistillConfig(Section):
                          "org/name[@revision]), or a tpud "
                          "checkpoint (a job's checkpoint directory, meaning its newest committed step, or one "
                          "step_N directory). Its vocabulary must be the student's (model.vocab_size and the "
-                         "tokenizer).")
+                         "tokenizer). offline: no teacher in memory; every dataset carries a teacher's top-k "
+                         "log-probabilities (tpud prepare --teacher), trained on with forward_kl over the top k plus "
+                         "the rest's mass.")
     loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
         "forward_kl", description="forward_kl: KL(teacher || student), Hinton's soft targets; reverse_kl: "
         "KL(student || teacher), mode-seeking; jsd: the generalised Jensen-Shannon divergence (beta).")
@@ -487,6 +489,20 @@ class DistillConfig(Section):
                          "alpha) x divergence + alpha x CE. 0 (the default): the divergence alone.")
     chunk_tokens: PositiveInt | None = Field(
         None, description="Tokens per chunk of the loss (default: an eighth of the micro-batch's, at least 256).")
+
+    @property
+    def offline(self) -> bool:
+        """The teacher's top-k predictions stored with the data (`tpud prepare --teacher`), no teacher model."""
+        return self.teacher == "offline"
+
+    @model_validator(mode="after")
+    def _offline_is_forward_kl(self) -> DistillConfig:
+        if self.offline and self.loss != "forward_kl":
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("offline_loss", "offline: only forward_kl (the stored top-k and their "
+                                         "tail's mass cover the teacher's side alone)"), loc=("loss",),
+                input=self.loss)])
+        return self
 
 
 class MeshConfig(Section):
@@ -883,12 +899,7 @@ class JobSpec(Section):
         if self.eval is not None and not self.data.datasets:
             problem(("eval",), "eval", "needs data.dataset or data.mixture: the built-in corpus has no "
                     "validation split")
-        if self.distill is not None:
-            loss = self.loss
-            for key, default in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("focal_gamma", 0.0)):
-                if getattr(loss, key) != default:
-                    problem(("loss", key), getattr(loss, key), "does not apply to distillation's loss "
-                            "(distill.alpha weighs a plain cross-entropy); leave it out")
+        self._distill_problems(problem)
         if self.scheduler.warmup_steps >= self.train.max_steps:
             problem(
                 ("scheduler", "warmup_steps"), self.scheduler.warmup_steps,
@@ -905,3 +916,16 @@ class JobSpec(Section):
         if problems:
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
+
+    def _distill_problems(self, problem) -> None:
+        """What distillation asks of the other sections."""
+        if self.distill is not None and self.distill.offline and not self.data.datasets:
+            problem(("distill", "teacher"), "offline", "needs data.dataset or data.mixture prepared with --teacher: "
+                    "the built-in corpus carries no teacher")
+        if self.distill is not None:
+            loss = self.loss
+            for key, default in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("focal_gamma", 0.0)):
+                if getattr(loss, key) != default:
+                    problem(("loss", key), getattr(loss, key), "does not apply to distillation's loss "
+                            "(distill.alpha weighs a plain cross-entropy); leave it out")
+

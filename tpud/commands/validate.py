@@ -16,10 +16,11 @@ def validate(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             loaded = load_job(path, args.overrides)
-            data = loaded.spec.data
+            data, distill = loaded.spec.data, loaded.spec.distill
+            offline = (distill.temperature, data.document_mask) if distill and distill.offline else None
             problems = [loaded.problem(key, message) for key, message in
                         local_problems(data.datasets, bool(data.mixture), loaded.spec.model.vocab_size,
-                                       loaded.spec.model.init_from, data.seq_len)]
+                                       loaded.spec.model.init_from, data.seq_len, offline)]
             if problems:
                 raise SpecError(problems)
         except SpecError as e:
