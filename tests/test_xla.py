@@ -88,7 +88,7 @@ def test_a_checkpoint_sharded_over_four_devices_exports_the_trained_weights(xla_
         assert torch.equal(exported[hf_name(name)], param), name
 
 
-@pytest.mark.parametrize("loss", ["cce", "chunked", "distill"])
+@pytest.mark.parametrize("loss", ["cce", "chunked", "distill", "offline"])
 def test_chunked_losses_on_sharded_xla_tensors_match_the_cpu_and_compile_once(loss):
     out = subprocess.run([PYTHON, str(REPO / "tests" / "xla_cce_probe.py"), loss], capture_output=True, text=True,
                          env=python_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4"), timeout=300)

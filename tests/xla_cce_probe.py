@@ -1,7 +1,8 @@
 """Run under PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 by tests/test_xla.py; prints one JSON line.
 
 A chunked loss (argv[1]: cce, cut cross-entropy; chunked, token chunks with the backward in
-forward; distill, distillation's divergence in token chunks from a teacher of another width) on
+forward; distill, distillation's divergence in token chunks from a teacher of another width;
+offline, the same from that teacher's stored top k) on
 sharded XLA tensors (hidden over the batch, weight over the vocab and over the model dim) against
 the same function on the CPU, plus its compile time and the compilations a second call with
 other values adds (none: static chunk shapes).
@@ -20,7 +21,7 @@ import torch_xla.runtime as xr
 
 from engine.losses.cce import linear_cross_entropy
 from engine.losses.chunked import chunked_cross_entropy
-from engine.losses.distill import chunked_distill_loss
+from engine.losses.distill import chunked_distill_loss, chunked_topk_distill_loss
 
 TERMS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=10.0)
 LOSSES = {
@@ -34,6 +35,10 @@ def run(hidden, weight, targets, teacher):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     if sys.argv[1] == "distill":
         loss, _ = chunked_distill_loss(h, w, targets, *teacher, **DISTILL)  # as the trainer calls it
+    elif sys.argv[1] == "offline":  # an offline teacher's top 16 of the 1000, from the teacher above
+        logp, ids = torch.log_softmax(teacher[0] @ teacher[1].T / 2.0, -1).topk(16)
+        loss, _ = chunked_topk_distill_loss(h, w, targets, ids.int(), logp, temperature=2.0, alpha=0.2,
+                                            chunk_tokens=96, with_terms=True)
     else:
         fn, chunking = LOSSES[sys.argv[1]]
         loss = fn(h, w, targets, **TERMS, **chunking)
