@@ -15,6 +15,7 @@ the `teacher` section last, so until then the dataset reads as it did.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -51,6 +52,17 @@ def annotate(directory: Path, teacher: str, top_k: int, seq_len: int, *, tempera
     """Store `teacher`'s top-k predictions beside the prepared dataset in `directory`; its manifest's
     new teacher section. Resumes an interrupted run with the same teacher and options."""
     directory = Path(directory)
+    with open(directory / ".prepare.lock", "w") as lock:  # the lock tpud prepare's own writing holds
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OfflineError(f"{directory}: another tpud prepare is writing there") from None
+        return _annotate(directory, teacher, top_k, seq_len, temperature, document_mask, models_cache, device,
+                         progress)
+
+
+def _annotate(directory: Path, teacher: str, top_k: int, seq_len: int, temperature: float, document_mask: bool,
+              models_cache: Path, device: str, progress: Callable[[str, int, int], None]) -> mf.TeacherTopK:
     prepared = Prepared.open(directory)
     opened = Teacher(DistillConfig(teacher=teacher), models_cache, seq_len)
     _check(prepared, opened, top_k)
@@ -60,6 +72,8 @@ def annotate(directory: Path, teacher: str, top_k: int, seq_len: int, *, tempera
     if existing is not None and (existing.identity, existing.window, existing.document_mask) == (
             identity, window, document_mask):
         return existing  # done before
+    if existing is not None:  # another teacher's: no longer part of the dataset before its files are rewritten
+        atomic_write(directory / mf.MANIFEST, prepared.manifest.model_copy(update={"teacher": None}).to_json())
     key = hashlib.sha256(json.dumps([prepared.manifest.identity, identity, window, document_mask]).encode()).hexdigest()
     done = _progress(directory, key)
     model = _model(opened, document_mask, device)
