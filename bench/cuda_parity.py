@@ -17,7 +17,9 @@ that: eager and compiled alone drift apart by about 1e-2 within 20 steps at this
 real fault of the sharded or compiled path (a gradient scaled or reduced wrongly) stands out.
 A second eager arm measures the noise floor: what the same configuration differs by from run to
 run (nondeterministic kernels, such as an attention backward's atomic sums; `--deterministic`
-sets device.deterministic in every arm). Reported: the largest |loss difference| of
+sets device.deterministic in every arm). `--eager-rounding` has Inductor round every intermediate
+to bf16 where eager does (its emulate_precision_casts), which leaves the compiled arms only the
+order of their sums to differ by, as fp32 does, but at bf16's precision. Reported: the largest |loss difference| of
 fsdp+compiled and of compiled against eager over the steps, and fsdp+compiled against compiled
 (FSDP's own share); issue 41's target: fsdp+compiled within 1e-3 of eager at every step.
 `--device cpu` runs the same on the CPU over gloo (fp32), to check this script without a GPU.
@@ -118,12 +120,18 @@ def main() -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="train.mixed_precision (fp32: true fp32 matmuls, no TF32)")
     parser.add_argument("--deterministic", action="store_true", help="device.deterministic: true in every arm")
+    parser.add_argument("--eager-rounding", action="store_true",
+                        help="Inductor rounds its fused intermediates to bf16 as eager does (emulate_precision_casts)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: the demo job's)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cuda_parity.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/cuda_parity.py --device cuda needs a CUDA GPU (or --device cpu)")
     logs.configure("warning")
+    if args.eager_rounding:
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
     with tempfile.TemporaryDirectory() as rendezvous:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                                 init_method=f"file://{rendezvous}/store", rank=0, world_size=1)
@@ -140,7 +148,8 @@ def main() -> int:
 
     result = {
         "benchmark": "cuda_parity", "machine": describe(), "preset": args.preset, "device": args.device,
-        "precision": args.precision, "deterministic": args.deterministic, "lr": args.lr,
+        "precision": args.precision, "deterministic": args.deterministic, "eager_rounding": args.eager_rounding,
+        "lr": args.lr,
         "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
         "losses": arms, "target": TARGET,
         "max_abs_diff": {"fsdp+compiled vs eager": worst("fsdp+compiled", "eager"),

@@ -6,7 +6,8 @@
 #             the same run's naive loop, compiled (step-eager: eager; step-ce: the full-logits loss)
 #   profile   tpud profile of the compiled 125m step: where its time goes
 #   parity    bench/cuda_parity.py: FSDP2 + compile on a mesh of one against eager, 20 steps, bf16
-#             (parity-fp32: in fp32; parity-det: bf16 with device.deterministic)
+#             (parity-fp32: in fp32; parity-det: bf16 with device.deterministic; parity-eager-rounding:
+#             that, and Inductor rounding its intermediates as eager does)
 #   loss      bench/cce.py --device cuda: the losses alone at bf16 V=128k N=16k D=2048
 #   resume    bench/cuda.py: 125m under tpud run, 200 steps, one SIGKILL (step time after / before)
 #   bitwise   bench/cuda.py: tiny under tpud run with device.deterministic, killed and not: weights
@@ -18,7 +19,7 @@
 set -u
 out=${1:?usage: cuda_suite.sh OUT_DIR [SECONDS] [PARTS]}
 budget=${2:-420}
-parts=${3:-step profile parity parity-fp32 parity-det loss resume bitwise step-eager step-ce}
+parts=${3:-step profile parity parity-fp32 parity-det parity-eager-rounding loss resume bitwise step-eager step-ce}
 cd "$(dirname "$0")/.."
 mkdir -p "$out/results"
 exec > >(tee -a "$out/log.txt") 2>&1
@@ -70,6 +71,8 @@ part parity-fp32 90 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batc
     --out "$out/results/cuda_parity-fp32.json"
 part parity-det 90 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --deterministic \
     --out "$out/results/cuda_parity-deterministic.json"
+part parity-eager-rounding 90 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --deterministic \
+    --eager-rounding --out "$out/results/cuda_parity-eager-rounding.json"
 part loss 130 python3 bench/cce.py --device cuda --compile --cases "bf16 V=128k N=16k D=2048" \
     --out "$out/results/cce-cuda.json"
 # Under tpud run too: the operator's cache setting wins over the job's own (warm from the parts above).
