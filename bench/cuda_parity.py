@@ -129,9 +129,9 @@ def main() -> int:
         raise SystemExit("bench/cuda_parity.py --device cuda needs a CUDA GPU (or --device cpu)")
     logs.configure("warning")
     if args.eager_rounding:
-        import torch._inductor.config
+        from torch._inductor import config as inductor
 
-        torch._inductor.config.emulate_precision_casts = True
+        inductor.emulate_precision_casts = True
     with tempfile.TemporaryDirectory() as rendezvous:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                                 init_method=f"file://{rendezvous}/store", rank=0, world_size=1)
