@@ -164,10 +164,19 @@ def _report(spec: JobSpec, trainer, hooks: _Window, cuda: bool) -> Report:
 
 
 def device_busy_s(trace_events) -> float:
-    """Seconds the GPU ran kernels and copies in a profiler's events."""
+    """Seconds the GPU ran kernels and copies in a profiler's events: the union of their spans, as
+    kernels of two streams overlap, and without the loop's scopes that the trace mirrors onto the
+    GPU's timeline (user annotations, which span their kernels and the idle time between them)."""
     from torch.autograd import DeviceType
 
-    return sum(e.time_range.elapsed_us() for e in trace_events if e.device_type == DeviceType.CUDA) / 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in trace_events
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    busy_us, reach = 0, float("-inf")
+    for start, end in spans:
+        if end > reach:
+            busy_us += end - max(start, reach)
+            reach = end
+    return busy_us / 1e6
 
 
 def _device_phases(phases: dict[str, float], busy_s: float, step_s: float) -> tuple[dict[str, float], float]:
