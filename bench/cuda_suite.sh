@@ -67,7 +67,7 @@ EOF
 part profile 70 "${with_cache[@]}" python3 -m tpud profile $job --warmup 3 --steps 4 --out /tmp/profile
 cp /tmp/profile/report.json "$out/results/profile-125m.json" 2>/dev/null
 part parity 80 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --out "$out/results/cuda_parity.json"
-part parity-fp32 90 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --precision fp32 \
+part parity-fp32 150 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --precision fp32 \
     --out "$out/results/cuda_parity-fp32.json"
 part parity-det 90 "${with_cache[@]}" python3 bench/cuda_parity.py --micro-batch-size 16 --deterministic \
     --out "$out/results/cuda_parity-deterministic.json"
