@@ -102,6 +102,7 @@ class Step(Event):
     # A distillation's terms (engine.losses.distill.TERMS); None without a teacher.
     distill_divergence: float | None = None  # the divergence from the teacher, times T^2, before (1 - alpha)
     distill_ce: float | None = None          # the hard-label cross-entropy, before alpha (reported at alpha 0 too)
+    distill_hidden: float | None = None      # distill.hidden's mean squared error, before its weight (engine.distill.hidden)
     # Each auto checkpoint tier's policy (engine.checkpoint.policy.Interval.as_dict): tier -> steps, seconds,
     # save_seconds, disruptions_per_hour, expected_loss_seconds. None when no tier is auto.
     checkpoint_intervals: dict[str, dict[str, int | float | None]] | None = None

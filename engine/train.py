@@ -21,6 +21,7 @@ import contextlib
 import os
 import sys
 import time
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from engine.backends import build_backend
 from engine.backoff import Backoff
 from engine.badput import Badput
 from engine.spec.fingerprint import check_resume, fingerprint
-from engine.spec.schema import JobSpec
+from engine.spec.schema import HiddenDistillConfig, JobSpec
 from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader, batch_geometry
 from engine.data.skips import merge_skips, regeometry
@@ -54,6 +55,8 @@ from engine.health.stragglers import StragglerWatch
 from engine.layout import StateLayout
 from engine.hooks import Boundary, Hooks, SignalHooks
 from engine.requests import Action, Request, merge
+from engine.distill import hidden as distill_hidden
+from engine.distill.hidden import ATTRIBUTE as PROJECTIONS, HIDDEN, hidden_loss
 from engine.distill.teacher import IDENTITY, Teacher
 from engine.losses import DistillFn, LossFn, build_distill_loss, build_loss, resolve_loss_name
 from engine.losses.distill import TERMS
@@ -79,10 +82,10 @@ class LanguageModel(nn.Module):
     stays the language model's cross-entropy, comparable with a run without a teacher)."""
 
     def __init__(self, model: Transformer, loss_fn: LossFn, teacher: Transformer | None = None,
-                 distill_fn: DistillFn | None = None):
+                 distill_fn: DistillFn | None = None, hidden: HiddenDistillConfig | None = None):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
-        self.teacher, self.distill_fn = teacher, distill_fn
+        self.teacher, self.distill_fn, self.hidden = teacher, distill_fn, hidden
 
     def train(self, mode: bool = True) -> LanguageModel:
         super().train(mode)
@@ -95,11 +98,14 @@ class LanguageModel(nn.Module):
                 teacher_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the mean loss over the targets not ignored (engine.data.batch), the extras): while
         gradients are taken, [a loss to add, *statistics to report] with experts (their weighted
-        loss, then STATS: engine.models.moe) or a teacher (then its TERMS: engine.losses.distill),
-        else None (an evaluation's loss is the language model's alone). teacher_ids, teacher_logp:
-        an offline teacher's top k from the batch (engine.distill.offline), in place of a teacher model."""
+        loss, then STATS: engine.models.moe) or a teacher (then its TERMS: engine.losses.distill, and
+        with distill.hidden its HIDDEN: engine.distill.hidden), else None (an evaluation's loss is the
+        language model's alone). teacher_ids, teacher_logp: an offline teacher's top k from the batch
+        (engine.distill.offline), in place of a teacher model."""
         moe = self.model.cfg.moe
-        hidden, routing = self.model.hidden_and_routing(inputs, segments, positions)
+        distilling = self.distill_fn is not None and torch.is_grad_enabled()
+        pairs = self.hidden.layers if distilling and self.hidden is not None else ()
+        hidden, routing, taps = self.model.features(inputs, segments, positions, [s for s, _ in pairs])
         extras = None
         if moe is not None and torch.is_grad_enabled():
             loss, stats = router_terms(routing, moe)
@@ -108,20 +114,24 @@ class LanguageModel(nn.Module):
         if torch.is_autocast_enabled(device):
             # The residual stream is fp32 even under autocast; the head's matmuls should not be.
             hidden = hidden.to(torch.get_autocast_dtype(device))
-        if self.distill_fn is not None and torch.is_grad_enabled():
-            if self.teacher is not None:
-                with torch.no_grad(), record_function("tpud.teacher"):
-                    teacher_hidden, _ = self.teacher.hidden_and_routing(inputs, segments, positions)
-                teacher = teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight
-            else:
-                teacher = teacher_ids.flatten(0, 1), teacher_logp.flatten(0, 1)
+        if not distilling:
             with record_function("tpud.loss"):
-                loss, terms = self.distill_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten(),
-                                              *teacher)
-            extras = torch.cat([loss.new_zeros(1) if extras is None else extras, terms])
+                loss = self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
             return loss, extras
+        if self.teacher is not None:
+            with torch.no_grad(), record_function("tpud.teacher"):
+                teacher_hidden, _, teacher_taps = self.teacher.features(inputs, segments, positions,
+                                                                        [t for _, t in pairs])
+            teacher = teacher_hidden.flatten(0, 1).to(hidden.dtype), self.teacher.output_weight
+        else:
+            teacher = teacher_ids.flatten(0, 1), teacher_logp.flatten(0, 1)
         with record_function("tpud.loss"):
-            loss = self.loss_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten())
+            loss, terms = self.distill_fn(hidden.flatten(0, 1), self.model.output_weight, targets.flatten(),
+                                          *teacher)
+            extras = torch.cat([loss.new_zeros(1) if extras is None else extras, terms])
+            if pairs:
+                mse = hidden_loss(taps, teacher_taps, getattr(self.model, PROJECTIONS, None), targets)
+                extras = torch.cat([extras[:1] + self.hidden.weight * mse, extras[1:], mse.reshape(1)])
         return loss, extras
 
 
@@ -168,7 +178,8 @@ class Trainer:
         self._watch_health()
         self.reporter = Reporter(spec.train, self.backend, self.loader, flops_per_token(spec.model, spec.data.seq_len),
                                  self.guard, self.badput, self.hooks.emit,
-                                 stats=(STATS if spec.model.moe is not None else ()) + (TERMS if spec.distill else ()),
+                                 stats=(STATS if spec.model.moe is not None else ()) + (TERMS if spec.distill else ())
+                                 + (HIDDEN if spec.distill and spec.distill.hidden else ()),
                                  intervals=self.checkpointer.intervals,
                                  interval_s=self.checkpointer.schedule.local_interval_s)
         self._deferred: Request | None = None
@@ -211,12 +222,16 @@ class Trainer:
             # placement: made on the host from the seed, so every backend starts from the same weights.
             with torch.device("meta"):
                 self.model = Transformer(spec.model, attention, self.backend.checkpoint_fn, build_mask(kernel))
+                if teacher is not None and spec.distill.hidden is not None:
+                    distill_hidden.attach(self.model, spec.distill.hidden, teacher.cfg)
+            generator = torch.Generator().manual_seed(spec.train.seed)
             if spec.model.init_from is not None and not parts(checkpoints):  # parts: committed or not
                 source = spec.model.init_from  # a resume takes the job's own checkpoint instead
                 source = local_model(source, layout.models(), "model.init_from")
-                weights = hf_values(self.model, source)
+                weights = chain(hf_values(self.model, source, skip=PROJECTIONS),
+                                distill_hidden.initial_values(self.model, generator))
             else:
-                weights = initial_values(self.model, torch.Generator().manual_seed(spec.train.seed))
+                weights = initial_values(self.model, generator)
         self.teacher_model = teacher
         # What one device holds of a micro-batch decides the loss (XLA: one process drives several).
         per_device = max(1, micro_batch_size * spec.data.seq_len * self.backend.data.world // self.backend.num_devices)
@@ -225,7 +240,8 @@ class Trainer:
                           else resolve_loss_name(spec.loss, spec.model, per_device, capacity))
         language_model = LanguageModel(self.model, build_loss(spec.loss, spec.model, per_device, self.backend.compile,
                                                               capacity),
-                                       teacher, build_distill_loss(spec.distill, self.backend.compile) if spec.distill else None)
+                                       teacher, build_distill_loss(spec.distill, self.backend.compile) if spec.distill else None,
+                                       spec.distill.hidden if spec.distill else None)
         if warm is None:
             for block in [*self.model.layers, *(teacher.layers if teacher is not None else ())]:
                 self.backend.compile(block)

@@ -90,6 +90,83 @@ def test_a_teacher_of_another_vocabulary_or_none_at_all_is_refused_naming_the_ke
         student(teacher, "loss.z_loss=1e-4")
 
 
+HIDDEN = 'distill.hidden={"layers": [[1, 2], [2, 4]], "weight": 1.0}'
+
+
+def test_hidden_states_train_projections_that_are_checkpointed_resumed_bitwise_and_left_out_of_the_export(
+        teacher, tmp_path):
+    """The student (width 64) learns the teacher's (width 128) 2nd and 4th block outputs through two
+    projections: trained with it, in its checkpoints, restored by a resume, not in its export."""
+    from safetensors import safe_open
+
+    from engine.hf.export import export
+    from tests.states import checkpoint_state
+    from tests.test_checkpoint import assert_same_training_state
+    from testkit.recorders import Recorder
+
+    from engine.hooks import Boundary
+    from engine.requests import Action, Request
+
+    spec = student(teacher, "train.max_steps=8", "checkpoint.interval_steps=4", "train.log_interval=1", HIDDEN)
+    whole, hooks, code = train(spec, tmp_path / "whole")
+    assert code == 0
+    projections = whole.model.distill_projections
+    assert [tuple(p.weight.shape) for p in projections] == [(128, 64), (128, 64)]
+    assert all(p.weight in whole.optimizer.state for p in projections)  # trained like the student's weights
+    steps = hooks.of(events.Step)
+    assert steps[-1].distill_hidden < 0.8 * steps[0].distill_hidden  # the student's blocks come nearer the teacher's
+    for step in steps:  # the step's loss stays the distribution's; the hidden error is added beside it
+        assert step.distill_divergence == pytest.approx(step.loss, rel=1e-5)
+    final = tmp_path / "whole" / "checkpoints" / "student" / "step_000000008"
+    saved = checkpoint_state(final, tmp_path)["model"]
+    assert torch.equal(saved["distill_projections.1.weight"], projections[1].weight)
+
+    cut = Trainer(spec, tmp_path / "cut", Recorder({Boundary(6, 0): Request(Action.STOP)}))
+    cut.run()
+    resumed = Trainer(spec, tmp_path / "cut", Recorder())
+    assert resumed.progress.step in (4, 6) and resumed.run() == 0
+    assert_same_training_state(whole, resumed)
+
+    export(spec, final, tmp_path / "hf", dtype="fp32")
+    names = set()
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names |= set(f.keys())
+    assert names and not any("distill" in name for name in names)
+    # The export starts another student: its weights from there, its projections drawn afresh.
+    again, _, code = train(student(teacher, "train.max_steps=3", f"model.init_from={tmp_path / 'hf'}", HIDDEN),
+                           tmp_path / "again")
+    assert code == 0 and len(again.model.distill_projections) == 2
+
+
+def test_hidden_state_pairs_are_refused_where_a_model_has_no_such_block_or_the_teacher_is_offline(teacher):
+    with pytest.raises(SpecError, match=r"distill.hidden.layers: .*past model.n_layers \(2\)"):
+        student(teacher, 'distill.hidden={"layers": [[3, 1]], "weight": 1}')
+    with pytest.raises(SpecError, match=r"distill.hidden.layers: names the teacher's block 5; .* has 4"):
+        student(teacher, 'distill.hidden={"layers": [[1, 5]], "weight": 1}')
+    with pytest.raises(SpecError, match="distill.hidden: needs a teacher model"):
+        tiny(*SHORT, "distill.teacher=offline", 'distill.hidden={"layers": [[1, 1]], "weight": 1}')
+
+
+def test_the_hidden_state_loss_is_the_mean_squared_error_over_the_kept_tokens():
+    from torch import nn
+
+    from engine.data.batch import IGNORE
+    from engine.distill.hidden import hidden_loss
+
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.randn(2, 5, 4, generator=g), torch.randn(2, 5, 4, generator=g)]
+    theirs = [torch.randn(2, 5, 6, generator=g), torch.randn(2, 5, 6, generator=g)]
+    targets = torch.randint(0, 9, (2, 5), generator=g)
+    targets[0, :2] = IGNORE
+    projections = nn.ModuleList(nn.Linear(4, 6, bias=False) for _ in range(2))
+    kept = targets.flatten() != IGNORE
+    by_hand = sum(((p(a.flatten(0, 1)[kept]) - b.flatten(0, 1)[kept]) ** 2).mean()
+                  for p, a, b in zip(projections, ours, theirs)) / 2
+    torch.testing.assert_close(hidden_loss(ours, theirs, projections, targets), by_hand)
+    torch.testing.assert_close(hidden_loss(ours[:1], ours[:1], None, targets), torch.tensor(0.0))
+
+
 def word_tokenizer(path, vocab, special=()):
     """A tokenizer.json of whole words (the tokenizers library's WordLevel) with these ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -209,7 +286,8 @@ def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_on
 
 def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gradients_are_the_plain_ones(tmp_path):
     """One rank's gloo group is enough for FSDP2's arithmetic (tests/test_fsdp.py): every weight of
-    both models is a DTensor, the frozen teacher's head is gathered in the root's group for the loss."""
+    both models is a DTensor, the frozen teacher's head is gathered in the root's group for the loss;
+    the student's hidden-state projections (distill.hidden) are sharded there too, their gradients the plain ones."""
     import copy
 
     import torch.distributed as dist
@@ -217,6 +295,7 @@ def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gr
 
     from engine.attention.sdpa import sdpa_attention
     from engine.backends.torch_native import TorchBackend
+    from engine.distill.hidden import attach
     from engine.losses import build_distill_loss, build_loss
     from engine.models.llama import Transformer, initial_values
     from engine.train import LanguageModel
@@ -226,13 +305,16 @@ def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gr
 
     model_cfg = tiny(*SHORT).model
     teacher_cfg = tiny(*SHORT, "model.dim=64", "model.n_layers=2", "model.ffn_dim=192").model
+    distill = DistillConfig(teacher="unused", loss="jsd", alpha=0.25, temperature=2.0, chunk_tokens=40,
+                            hidden={"layers": [[1, 1], [4, 2]], "weight": 0.5})
     with torch.device("meta"):
         student_lazy, teacher_lazy = Transformer(model_cfg, sdpa_attention), Transformer(teacher_cfg, sdpa_attention)
+        attach(student_lazy, distill.hidden, teacher_cfg)  # its projections join the root's group
     teacher_lazy.requires_grad_(False)
-    distill = DistillConfig(teacher="unused", loss="jsd", alpha=0.25, temperature=2.0, chunk_tokens=40)
 
     def language_model(student, teacher):
-        return LanguageModel(student, build_loss(LossConfig(), model_cfg, 128), teacher, build_distill_loss(distill))
+        return LanguageModel(student, build_loss(LossConfig(), model_cfg, 128), teacher, build_distill_loss(distill),
+                             distill.hidden)
 
     tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(4))
     results = []
@@ -244,10 +326,10 @@ def test_under_fsdp2_the_teacher_is_sharded_with_the_student_and_the_loss_and_gr
             backend.shard(module)
             backend.materialise(student, initial_values(student, torch.Generator().manual_seed(1)))
             backend.materialise(teacher, initial_values(teacher, torch.Generator().manual_seed(2)))
-            loss, _ = module(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
+            loss, extras = module(tokens[:, :-1], tokens[:, 1:])
+            (loss + extras[0]).backward()  # with the hidden states' error, as the trainer adds it
             grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in student.parameters()]
-            results.append((loss.detach(), grads))
+            results.append((torch.cat([loss.detach().reshape(1), extras.detach()]), grads))
             if isinstance(backend, ShardedBackend):
                 assert all(isinstance(p, DTensor) for p in module.parameters())
                 assert all(p.grad is None for p in teacher.parameters())

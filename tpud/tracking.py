@@ -63,6 +63,7 @@ METRIC_NAMES = {
     "dropped_fraction": "moe/dropped_fraction",
     "distill_divergence": "distill/divergence",
     "distill_ce": "distill/hard_ce",
+    "distill_hidden": "distill/hidden",
     "eval_perplexity": "eval/perplexity",
 }
 ENGINE_STEP = "train/step"

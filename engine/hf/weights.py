@@ -118,15 +118,15 @@ def _files(directory: Path, key: str) -> dict[str, list[str] | None]:
     return dict.fromkeys(single)
 
 
-def hf_values(model: Transformer, directory: str | Path, key: str = "model.init_from") -> Iterator[tuple[str, torch.Tensor]]:
-    """(engine parameter name, host tensor) for each weight in the directory, read one at a time and
-    checked against `model`'s shapes (the model may live on the meta device); ConfigError naming what
-    is missing or mismatched, against `key` (the job's key that names the directory)."""
+def hf_values(model: Transformer, directory: str | Path, key: str = "model.init_from",
+              skip: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(engine parameter name, host tensor) for each weight in the directory, read one at a time and checked
+    against `model`'s shapes (it may be on meta), but those under `skip` (no Hugging Face model has them:
+    engine.distill.hidden); ConfigError naming what is missing or mismatched, against the job's `key`."""
     from safetensors import SafetensorError, safe_open
 
-    directory = Path(directory)
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    directory, loaded = Path(directory), set()
+    params = {name: p for name, p in model.named_parameters() if not (skip and name.startswith(f"{skip}."))}
     # Expert tensors being gathered: the tensor and the experts it has so far.
     partial: dict[str, tuple[torch.Tensor, set[int]]] = {}
     for file, promised in _files(directory, key).items():

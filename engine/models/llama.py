@@ -9,7 +9,7 @@ sdpa, eager, flash and splash kernels.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,13 @@ class Transformer(nn.Module):
     def hidden_and_routing(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
                            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
         """`forward`'s hidden states, and each MoE layer's routing (empty when dense)."""
+        hidden, routing, _ = self.features(tokens, segments, positions)
+        return hidden, routing
+
+    def features(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None,
+                 taps: Sequence[int] = ()) -> tuple[torch.Tensor, Routing, list[torch.Tensor]]:
+        """`hidden_and_routing`'s, and the outputs of the blocks numbered in `taps` (from 1), in its order."""
         if positions is None:
             t = tokens.shape[1]
             cos, sin = self.rope_cos[:t][None, None], self.rope_sin[:t][None, None]
@@ -197,7 +204,8 @@ class Transformer(nn.Module):
         mask = None if segments is None else self.mask_fn(segments)
         h = self.tok_embeddings(tokens)
         routing = Routing()
-        for layer in self.layers:
+        outputs = {}
+        for number, layer in enumerate(self.layers, start=1):
             out = self.checkpoint_fn(layer, h, cos, sin, mask) if self.checkpoint_fn else layer(h, cos, sin, mask)
             if self.cfg.moe is None:
                 h = out
@@ -205,7 +213,9 @@ class Transformer(nn.Module):
                 h, logits, dropped = out
                 routing.logits.append(logits)
                 routing.dropped.append(dropped)
-        return self.norm(h), routing
+            if number in taps:
+                outputs[number] = h
+        return self.norm(h), routing, [outputs[number] for number in taps]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.output_weight.T

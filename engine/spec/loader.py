@@ -157,6 +157,11 @@ def _teacher_problems(spec: JobSpec, origins: Mapping[str, Origin]) -> list[Prob
         return [_located("distill.teacher", f"{teacher.path}: the teacher's vocabulary has {teacher.vocab_size} "
                          f"tokens, the student's (model.vocab_size) {spec.model.vocab_size}: a teacher must "
                          "share the student's tokenizer", origins)]
+    depth = teacher.model.get("n_layers")
+    past = [t for _, t in spec.distill.hidden.layers if depth and t > depth] if spec.distill.hidden else []
+    if past:
+        return [_located("distill.hidden.layers", f"names the teacher's block {past[0]}; {teacher.path} has "
+                         f"{depth}", origins)]
     return []
 
 

@@ -466,6 +466,18 @@ class LossConfig(Section):
         return self
 
 
+class HiddenDistillConfig(Section):
+    """A hidden-state loss beside the distribution's (TinyBERT's): chosen block outputs of the student
+    learn the teacher's, through a learned projection where their widths differ (engine.distill.hidden)."""
+
+    layers: list[tuple[PositiveInt, PositiveInt]] = Field(
+        min_length=1, description="(student layer, teacher layer) pairs, each the output of that block, counted "
+        "from 1: [[2, 4], [4, 8]] has the student's 2nd block learn the teacher's 4th, and its 4th the 8th.")
+    weight: float = Field(gt=0, description="Its weight: loss = the distribution's loss + weight x the mean "
+                          "squared error over the pairs (per token and width, the projection's output against the "
+                          "teacher's hidden state).")
+
+
 class DistillConfig(Section):
     """Knowledge distillation: the student (this job's model) learns a frozen teacher's distribution
     over the vocabulary, token by token, in chunks (engine.losses.distill). The teacher runs beside
@@ -489,6 +501,10 @@ class DistillConfig(Section):
                          "alpha) x divergence + alpha x CE. 0 (the default): the divergence alone.")
     chunk_tokens: PositiveInt | None = Field(
         None, description="Tokens per chunk of the loss (default: an eighth of the micro-batch's, at least 256).")
+    hidden: HiddenDistillConfig | None = Field(
+        None, description="A hidden-state loss too (default: none). Where the widths differ, the student learns "
+        "one projection per pair (model.dim to the teacher's): trained, checkpointed and resumed with the "
+        "student, left out of its export.")
 
     @property
     def offline(self) -> bool:
@@ -502,6 +518,10 @@ class DistillConfig(Section):
                 type=PydanticCustomError("offline_loss", "offline: only forward_kl (the stored top-k and their "
                                          "tail's mass cover the teacher's side alone)"), loc=("loss",),
                 input=self.loss)])
+        if self.offline and self.hidden is not None:
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("offline_hidden", "needs a teacher model: an offline teacher stores its "
+                                         "predictions, not its hidden states"), loc=("hidden",), input="hidden")])
         return self
 
 
@@ -922,6 +942,12 @@ class JobSpec(Section):
         if self.distill is not None and self.distill.offline and not self.data.datasets:
             problem(("distill", "teacher"), "offline", "needs data.dataset or data.mixture prepared with --teacher: "
                     "the built-in corpus carries no teacher")
+        if self.distill is not None and self.distill.hidden is not None:
+            for student, _ in self.distill.hidden.layers:
+                if student > self.model.n_layers:
+                    problem(("distill", "hidden", "layers"), student, "names a student block past model.n_layers "
+                            "({n_layers})", n_layers=self.model.n_layers)
+                    break
         if self.distill is not None:
             loss = self.loss
             for key, default in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("focal_gamma", 0.0)):
