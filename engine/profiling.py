@@ -5,7 +5,10 @@ the job's real state are never touched), warms up, and then runs `steps` steps u
 torch.profiler. The loop marks its phases with record_function scopes (data, forward, loss,
 backward, optimizer: engine.train), so the shares come from the same trace a person opens:
 
-- the trace itself, `trace.json` (Chrome trace format: Perfetto and chrome://tracing open it);
+- the trace itself, `trace.json` (Chrome trace format: Perfetto and chrome://tracing open it), and
+  with a TensorBoard directory (the job's `logging.tensorboard`, local or gs://) a gzipped copy,
+  named as torch.profiler.tensorboard_trace_handler names its files, in the job's run beside its
+  scalars, where TensorBoard's PyTorch Profiler plugin finds it;
 - a table of the top operations by self time, and each phase's share of the measured step
   time; what no phase covers is the host's own time between them (polls, reports, saves), on
   cuda the time the device stood idle;
@@ -20,7 +23,11 @@ optimizer phase holds the device time: torch_xla's metrics add the compile and t
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,6 +61,8 @@ class Report:
     xla: dict[str, int] | None = None  # compiles and device-to-host transfers in the window
     advice: list[str] = field(default_factory=list)
     trace: str = ""
+    tensorboard_trace: str | None = None  # the copy in the TensorBoard directory, if one was given
+    tensorboard_error: str | None = None  # ... why it is not there (the profile itself stands)
 
     def table(self) -> str:
         lines = [f"{self.job}: {self.steps} steps on {self.backend}, {self.step_s * 1000:.1f} ms a step", "",
@@ -62,7 +71,9 @@ class Report:
             lines.append(f"{name:<14} {seconds * 1000:>9.2f} {seconds / self.step_s:>7.1%}")
         lines += ["", f"{'top operations (self time)':<48} {'ms/step':>9} {'calls/step':>11}"]
         lines += [f"{op['name'][:48]:<48} {op['seconds'] * 1000:>9.2f} {op['calls']:>11.1f}" for op in self.top]
-        lines += ["", f"trace: {self.trace}", *(f"advice: {line}" for line in self.advice)]
+        lines += ["", f"trace: {self.trace}"]
+        lines += [f"TensorBoard: {self.tensorboard_trace}"] if self.tensorboard_trace else []
+        lines += [f"advice: {line}" for line in self.advice]
         return "\n".join(lines)
 
 
@@ -93,8 +104,9 @@ class _Window(Hooks):
         return None
 
 
-def run(spec: JobSpec, steps: int, warmup: int, out: Path) -> Report:
-    """Profile `steps` steps of `spec` after `warmup` steps; the trace and report.json go to `out`."""
+def run(spec: JobSpec, steps: int, warmup: int, out: Path, tensorboard: str | None = None) -> Report:
+    """Profile `steps` steps of `spec` after `warmup` steps; the trace and report.json go to `out`,
+    and the trace to the TensorBoard directory `tensorboard` too when one is given."""
     from engine.train import Trainer  # the Trainer pulls in the model and backends: only when profiling
 
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +129,34 @@ def run(spec: JobSpec, steps: int, warmup: int, out: Path) -> Report:
         hooks.profiler.export_chrome_trace(str(trace))
         report = _report(spec, trainer, hooks, cuda)
     report.trace = str(trace)
+    if tensorboard:
+        try:
+            report.tensorboard_trace = tensorboard_trace(trace, tensorboard, spec.name, out)
+        except Exception as e:  # a full disk, a bucket that refuses: the profile itself stands
+            report.tensorboard_error = f"the trace could not be written to {tensorboard}: {type(e).__name__}: {e}"
     (out / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def tensorboard_trace(trace: Path, directory: str, job: str, staging: Path) -> str:
+    """A gzipped copy of `trace` in DIR/<job>/ (the job's TensorBoard run), named as
+    torch.profiler.tensorboard_trace_handler names its files (a profile exports once, so the handler
+    itself cannot write a second copy); a gs:// directory's copy is written in `staging` first and
+    uploaded. Where it went."""
+    remote = directory.startswith("gs://")
+    local = staging / "tensorboard" if remote else Path(directory) / job
+    local.mkdir(parents=True, exist_ok=True)
+    written = local / f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json.gz"
+    with open(trace, "rb") as source, gzip.open(written, "wb") as copy:
+        shutil.copyfileobj(source, copy)
+    if not remote:
+        return str(written)
+    from engine.data.remote import client, join, split
+
+    bucket, prefix = split(directory)
+    name = join(join(prefix, job), written.name)
+    client().bucket(bucket).blob(name).upload_from_filename(str(written))
+    return f"gs://{bucket}/{name}"
 
 
 def _scratch(spec: JobSpec, steps: int, checkpoints: Path) -> JobSpec:

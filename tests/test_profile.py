@@ -19,7 +19,7 @@ def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     # Ten steps of ~30 ms: over three, one scheduler hiccup on a busy 2-core machine moved the
     # step time by more than the 10 % the phases are held to.
-    return profiling.run(spec, steps=10, warmup=2, out=out), out
+    return profiling.run(spec, steps=10, warmup=2, out=out, tensorboard=str(out.parent / "board")), out
 
 
 @pytest.mark.slow
@@ -35,6 +35,31 @@ def test_the_trace_opens_and_the_phases_account_for_the_step(profiled):
     assert json.loads((out / "report.json").read_text())["steps"] == 10
     # The job's saves are not profiled (checkpoint.interval_steps=1 above): nothing is written beside it.
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "trace.json"]
+    # ... and the job's TensorBoard run holds the trace too, as TensorBoard's profiler plugin names it.
+    (copy,) = (out.parent / "board" / spec_name(out)).glob("*.pt.trace.json.gz")
+    assert report.tensorboard_trace == str(copy) and f"TensorBoard: {copy}" in report.table()
+
+
+def spec_name(out):
+    return json.loads((out / "report.json").read_text())["job"]
+
+
+def test_the_trace_goes_to_a_tensorboard_directory_local_or_gs(tmp_path, gcs_server):
+    import gzip
+
+    import torch
+    from torch.profiler import profile
+
+    with profile() as profiler:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    profiler.export_chrome_trace(str(trace := tmp_path / "trace.json"))
+    local = profiling.tensorboard_trace(trace, str(tmp_path / "board"), "job", tmp_path / "out")
+    assert local.startswith(str(tmp_path / "board" / "job")) and local.endswith(".pt.trace.json.gz")
+    names = {e.get("name") for e in json.loads(gzip.decompress(open(local, "rb").read()))["traceEvents"]}
+    assert "aten::mm" in names  # Chrome trace format, gzipped: TensorBoard's plugin and Perfetto open it
+    remote = profiling.tensorboard_trace(trace, "gs://tpud-test/boards", "job", tmp_path / "out")
+    (blob,) = gcs_server.client().list_blobs("tpud-test", prefix="boards/job/")
+    assert remote == f"gs://tpud-test/{blob.name}" and "traceEvents" in json.loads(gzip.decompress(blob.download_as_bytes()))
 
 
 def test_advice_names_the_waste_it_sees():

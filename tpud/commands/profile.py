@@ -14,9 +14,11 @@ DESCRIPTION = (
     "Train a job for --warmup steps, then profile --steps steps (torch.profiler; on cuda the kernels' "
     "device time), in a scratch state directory: the job's checkpoints and state are not touched, and "
     "nothing is saved. Writes OUT/trace.json (Chrome trace format: open it in https://ui.perfetto.dev or "
-    "chrome://tracing) and OUT/report.json, and prints the share of the step in data, forward, loss, "
+    "chrome://tracing) and OUT/report.json, and with a TensorBoard directory (--tensorboard, or the job's "
+    "logging.tensorboard) the trace into the job's run there too (NAME.pt.trace.json.gz: TensorBoard's PyTorch "
+    "Profiler plugin lists it), and prints the share of the step in data, forward, loss, "
     "backward, optimizer and host gaps, the top operations by time, and advice where a known waste shows "
-    "(host syncs per step, a slow loss, a stalled loader, compilation off). Exit 0 ok, 1 failed, 78 invalid job.")
+    "(host syncs per step, a slow loss, a stalled loader, compilation off). Exit 0 ok, 1 failed (the trace not written to TensorBoard too), 78 invalid job.")
 
 
 def positive(text: str) -> int:
@@ -38,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps run first, not profiled: compilation and caches warm up (default 3)")
     parser.add_argument("--out", type=Path, metavar="DIR", help="where trace.json and report.json go "
                         "(default: ./tpud-profile-<job>)")
+    parser.add_argument("--tensorboard", metavar="DIR", help="a TensorBoard directory, local or gs://, whose "
+                        "<job>/ run receives the trace too (default: the job's logging.tensorboard; none: off)")
+
+
+def _tensorboard(given: str | None, job: str | None) -> str | None:
+    if given is None:
+        return job
+    return None if given == "none" else given
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path(f"tpud-profile-{spec.name}")
     print(f"profiling {spec.name}: {args.warmup} warm-up steps, then {args.steps} profiled ...", file=sys.stderr)
     try:
-        report = profiling.run(spec, steps=args.steps, warmup=args.warmup, out=out)
+        report = profiling.run(spec, steps=args.steps, warmup=args.warmup, out=out,
+                               tensorboard=_tensorboard(args.tensorboard, spec.logging.tensorboard))
     except ConfigError as e:
         print(f"{args.job}: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
@@ -64,4 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tpud profile: {e}", file=sys.stderr)
         return 1
     print(report.table())
+    if report.tensorboard_error:
+        print(f"tpud profile: {report.tensorboard_error}", file=sys.stderr)
+        return 1
     return 0
