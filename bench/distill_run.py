@@ -7,7 +7,10 @@ KL from the teacher's committed checkpoint, alpha 0), both evaluated on the same
 every `--eval-every` steps. Target (issue 45): the distilled student's held-out loss is the lower
 one. Then the teacher's top `--top-k` is stored with the data (`tpud prepare --teacher`'s pass) and
 the student trains a third time from it (`distill.teacher: offline`): its bytes per token, the
-pass's time, and its step time against the teacher in memory. Every run is in this process on CPU.
+pass's time, and its step time against the teacher in memory. A fourth run adds `distill.hidden`
+(the student's 2nd and 4th blocks learn the teacher's 3rd and 6th through projections from width
+128 to 256, `--hidden-weight`): reported beside the others, no target. Every run is in this process
+on CPU.
 
     .venv/bin/python bench/distill_run.py          # about 5 minutes on 2 cores
 Results: a table on stdout and bench/results/distill_run.json.
@@ -61,6 +64,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--docs", type=int, default=600, help="docstrings in the dataset")
     parser.add_argument("--top-k", type=int, default=32, help="the offline teacher's predictions per token")
+    parser.add_argument("--hidden-weight", type=float, default=0.05, help="distill.hidden.weight of the fourth run")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "distill_run.json")
     args = parser.parse_args()
 
@@ -81,20 +85,24 @@ def main() -> None:
         teacher_dir = home / "checkpoints" / "teacher"
         distilled = run(home, home / "data", "distilled", args.steps, args.eval_every, f"distill.teacher={teacher_dir}")
         offline = store_and_train(home, teacher_dir, args)
+        hidden = run(home, home / "data", "hidden", args.steps, args.eval_every, f"distill.teacher={teacher_dir}",
+                     f'distill.hidden={{"layers": [[2, 3], [4, 6]], "weight": {args.hidden_weight}}}')
     final = args.steps
     result = {"machine": describe(), "teacher": {"overrides": list(TEACHER), "steps": args.teacher_steps, **teacher},
               "student_steps": args.steps, "hard": hard, "distilled": distilled, "offline": offline,
+              "hidden": {"weight": args.hidden_weight, **hidden},
               "held_out_loss": {"hard": hard["eval"][final], "distilled": distilled["eval"][final],
-                                "offline": offline["eval"][final]},
+                                "offline": offline["eval"][final], "hidden": hidden["eval"][final]},
               "offline_step_time_ratio": round(offline["step_time_s"] / distilled["step_time_s"], 3),
               "target_met": distilled["eval"][final] < hard["eval"][final]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"teacher: {args.teacher_steps} steps, held-out loss {teacher['eval'][args.teacher_steps]} "
           f"({teacher['seconds']} s)")
-    print(f"{'step':>6} {'hard labels':>12} {'distilled':>10} {'offline':>8}")
+    print(f"{'step':>6} {'hard labels':>12} {'distilled':>10} {'offline':>8} {'+ hidden':>9}")
     for step in sorted(hard["eval"]):
-        print(f"{step:>6} {hard['eval'][step]:>12.4f} {distilled['eval'][step]:>10.4f} {offline['eval'][step]:>8.4f}")
+        print(f"{step:>6} {hard['eval'][step]:>12.4f} {distilled['eval'][step]:>10.4f} {offline['eval'][step]:>8.4f} "
+              f"{hidden['eval'][step]:>9.4f}")
     print(f"step time: teacher in memory {distilled['step_time_s']} s, offline top {args.top_k} "
           f"{offline['step_time_s']} s ({result['offline_step_time_ratio']}x); offline teacher "
           f"{offline['bytes_per_token']} bytes/token, stored in {offline['pass_seconds']} s")
