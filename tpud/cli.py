@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Callable, Sequence
 
 from tpud import __version__
@@ -238,9 +239,24 @@ def _add_daemon(subparsers: Subparsers) -> None:
     parser.set_defaults(func=_handler("daemon:daemon"))
 
 
+def _add_submit_and_cancel(subparsers: Subparsers) -> None:
+    from tpud.commands import remote
+
+    parser = subparsers.add_parser("submit", help="put a job file in remote_jobs: every host runs it",
+                                   description=remote.SUBMIT)
+    remote.add_submit_arguments(parser)
+    _add_home(parser)  # where tpud.yaml (remote_jobs) is read
+    parser.set_defaults(func=_handler("remote:submit"), overrides_anywhere=parser)
+    parser = subparsers.add_parser("cancel", help="remove a job file from remote_jobs: every host stops it",
+                                   description=remote.CANCEL)
+    remote.add_cancel_arguments(parser)
+    _add_home(parser)
+    parser.set_defaults(func=_handler("remote:cancel"))
+
+
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (
     _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints, _add_export, _add_profile,
-    _add_status, _add_checkpoint_now, _add_stop, _add_start,
+    _add_status, _add_checkpoint_now, _add_stop, _add_start, _add_submit_and_cancel,
 )
 
 
@@ -274,6 +290,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if command_parser is None or any(extra.startswith("-") or "=" not in extra for extra in extras):
             (command_parser or parser).error(f"unrecognized arguments: {' '.join(extras)}")
         args.overrides = [*args.overrides, *extras]
+    return _job_first(args)
+
+
+def _job_first(args: argparse.Namespace) -> argparse.Namespace:
+    """`tpud run a=1 JOB.yaml`: overrides before the job file are still overrides (argparse took the
+    first for the job); the job is the first argument that is no key=value or names a file."""
+    job, overrides = getattr(args, "job", None), getattr(args, "overrides", None)
+    if job is None or overrides is None or "=" not in job or os.path.exists(job):
+        return args
+    pieces = [job, *overrides]
+    found = next((p for p in pieces if "=" not in p or os.path.exists(p)), None)
+    if found is not None:
+        args.job = found
+        args.overrides = [p for p in pieces if p is not found]
     return args
 
 

@@ -42,6 +42,7 @@ from tpud.job.job import Job, State
 from tpud.job.memory import MemoryBudget
 from tpud.jobfiles.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
 from tpud.jobfiles.reading import JobFile
+from tpud.jobfiles.remote import RemoteJobs
 from tpud.jobfiles.watcher import Watcher
 from tpud.metadata import MetadataWatcher, Notice, resolve_host
 from tpud.metrics.series import Metrics, write_address_file
@@ -86,6 +87,7 @@ class Daemon:
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._signals: list[int] = []
         self.offloop: OffLoop | None = None  # reads jobs.d and tpud.yaml (the service only)
+        self.remote_jobs: RemoteJobs | None = None  # remote_jobs' poller (the service only, when set)
         self._stopping_since: float | None = None
         self.notice: Notice | None = None  # the preemption or TERMINATE notice in force
         self._loop_done = False
@@ -138,10 +140,13 @@ class Daemon:
     # --- job files (read off the loop: see tpud/jobfiles/offloop.py) ---
 
     def _on_files_changed(self) -> None:
-        """From the watcher's thread: jobs.d may have changed."""
+        """From the watcher's (or remote_jobs' poller's) thread: jobs.d or the mirror may have changed."""
         if self.offloop is not None:
-            self.offloop.submit("jobs", read_jobs, lambda: (self.paths.jobs_dir, self._reader_settings, self.paths.config),
-                                self.reconcile)
+            self.offloop.submit("jobs", read_jobs, lambda: (self.paths.jobs_dir, self._reader_settings, self.paths.config,
+                                                            self._remote_mirror()), self.reconcile)
+
+    def _remote_mirror(self) -> tuple[Path, str] | None:
+        return None if self.remote_jobs is None else (self.remote_jobs.mirror, self.remote_jobs.url)
 
     def _reload(self) -> None:
         """SIGHUP: tpud.yaml again, then jobs.d under the new settings."""
@@ -153,11 +158,16 @@ class Daemon:
             self.memory_budget.share = result.settings.memory_tier_max_share
             if result.settings.gang != self._gang_settings:
                 log.warning("the gang settings changed: they take effect when tpud restarts")
+            if result.settings.remote_jobs != (self.remote_jobs.url if self.remote_jobs else None):
+                log.warning("remote_jobs changed: it takes effect when tpud restarts")
             log.info("reloaded settings and rescanned jobs", error=result.error)
             self.reconcile(result.files)
 
         if self.offloop is not None:
-            self.offloop.submit("reload", reload, lambda: (self.paths.jobs_dir, self.paths.config), then, seen)
+            self.offloop.submit("reload", reload, lambda: (self.paths.jobs_dir, self.paths.config, self._remote_mirror()),
+                                then, seen)
+        if self.remote_jobs is not None:
+            self.remote_jobs.poke()
 
     def _start_single(self) -> None:
         """`tpud run`: its one job, validated by the caller."""
@@ -261,7 +271,14 @@ class Daemon:
                       "last_checkpoint": None, "age_seconds": None, "goodput": None, "warnings": []}
                      for path, error in self.invalid.items()
                      if not any(j.file == path for j in self.jobs.values())]
-        return {"jobs": jobs}
+        if self.remote_jobs is None:
+            return {"jobs": jobs}
+        remote = self.remote_jobs.status()
+        for job in jobs:  # a remote job is shown by its URL and the generation this host runs
+            if job.get("file") and Path(job["file"]).parent == self.remote_jobs.mirror:
+                name = Path(job["file"]).name
+                job["file"] = f"{remote['url'].rstrip('/')}/{name}#{remote['generations'].get(name, '?')}"
+        return {"jobs": jobs, "remote_jobs": remote}
 
     def _stop_start(self, command: str, name: str) -> dict:
         job = self._job(name)
@@ -395,6 +412,11 @@ class Daemon:
             watcher = Watcher(self.paths.jobs_dir, self._on_files_changed, rescan_s=self.settings.rescan_seconds)
             services.callback(watcher.stop)
             watcher.start()
+            if self.settings.remote_jobs is not None:
+                self.remote_jobs = RemoteJobs(self.settings.remote_jobs, self.paths.remote_jobs, self._on_files_changed,
+                                              poll_s=self.settings.remote_jobs_poll_seconds)
+                services.callback(self.remote_jobs.stop)
+                self.remote_jobs.start()
         if self.coordinator is not None:
             services.callback(self.coordinator.close)
         services.callback(self.forkserver.close)

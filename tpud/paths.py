@@ -30,6 +30,11 @@ class Paths:
         """Where each job's files are in the state directory (engine/layout.py)."""
         return StateLayout(self.state)
 
+    @property
+    def remote_jobs(self) -> Path:
+        """remote_jobs' mirror (tpud/jobfiles/remote.py): the job files of the GCS prefix, as last listed."""
+        return self.state / "remote-jobs"
+
     def job_dir(self, job: str) -> Path:
         return self.layout.job_dir(job)
 

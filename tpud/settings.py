@@ -95,6 +95,15 @@ class Settings(BaseModel):
     job_stop_timeout_seconds: float = Field(
         120.0, gt=0, description="A worker asked to checkpoint and stop is killed after this long.")
     rescan_seconds: float = Field(30.0, gt=0, description="Full rescan of jobs.d as a backstop to file events.")
+    remote_jobs: str | None = Field(
+        None, pattern=r"^gs://[a-z0-9][a-z0-9._-]*(/.*)?$",
+        description="A watched directory in GCS, gs://bucket/prefix/, beside jobs.d: every daemon polls it and "
+        "runs the job files directly under it as if they were in its jobs.d (tpud submit and tpud cancel write "
+        "there). Read into <state>/remote-jobs/; a bucket that cannot be reached leaves the jobs from there as they "
+        "are. Takes effect when tpud starts.")
+    remote_jobs_poll_seconds: float = Field(
+        5.0, ge=0.2, le=3600, description="How often remote_jobs is listed (one request; a file is downloaded only "
+        "when its generation changed). Failures back off, doubling, to 60 s.")
     preemption_deadline_seconds: float = Field(
         30.0, gt=0, description="From a preemption or TERMINATE notice (or SIGTERM) to the VM's end: every job "
         "commits a checkpoint within it (Spot VMs get 30 s).")

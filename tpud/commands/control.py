@@ -50,7 +50,8 @@ def status(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(result, indent=2))
         return EXIT_OK
-    print("\n".join(status_view.lines(result.get("jobs", []))))
+    print("\n".join(status_view.lines(result.get("jobs", [])) + status_view.remote_line(result.get("remote_jobs"),
+                                                                                      time.time())))
     return EXIT_OK
 
 
@@ -89,7 +90,8 @@ def watch(args: argparse.Namespace, jobs: list[str], interval: float) -> int:
         elif args.output == "json":
             body = json.dumps(result, indent=2).splitlines()
         else:
-            body = status_view.lines(result.get("jobs", []))
+            body = status_view.lines(result.get("jobs", [])) + status_view.remote_line(result.get("remote_jobs"),
+                                                                                       time.time())
         head = f"every {interval:g}s: tpud status {' '.join(jobs)}".rstrip()
         return "\n".join([f"{head}   {datetime.now():%H:%M:%S}", "", *body])
 

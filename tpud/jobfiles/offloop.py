@@ -70,12 +70,17 @@ def refusal(loaded: LoadedSpec, settings: Settings, config_dir: Path) -> str | N
     return None
 
 
-def read_jobs(jobs_dir: Path, settings: Settings, config_dir: Path) -> dict[Path, JobFile]:
-    """jobs.d as it is now, a valid job these settings refuse counted as invalid."""
-    files = scan(jobs_dir)
+def read_jobs(jobs_dir: Path, settings: Settings, config_dir: Path,
+              remote: tuple[Path, str] | None = None) -> dict[Path, JobFile]:
+    """jobs.d as it is now, and the mirror of remote_jobs (remote: the mirror and its URL) after it,
+    a valid job these settings refuse counted as invalid. A remote file's errors name its URL."""
+    files = scan(jobs_dir, *([remote[0]] if remote else []))
     for path, job_file in files.items():
         if job_file.spec is not None and (refused := refusal(job_file.loaded, settings, config_dir)):
-            files[path] = JobFile.invalid(path, job_file.digest, refused)
+            files[path] = job_file = JobFile.invalid(path, job_file.digest, refused)
+        if remote and job_file.error is not None and path.parent == remote[0]:
+            files[path] = JobFile.invalid(path, job_file.digest,
+                                          job_file.error.replace(f"{remote[0]}/", f"{remote[1].rstrip('/')}/"))
     return files
 
 
@@ -86,10 +91,10 @@ class Reloaded:
     files: dict[Path, JobFile]
 
 
-def reload(jobs_dir: Path, config_dir: Path) -> Reloaded:
-    """SIGHUP: tpud.yaml again, then jobs.d under the new settings."""
+def reload(jobs_dir: Path, config_dir: Path, remote: tuple[Path, str] | None = None) -> Reloaded:
+    """SIGHUP: tpud.yaml again, then jobs.d (and remote_jobs' mirror) under the new settings."""
     settings, error = load_settings(config_dir)
-    return Reloaded(settings, error, read_jobs(jobs_dir, settings, config_dir))
+    return Reloaded(settings, error, read_jobs(jobs_dir, settings, config_dir, remote))
 
 
 # --- the wire: one pickle per message, behind its length ---

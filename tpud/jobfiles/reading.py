@@ -75,26 +75,25 @@ class JobFile:
         return LoadedSpec(self.spec, self.origins)
 
 
-def scan(directory: Path) -> dict[Path, JobFile]:
-    """Every job file directly in `directory`, keyed by path, in sorted order.
+def scan(directory: Path, *more: Path) -> dict[Path, JobFile]:
+    """Every job file directly in `directory` (and in `more`, after it), keyed by path, in sorted order.
 
     A file that vanishes while being read is left out; one that cannot be read (a directory,
     FIFO or device named like a job file, a file over the size limit), or does not hold a
     valid job, is there with its error. A missing directory holds no job files. When
-    two files declare the same job name, the later path (sorted) gets the error.
+    two files declare the same job name, the later one (by directory, then path) gets the error.
     """
-    directory = Path(directory)
-    try:
-        with os.scandir(directory) as entries:
-            names = sorted(entry.name for entry in entries if is_job_file(entry.name))
-    except (FileNotFoundError, NotADirectoryError):
-        names = []
-
     found: dict[Path, JobFile] = {}
-    for name in names:
-        job = _read_job(directory / name)
-        if job is not None:
-            found[job.path] = job
+    for folder in (Path(directory), *map(Path, more)):
+        try:
+            with os.scandir(folder) as entries:
+                names = sorted(entry.name for entry in entries if is_job_file(entry.name))
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+        for name in names:
+            job = _read_job(folder / name)
+            if job is not None:
+                found[job.path] = job
 
     owners: dict[str, Path] = {}
     for path, job in found.items():

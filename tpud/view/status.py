@@ -139,3 +139,14 @@ def gang_line(name: str, gang: dict, now: float | None = None) -> str:
     parts.append(f"{gang.get('peer_restarts', 0)} restarts caused by other hosts")
     return ", ".join(parts)
 
+
+
+def remote_line(remote: dict | None, now: float) -> list[str]:
+    """remote_jobs' state under the table: where it is read from, and how the last listing went."""
+    if not remote:
+        return []
+    if remote.get("error"):
+        return [f"remote jobs: {remote['url']}: cannot list ({remote['error']}); the jobs from there go on as they are"]
+    listed = remote.get("last_listed")
+    when = "not listed yet" if listed is None else f"listed {max(0.0, now - listed):.0f}s ago"
+    return [f"remote jobs: {remote['url']}: {len(remote.get('generations') or {})} job files, {when}"]
