@@ -176,3 +176,48 @@ def test_of_two_operators_writing_at_once_one_wins_and_the_other_is_told(tmp_pat
     assert "changed since it was read (another operator?): nothing written" in capsys.readouterr().err
     text = gcs_server.client().bucket("tpud-test").blob("fleet/jobs/alpha.yaml").download_as_text()
     assert "max_steps: 6" in text  # the other operator's write stands
+
+
+@pytest.mark.slow
+def test_a_daemon_runs_what_is_submitted_stops_what_is_cancelled_and_outlives_the_bucket(tmp_path, gcs_server):
+    import time
+
+    from engine.checkpoint import manifest as mf
+    from testkit.helpers import Daemon
+    from tpud.control import ControlClient
+    from tpud.paths import Paths
+
+    (tmp_path / "tpud.yaml").write_text(f"remote_jobs: {URL}\nremote_jobs_poll_seconds: 0.5\n")
+    daemon = Daemon(tmp_path, env=gcs_server.env())
+    try:
+        job = tmp_path / "alpha.yaml"
+        job.write_text(job_text("alpha"))
+        assert tpud(gcs_server, tmp_path, "submit", str(job)).returncode == 0
+        put(gcs_server, "bomb.yaml", "a: &a [x, x, x, x]\n" + "".join(
+            f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+            for i in range(12)))
+        jobs = daemon.wait_for(lambda j: (j.get("alpha", {}).get("step") or 0) >= 2 and "bomb" in j,
+                               "alpha running, the bomb refused")
+        assert jobs["alpha"]["file"].startswith(f"{URL}alpha.yaml#") and jobs["bomb"]["error"].startswith(URL)
+
+        gcs_server.stop()  # the bucket gone: status answers, the job trains on
+        control = ControlClient(Paths.resolve(tmp_path).runtime / "control.sock")
+        wait_until(lambda: control.call("status")["remote_jobs"]["error"], "the listing's failure shown", timeout=30)
+        step = daemon.status()["alpha"]["step"]
+        started = time.monotonic()
+        status = daemon.cli("status")
+        assert status.returncode == 0 and "remote jobs: gs://tpud-test/fleet/jobs/: cannot list" in status.stdout
+        assert time.monotonic() - started < 5
+        daemon.wait_for(lambda j: j["alpha"]["step"] > step + 3 and j["alpha"]["state"] == "RUNNING",
+                        "alpha training without its bucket")
+        gcs_server.start()
+
+        before = {s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "alpha")}
+        assert tpud(gcs_server, tmp_path, "cancel", "alpha").returncode == 0
+        daemon.wait_for(lambda j: j["alpha"]["state"] == "STOPPED", "alpha stopped", timeout=60)
+        after = {s for s, _, _ in mf.committed_steps(tmp_path / "state" / "checkpoints" / "alpha")}
+        assert after and max(after) > max(before, default=0)  # with a final checkpoint
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait()
