@@ -254,9 +254,19 @@ def _add_submit_and_cancel(subparsers: Subparsers) -> None:
     parser.set_defaults(func=_handler("remote:cancel"))
 
 
+def _add_install_service(subparsers: Subparsers) -> None:
+    from tpud.commands import install_service
+
+    parser = subparsers.add_parser("install-service", help="install, configure and enable the systemd service",
+                                   description=install_service.DESCRIPTION)
+    install_service.add_arguments(parser)
+    _add_home(parser)  # accepted like every command's, unused: the service's paths are systemd's
+    parser.set_defaults(func=_handler("install_service:run"))
+
+
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (
     _add_daemon, _add_run, _add_validate, _add_prepare, _add_schema, _add_checkpoints, _add_export, _add_profile,
-    _add_status, _add_checkpoint_now, _add_stop, _add_start, _add_submit_and_cancel,
+    _add_status, _add_checkpoint_now, _add_stop, _add_start, _add_submit_and_cancel, _add_install_service,
 )
 
 

@@ -136,4 +136,5 @@ def load_settings(config_dir: Path) -> tuple[Settings, str | None]:
     except SpecError as e:
         return Settings(), str(e)
     except ValidationError as e:
-        return Settings(), f"{path}: {e}"
+        return Settings(), "\n".join(f"{path}: {'.'.join(map(str, error['loc'])) or '(the file)'}: {error['msg']}"
+                                      for error in e.errors(include_url=False))

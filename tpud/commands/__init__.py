@@ -4,6 +4,7 @@ module is imported when its command runs, so `tpud --help` stays light.
     run.py daemon.py     `tpud run`, `tpud daemon`      control.py  status (--watch), checkpoint-now, stop, start
     validate.py          `tpud validate`                 checkpoints.py  `tpud checkpoints`
     export.py profile.py `tpud export`, `tpud profile`
+    remote.py            `tpud submit`, `tpud cancel`    install_service.py  `tpud install-service`
 """
 
 # Client exit codes (docs/architecture.md, "Exit codes").

@@ -1,9 +1,12 @@
-"""`tpud validate FILE ...`: job files checked (includes and overrides applied) without running them."""
+"""`tpud validate FILE ...`: job files checked (includes and overrides applied) without running them;
+a file named tpud.yaml is checked as the daemon's settings."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from pathlib import Path
 
 from tpud.commands import EXIT_FAILED, EXIT_OK
 
@@ -14,6 +17,9 @@ def validate(args: argparse.Namespace) -> int:
 
     status = EXIT_OK
     for path in args.files:
+        if Path(path).name == "tpud.yaml":
+            status = max(status, _settings(Path(path)))
+            continue
         try:
             loaded = load_job(path, args.overrides)
             data, distill = loaded.spec.data, loaded.spec.distill
@@ -29,3 +35,17 @@ def validate(args: argparse.Namespace) -> int:
         else:
             print(f"{path}: ok (job {loaded.spec.name})")
     return status
+
+
+def _settings(path: Path) -> int:
+    from tpud.settings import load_settings
+
+    if not path.is_file():
+        print(f"{path}: not a file", file=sys.stderr)
+        return EXIT_FAILED
+    _, error = load_settings(path.parent)
+    if error:
+        print(error, file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{path}: ok (daemon settings)")
+    return EXIT_OK
