@@ -153,7 +153,7 @@ def test_status_table(server, home, capsys):
 def test_status_json_and_job_filter(server, home, stub, capsys):
     assert main(["status", "llama", "-o", "json", "--home", str(home)]) == 0
     assert json.loads(capsys.readouterr().out) == {"jobs": [JOBS["llama"]]}
-    assert stub.requests[-1] == {"version": 1, "command": "status", "jobs": ["llama"]}
+    assert stub.requests[-1] == {"version": 1, "command": "status", "jobs": ["llama"], "gang": False}
 
 
 def test_status_uses_tpud_home(server, home, monkeypatch, capsys):
@@ -355,7 +355,7 @@ def test_binary_garbage(server, sock_path, stub):
             assert reply["ok"] is False and reply["code"] == "bad_request"
         s.sendall(STATUS + b"\n")
         assert read_line(s, buffer)["ok"] is True
-    assert stub.requests == [{"version": 1, "command": "status", "jobs": ["llama"]}]
+    assert stub.requests == [{"version": 1, "command": "status", "jobs": ["llama"], "gang": False}]
 
 
 def test_huge_line_gets_an_error_and_the_connection_closed(server, sock_path, stub):

@@ -178,6 +178,10 @@ def _add_status(subparsers: Subparsers) -> None:
     every = control.WATCH_DEFAULT_S
     parser.add_argument("-w", "--watch", nargs="?", const=str(every), default=None, metavar="SECONDS",
                         help=f"redraw the table in place every SECONDS (default {every:g}) until Ctrl-C")
+    parser.add_argument("--gang", action="store_true",
+                        help="for each job on several hosts, a row per host: state, step, newest commit per tier, "
+                        "restarts, health, and the hosts missing (each host's row shared through the job's "
+                        "checkpoint.remote prefix)")
     _add_home(parser)
     parser.set_defaults(func=_handler("control:status"))
 

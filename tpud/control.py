@@ -99,7 +99,7 @@ def _seconds(value: Any, key: str) -> float:
 
 # command -> {argument: (parser, default)}; a default of ... means required
 _ARGS: dict[str, dict[str, tuple[Callable[[Any, str], Any], Any]]] = {
-    "status": {"jobs": (_names, [])},
+    "status": {"jobs": (_names, []), "gang": (_bool, False)},
     "checkpoint_now": {"jobs": (_names, []), "wait": (_bool, True),
                        "timeout": (_seconds, DEFAULT_CHECKPOINT_TIMEOUT_S)},
     "stop": {"job": (_name, ...)},

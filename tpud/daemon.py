@@ -41,6 +41,7 @@ from tpud.control import ControlError, ControlServer
 from tpud.job.job import Job, State
 from tpud.job.memory import MemoryBudget
 from tpud.jobfiles.offloop import OffLoop, Reloaded, read_jobs, refusal, reload
+from tpud.gang.board import Boards, gang_rows
 from tpud.jobfiles.reading import JobFile
 from tpud.jobfiles.remote import RemoteJobs
 from tpud.jobfiles.watcher import Watcher
@@ -88,6 +89,7 @@ class Daemon:
         self._signals: list[int] = []
         self.offloop: OffLoop | None = None  # reads jobs.d and tpud.yaml (the service only)
         self.remote_jobs: RemoteJobs | None = None  # remote_jobs' poller (the service only, when set)
+        self.boards = Boards()  # each gang job's hosts' rows, shared through GCS (tpud status --gang)
         self._stopping_since: float | None = None
         self.notice: Notice | None = None  # the preemption or TERMINATE notice in force
         self._loop_done = False
@@ -249,6 +251,8 @@ class Daemon:
     def handle_control(self, request: dict) -> dict:
         command = request["command"]
         if command == "status":
+            if request.get("gang"):
+                return self.call(lambda: self.gang_status(request.get("jobs") or []))
             return self.call(lambda: self.status(request.get("jobs") or []))
         if command == "checkpoint_now":
             return self._checkpoint_now(request.get("jobs") or [], bool(request.get("wait", True)),
@@ -279,6 +283,13 @@ class Daemon:
                 name = Path(job["file"]).name
                 job["file"] = f"{remote['url'].rstrip('/')}/{name}#{remote['generations'].get(name, '?')}"
         return {"jobs": jobs, "remote_jobs": remote}
+
+    def gang_status(self, names: list[str]) -> dict:
+        """`tpud status --gang`: for each job spanning hosts, a row per host (tpud/gang/board.py)."""
+        jobs = [self._job(n) for n in names] if names else list(self.jobs.values())
+        now = time.time()
+        return {"gangs": [gang_rows(job.snapshot(), self.boards.get(job.name), now)
+                          for job in jobs if job.gang.place is not None]}
 
     def _stop_start(self, command: str, name: str) -> dict:
         job = self._job(name)
@@ -420,6 +431,7 @@ class Daemon:
         if self.coordinator is not None:
             services.callback(self.coordinator.close)
         services.callback(self.forkserver.close)
+        services.callback(self.boards.close)
         settings = self.settings
         metadata = MetadataWatcher(
             lambda notice: self.post(lambda: self.on_notice(notice)), host=resolve_host(settings.metadata_host),
@@ -499,6 +511,7 @@ class Daemon:
             self._guard(job.tick, job)
             if self.view is not None:
                 self.view.update(job.snapshot)
+        self._guard(lambda: self.boards.tick(list(self.jobs.values())))
         self.notifier.watchdog()
 
     def _close_jobs(self) -> None:

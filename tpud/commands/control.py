@@ -44,6 +44,12 @@ def status(args: argparse.Namespace) -> int:
     interval, jobs = watch_interval(args)
     if interval is not None:
         return watch(args, jobs, interval)
+    if args.gang:
+        code, result = _control(args, "status", jobs=jobs, gang=True)
+        if result is not None:
+            print(json.dumps(result, indent=2) if args.output == "json"
+                  else "\n".join(status_view.gang_table(result.get("gangs", []))))
+        return code
     code, result = _control(args, "status", jobs=jobs)
     if result is None:
         return code

@@ -150,3 +150,31 @@ def remote_line(remote: dict | None, now: float) -> list[str]:
     listed = remote.get("last_listed")
     when = "not listed yet" if listed is None else f"listed {max(0.0, now - listed):.0f}s ago"
     return [f"remote jobs: {remote['url']}: {len(remote.get('generations') or {})} job files, {when}"]
+
+
+def gang_table(gangs: list[dict]) -> list[str]:
+    """`tpud status --gang`: per job on several hosts, a line about the gang and a row per host."""
+    if not gangs:
+        return ["no job here spans several hosts"]
+    out = []
+    for g in gangs:
+        missing = f", missing: {', '.join(map(str, g['missing']))}" if g["missing"] else ""
+        shared = g["shared"] or "no checkpoint.remote: the other hosts' rows are not shared"
+        out.append(f"{g['name']}: {g['hosts']} hosts, generation {_dash(g['generation'])}, members "
+                   f"{_dash(', '.join(map(str, g['members'] or [])) or None)}{missing} ({shared}"
+                   + (f"; cannot reach it: {g['board_error']}" if g.get("board_error") else "") + ")")
+        header = ("HOST", "STATE", "STEP/MAX", "MEMORY", "LOCAL", "GCS", "RESTARTS", "HEALTH", "SEEN")
+        rows = [header]
+        for r in g["rows"]:
+            commits = r.get("commits") or {}
+            state = f"missing ({r['missing']})" if r.get("missing") else _dash(r.get("state"))
+            rows.append((f"{r['host']}{'*' if r['here'] else ''}", state,
+                         f"{_dash(r.get('step'))}/{_dash(r.get('max_steps'))}",
+                         *(_dash(commits.get(tier)) for tier in ("memory", "local", "gcs")),
+                         _dash(r.get("restarts")), _dash(r.get("health")),
+                         "now" if r["here"] else (f"{r['age_seconds']:.0f}s ago" if r.get("age_seconds") is not None
+                                                  else "-")))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+        out += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        out.append("")
+    return out[:-1]
