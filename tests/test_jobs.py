@@ -137,6 +137,30 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     assert job.state is State.FAILED and len(job.workers.made) == 1 and "attention.kernel" in job.error
 
 
+def test_a_shared_job_files_copies_that_differ_across_the_gang_are_waited_for_then_fail(make_job):
+    """remote_jobs: the hosts fetch a change seconds apart, so their specs may differ for a while."""
+    from engine.spec.fingerprint import HOSTS_DIFFER
+
+    make, now = make_job
+    refusal = '{"event": "%s: train.max_steps: 5 on host 0, 7 on host 1", "level": "error"}' % HOSTS_DIFFER
+    local = make()
+    local.start()
+    local.current.output.tail.append(refusal)
+    local.worker_exited(78)
+    assert local.state is State.FAILED  # a local file: the operator gave the hosts different files
+    job = make()
+    job.shared_file = True
+    for _ in range(20):  # tries every 10 s for 2 minutes
+        job.start()
+        job.current.output.tail.append(refusal)
+        job.worker_exited(78)
+        if job.state is State.FAILED:
+            break
+        assert job.state is State.BACKOFF and "waiting for them to agree" in job.record.history[-1]["reason"]
+        now[0] += 10
+    assert job.state is State.FAILED and len(job.workers.made) == 14 and HOSTS_DIFFER in job.error
+
+
 @pytest.mark.parametrize("line", [
     '{"event": "replica mismatch: this process\'s state is the odd one; quarantined", "level": "error"}',
     '{"event": "rank 0 is a straggler: its forwards over the last 20 steps took 1.62x the others\' median at step '

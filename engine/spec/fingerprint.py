@@ -142,12 +142,15 @@ def keys(found: Sequence[Difference]) -> str:
     return ", ".join(d.key for d in found)
 
 
+HOSTS_DIFFER = "the hosts of the gang run different job specs"  # the daemon waits on it for shared files
+
+
 def check_hosts(by_host: Mapping[int, Mapping[str, Any]]) -> None:
     """Raise ConfigError naming every key on which the hosts' fingerprints differ (by host index)."""
     indices = list(by_host)
     if found := differences(list(by_host.values())):
         where = describe(found, lambda ix: hosts([indices[i] for i in ix]))
-        raise ConfigError(keys(found), f"the hosts of the gang run different job specs: {where}; "
+        raise ConfigError(keys(found), f"{HOSTS_DIFFER}: {where}; "
                           "give every host the same job file")
 
 
