@@ -10,8 +10,12 @@ Three `tpud daemon`s on this machine (their own homes, each tpud.yaml naming the
   every host every second meanwhile (its slowest answer reported) and every job must keep
   training; then the server is back;
 - cancel: `tpud cancel` until every host has stopped the job with a checkpoint newer than before.
+With `--gang` the three daemons are one gang (tpud.yaml `gang:`, a coordinator on loopback): the
+job is one run over three hosts, and a changed file, fetched by each host within its own poll,
+must still bring the gang together on the new spec (the hosts' copies differ meanwhile).
 
     .venv/bin/python bench/fleet.py            # ~2 min
+    .venv/bin/python bench/fleet.py --gang     # the same as one gang: bench/results/fleet-gang.json
 Results: a table on stdout and bench/results/fleet.json.
 """
 
@@ -91,8 +95,13 @@ def outage(server: GcsServer, daemons: list[Daemon], seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outage", type=float, default=60.0, help="seconds the bucket is unreachable")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet.json")
+    parser.add_argument("--gang", action="store_true", help="the three daemons are one gang")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/fleet[-gang].json")
     args = parser.parse_args()
+    args.out = args.out or REPO / "bench" / "results" / f"fleet{'-gang' if args.gang else ''}.json"
+    from testkit.helpers import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="tpud-fleet-") as scratch:
         root = Path(scratch)
         server = GcsServer(root / "gcs")
@@ -103,7 +112,8 @@ def main() -> None:
             for host in range(3):
                 home = root / f"host{host}"
                 home.mkdir()
-                (home / "tpud.yaml").write_text(f"remote_jobs: {URL}\n")
+                gang = f"gang: {{host_index: {host}, host_count: 3, coordinator: '127.0.0.1:{port}'}}\n"
+                (home / "tpud.yaml").write_text(f"remote_jobs: {URL}\n" + (gang if args.gang else ""))
                 daemons.append(Daemon(home, env=server.env()))
             result = run(server, daemons, root, args)
         finally:
@@ -150,7 +160,7 @@ def run(server: GcsServer, daemons: list[Daemon], root: Path, args) -> dict:
     checkpointed = [newest(d.home) > b for d, b in zip(daemons, before)]
     passed = (training and all(s > 0 for s in down["steps_during"]) and down["status_max_s"] < 1.0
               and all(s == "RUNNING" for s in down["states_after"]) and all(checkpointed))
-    return {"hosts": len(daemons), "poll_s": 5.0, "submit": {"seconds": submit, "third_host_s": max(submit)},
+    return {"hosts": len(daemons), "gang": args.gang, "poll_s": 5.0, "submit": {"seconds": submit, "third_host_s": max(submit)},
             "hostile": {"seconds": hostile, "files": list(HOSTILE), "job_kept_training": training},
             "change": {"seconds": change}, "outage": down,
             "cancel": {"seconds": cancel, "final_checkpoint_newer": checkpointed}, "passed": passed}

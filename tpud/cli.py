@@ -243,29 +243,30 @@ def _add_daemon(subparsers: Subparsers) -> None:
     parser.set_defaults(func=_handler("daemon:daemon"))
 
 
+def _add_parser(subparsers: Subparsers, name: str, help: str, description: str,
+                add_arguments: Callable[[argparse.ArgumentParser], None], func, overrides_anywhere: bool = False) -> None:
+    """A command whose arguments its own module adds; --home accepted like every command's.
+    overrides_anywhere: key=value arguments may follow options too (parse_args)."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    add_arguments(parser)
+    _add_home(parser)
+    parser.set_defaults(func=func, **({"overrides_anywhere": parser} if overrides_anywhere else {}))
+
+
 def _add_submit_and_cancel(subparsers: Subparsers) -> None:
     from tpud.commands import remote
 
-    parser = subparsers.add_parser("submit", help="put a job file in remote_jobs: every host runs it",
-                                   description=remote.SUBMIT)
-    remote.add_submit_arguments(parser)
-    _add_home(parser)  # where tpud.yaml (remote_jobs) is read
-    parser.set_defaults(func=_handler("remote:submit"), overrides_anywhere=parser)
-    parser = subparsers.add_parser("cancel", help="remove a job file from remote_jobs: every host stops it",
-                                   description=remote.CANCEL)
-    remote.add_cancel_arguments(parser)
-    _add_home(parser)
-    parser.set_defaults(func=_handler("remote:cancel"))
+    _add_parser(subparsers, "submit", "put a job file in remote_jobs: every host runs it", remote.SUBMIT,
+                remote.add_submit_arguments, _handler("remote:submit"), overrides_anywhere=True)
+    _add_parser(subparsers, "cancel", "remove a job file from remote_jobs: every host stops it", remote.CANCEL,
+                remote.add_cancel_arguments, _handler("remote:cancel"))
 
 
 def _add_install_service(subparsers: Subparsers) -> None:
     from tpud.commands import install_service
 
-    parser = subparsers.add_parser("install-service", help="install, configure and enable the systemd service",
-                                   description=install_service.DESCRIPTION)
-    install_service.add_arguments(parser)
-    _add_home(parser)  # accepted like every command's, unused: the service's paths are systemd's
-    parser.set_defaults(func=_handler("install_service:run"))
+    _add_parser(subparsers, "install-service", "install, configure and enable the systemd service",
+                install_service.DESCRIPTION, install_service.add_arguments, _handler("install_service:run"))
 
 
 COMMANDS: Sequence[Callable[[Subparsers], None]] = (
