@@ -87,9 +87,13 @@ def outage(server: GcsServer, daemons: list[Daemon], seconds: float) -> dict:
         time.sleep(1.0)
     after = [d.status()["alpha"] for d in daemons]
     server.start()
+    back = time.monotonic()
+    while any(client.call("status")["remote_jobs"]["error"] for client in clients):
+        time.sleep(0.2)
     return {"seconds": seconds, "status_answers": len(latencies), "status_max_s": round(max(latencies), 4),
             "steps_during": [a["step"] - b for a, b in zip(after, before)],
-            "states_after": [a["state"] for a in after], "hosts_showing_the_error": len(errors_shown)}
+            "states_after": [a["state"] for a in after], "hosts_showing_the_error": len(errors_shown),
+            "listed_again_s": round(time.monotonic() - back, 2)}
 
 
 def main() -> None:
@@ -115,7 +119,14 @@ def main() -> None:
                 gang = f"gang: {{host_index: {host}, host_count: 3, coordinator: '127.0.0.1:{port}'}}\n"
                 (home / "tpud.yaml").write_text(f"remote_jobs: {URL}\n" + (gang if args.gang else ""))
                 daemons.append(Daemon(home, env=server.env()))
-            result = run(server, daemons, root, args)
+            try:
+                result = run(server, daemons, root, args)
+            except Exception:
+                kept = Path(tempfile.mkdtemp(prefix="tpud-fleet-failed-"))
+                for daemon in daemons:
+                    (kept / f"{daemon.home.name}.log").write_bytes((daemon.home / "daemon.log").read_bytes())
+                print(f"failed: the daemons' logs are kept in {kept}", file=sys.stderr)
+                raise
         finally:
             for daemon in daemons:
                 daemon.proc.kill()
@@ -129,7 +140,8 @@ def main() -> None:
         print(f"{phase:<12} " + " ".join(f"{s:>7.2f}s" for s in result[phase]["seconds"]))
     o = result["outage"]
     print(f"bucket unreachable {o['seconds']:.0f} s: {o['status_answers']} status answers, slowest "
-          f"{o['status_max_s'] * 1000:.1f} ms; steps meanwhile {o['steps_during']}; after: {o['states_after']}")
+          f"{o['status_max_s'] * 1000:.1f} ms; steps meanwhile {o['steps_during']}; after: {o['states_after']}; "
+          f"every host listing again {o['listed_again_s']:.1f} s after it was back")
     print(f"all held: {result['passed']}  ({args.out})")
 
 

@@ -103,7 +103,7 @@ class Settings(BaseModel):
         "are. Takes effect when tpud starts.")
     remote_jobs_poll_seconds: float = Field(
         5.0, ge=0.2, le=3600, description="How often remote_jobs is listed (one request; a file is downloaded only "
-        "when its generation changed). Failures back off, doubling, to 60 s.")
+        "when its generation changed). Failures back off, doubling, to 30 s.")
     preemption_deadline_seconds: float = Field(
         30.0, gt=0, description="From a preemption or TERMINATE notice (or SIGTERM) to the VM's end: every job "
         "commits a checkpoint within it (Spot VMs get 30 s).")

@@ -39,7 +39,7 @@ log = structlog.get_logger()
 
 GENERATIONS = ".generations.json"  # a dot file: never a job file
 REQUEST_TIMEOUT_S = 10.0
-BACKOFF_MAX_S = 60.0
+BACKOFF_MAX_S = 30.0
 
 
 def split_url(url: str) -> tuple[str, str]:
