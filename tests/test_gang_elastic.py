@@ -110,10 +110,28 @@ def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_pa
     try:
         started = time.monotonic()
         assert m.join("xla", lambda: time.monotonic() > started + 2, {"a": 1}) is False  # still waiting after 2 s
-        assert stores.hosts_in(m.store, m._key("roster")) == {1, 2}
+        assert stores.seated_in(m.store, m._key("roster")) == {1, 2}
     finally:
         stop.set()
         t.join(10)
+
+
+def test_a_host_that_gave_its_seat_up_and_takes_it_again_in_the_same_generation_is_seated(coordinators):
+    """Host 0's worker, waiting for the gang, is stopped (its job file changed) and the next one, with
+    the new file, sits down again before the generation formed: the gang forms with it. (Counted as
+    seats taken less seats given up, host 0 stayed out for good and every host waited for it.)"""
+    addresses = coordinators(1)
+    first = member(addresses, 0, 2)
+    started = time.monotonic()
+    assert first.join("xla", lambda: time.monotonic() > started + 0.5, {"a": 1}) is False  # stopped while waiting
+    assert stores.seated_in(first.store, first._key("roster", 0)) == set()
+    again, other = member(addresses, 0, 2), member(addresses, 1, 2)
+    joined = []
+    t = threading.Thread(target=lambda: joined.append(other.join("xla", lambda: False, {"a": 1})), daemon=True)
+    t.start()
+    assert again.join("xla", lambda: time.monotonic() > started + 30, {"a": 1}) is True
+    t.join(10)
+    assert joined == [True] and again.generation == other.generation == 0 and again.members == [0, 1]
 
 
 def test_the_fence_refuses_a_commit_for_a_generation_the_others_left(coordinators):

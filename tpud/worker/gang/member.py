@@ -9,8 +9,8 @@ which, when every host runs one), under `tpud/<job>/`:
     mark/<host>           "" | "out: why" (quarantined or evicted, exit 79) | "lost: why" (another
                           worker judged it lost) | "rejoin" (its worker restarts): until it joins again
     g<G>/spec/<host>      the fingerprint of its job spec (engine.spec.fingerprint), set before its seat
-    g<G>/roster           the hosts seated in generation G, appended "H," as each takes its seat
-    g<G>/unseated         seats given up (a stop asked while waiting), appended alike
+    g<G>/roster           the seats of generation G in order: "H," as host H takes its seat, "-H," as it
+                          gives it up (a stop asked while waiting, or a better coordinator found)
     g<G>/checked          hosts that compared every member's fingerprint, appended alike
     g<G>/members          the hosts of the gang, fixed by the first worker to see it complete
     g<G>/started          the gang formed
@@ -295,7 +295,7 @@ class GangMember:
     def _seats(self, g: int, observed: dict[int, tuple[int, float]]) -> Seats:
         """One look at generation g: who is seated, and who is excused (formation.py)."""
         store = self.store
-        roster = stores.hosts_in(store, self._key("roster", g)) - stores.hosts_in(store, self._key("unseated", g))
+        roster = stores.seated_in(store, self._key("roster", g))
         alive = [int(v) for v in store.multi_get([self._host_key("alive", h) for h in range(self.hosts)])]
         marks = [v.decode() for v in store.multi_get([self._host_key("mark", h) for h in range(self.hosts)])]
         now, last = self.clock(), self._last(before=g)[1]
@@ -352,12 +352,12 @@ class GangMember:
             if seats.complete():
                 return self._form(sorted(seats.seated), seats.last)
             if self._stop_asked():
-                store.append(self._key("unseated"), f"{self.host},")
+                store.append(self._key("roster"), f"-{self.host},")
                 return None
             if len(self.addresses) > 1 and self.clock() - probed >= REPROBE_S:
                 probed = self.clock()
                 if self._better_elsewhere(g, present):
-                    store.append(self._key("unseated"), f"{self.host},")
+                    store.append(self._key("roster"), f"-{self.host},")
                     return False
             time.sleep(INTERVAL_S)
 

@@ -89,7 +89,7 @@ def look(index: int, address: str, prefix: str, client=None) -> Candidate | None
 
 def _candidate(index: int, address: str, prefix: str, store) -> Candidate:
     generation = int(store.add(prefix + "gen", 0))
-    seats = len(hosts_in(store, f"{prefix}g{generation}/roster") - hosts_in(store, f"{prefix}g{generation}/unseated"))
+    seats = len(seated_in(store, f"{prefix}g{generation}/roster"))
     return Candidate(index, address, store, generation, seats)
 
 
@@ -115,6 +115,22 @@ def hosts_in(store, key: str) -> set[int]:
     if not store.check([key]):
         return set()
     return {int(h) for h in store.get(key).decode().split(",") if h}
+
+
+def seated_in(store, key: str) -> set[int]:
+    """The hosts a roster key seats, read in order: "H," takes host H's seat, "-H," gives it up (a stop
+    asked while waiting). A host that gave its seat up and takes it again in the same generation (its
+    worker stopped for a new job file, then started with it) is seated: a set of seats taken less a
+    set of seats given up would leave it out for good, and every host waiting for it."""
+    if not store.check([key]):
+        return set()
+    seated: set[int] = set()
+    for entry in store.get(key).decode().split(","):
+        if entry.startswith("-"):
+            seated.discard(int(entry[1:]))
+        elif entry:
+            seated.add(int(entry))
+    return seated
 
 
 def raise_generation(store, key: str, at_least: int) -> int:
