@@ -137,6 +137,7 @@ def test_submit_validates_uploads_and_replaces_and_cancel_removes(tmp_path, gcs_
     replaced = tpud(gcs_server, home, "submit", "train.max_steps=10", str(job))  # overrides in any order
     assert replaced.returncode == 0 and "replaced generation" in replaced.stdout
 
+    assert tpud(gcs_server, home, "cancel", "../alpha").returncode == 1  # no job name: nothing touched
     unknown = tpud(gcs_server, home, "cancel", "nope")
     assert unknown.returncode == 3 and "no job file nope.yaml" in unknown.stderr and "alpha.yaml" in unknown.stderr
     gone = tpud(gcs_server, home, "cancel", "alpha")

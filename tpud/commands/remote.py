@@ -56,7 +56,7 @@ def submit(args: argparse.Namespace) -> int:
         bucket, prefix = _bucket(directory)
         name = prefix + f"{loaded.spec.name}.yaml"
         blob = bucket.get_blob(name)
-        if blob is not None and blob.download_as_bytes() == text:
+        if blob is not None and blob.size == len(text) and blob.download_as_bytes() == text:
             print(f"{_url(bucket, name)}: unchanged (generation {blob.generation})")
             return EXIT_OK
         target = bucket.blob(name)
@@ -75,6 +75,11 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
+    import re
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", args.name):
+        print(f"tpud cancel: {args.name!r} is no job name (lowercase letters, digits, . _ -)", file=sys.stderr)
+        return EXIT_FAILED
     try:
         directory = _directory(args, args.source)
         bucket, prefix = _bucket(directory)
