@@ -19,27 +19,9 @@ from tpud.paths import Paths
 from tpud.children.respawn import BACKOFF
 from tests.conftest import PYTHON, REPO, TINY_JOB, python_env
 from testkit.helpers import children_of, exited, wait_until
+from testkit.reads import echo, fail, sleep_forever, wait_for  # run in the helper process: a light module
 
 
-# Reads run in the helper process: module-level, so that they can be pickled.
-def echo(value):
-    return value
-
-
-def wait_for(path: str, started: str | None = None) -> str:
-    if started is not None:
-        Path(started).touch()
-    while not os.path.exists(path):
-        time.sleep(0.01)
-    return "gate"
-
-
-def fail():
-    raise ValueError("a strange file")
-
-
-def sleep_forever():
-    time.sleep(3600)
 
 
 def drain(posted: queue.SimpleQueue, count: int) -> None:
