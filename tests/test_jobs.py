@@ -149,7 +149,7 @@ def test_a_shared_job_files_copies_that_differ_across_the_gang_are_waited_for_th
     local.worker_exited(78)
     assert local.state is State.FAILED  # a local file: the operator gave the hosts different files
     job = make()
-    job.shared_file = True
+    job.file = job.paths.remote_jobs / "j.yaml"  # a copy of remote_jobs' file
     for _ in range(20):  # tries every 10 s for 2 minutes
         job.start()
         job.current.output.tail.append(refusal)

@@ -203,7 +203,7 @@ class Daemon:
                 job = self.jobs[name] = Job(spec, path, self.paths, self, self.metrics,
                                             stop_timeout=self.settings.job_stop_timeout_seconds, gang=self.gang,
                                             memory_budget=self.memory_budget, forkserver=self.forkserver)
-                job.digest, job.shared_file = job_file.digest, path.parent == self.paths.remote_jobs
+                job.digest = job_file.digest
                 if self.notice is not None:  # this host is going away: do not start anything
                     job.preempt(self.settings.preemption_deadline_seconds)
                 elif not job.held:

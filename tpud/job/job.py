@@ -25,7 +25,6 @@ import structlog
 
 from engine import events, exit_codes, fitting
 from engine.requests import Action, Request
-from engine.spec.fingerprint import HOSTS_DIFFER
 from engine.spec.schema import JobSpec
 from tpud.gcs.tiers import CheckpointTiers
 from tpud.job import goodput, inputs, routing, snapshot, states
@@ -53,8 +52,6 @@ _LEDGER_PHASE = {State.BACKOFF: goodput.BACKOFF, State.PREEMPTED: goodput.DOWN}
 # tpud_job_restarts_total{reason}, each created at 0: a crash's reasons, and the supervisor's own.
 RESTART_REASONS = (*crashes.REASONS, "hang", "nonfinite", "peer", "refit")
 SAVE_EVERY_S = 10.0  # job.json between state changes, for the goodput ledger
-CONVERGE_WAIT_S = 10.0  # a shared job file's copies differ across the gang: twice remote_jobs' default poll
-CONVERGE_FOR_S = 120.0  # ... and how long they may before the job fails
 
 
 class Loop(Protocol):
@@ -95,9 +92,6 @@ class Job:
         self.clock, self.stop_timeout, self.name, self._saved_at = clock, stop_timeout, spec.name, clock()
         self.state = State.PENDING
         self.digest: str | None = None  # of the job file this spec came from
-        # The file is a copy of a shared one (remote_jobs): the gang's hosts fetch a change seconds apart.
-        self.shared_file = False
-        self.differing_since: float | None = None  # since when the hosts' copies differ (shared files)
         self.error, self.error_detail = None, []  # what failed, and a crash's traceback lines
         self.report = WorkerReport(self.name, metrics, clock, paths.layout.skips_file(spec.name),
                                    paths.layout.job_dir(spec.name) / fitting.RECORD)
@@ -239,7 +233,7 @@ class Job:
 
     def replace_spec(self, spec: JobSpec, file: Path) -> None:
         """The job file changed: checkpoint, stop, and start again with the new spec."""
-        self.file, self.differing_since = file, None
+        self.file, self.restarts.differing_since = file, None
         if self.state in ACTIVE:
             self.next_spec = spec
             if self.state is not State.STOPPING:
@@ -331,8 +325,10 @@ class Job:
             self._nonfinite_exit()
         elif status in (exit_codes.BAD_INPUT, exit_codes.QUARANTINED):  # never retried on this host
             self.error = self.current.output.last_error() or f"worker exited with {status}"
-            if not self._copies_differ():
-                self._set(State.FAILED, f"exit {status}")
+            wait = self.restarts.copies_differ(self.error, self.file.parent == self.paths.remote_jobs, self.clock())
+            self.backoff_until = self.clock() + (wait or 0.0)  # remote_jobs: the hosts fetch a change apart
+            self._set(State.FAILED if wait is None else State.BACKOFF, f"exit {status}" if wait is None
+                      else "the hosts hold other versions of the job file: waiting for them to agree")
         else:
             crash = self.current.crash(status)
             self.error_detail = crash.detail
@@ -348,20 +344,6 @@ class Job:
         spent = f"; {self.restarts.rollbacks} rollbacks spent" if rollback else ""
         self.error = what + spent
         self._set(State.FAILED, f"exit 76: {what}{spent}")
-
-    def _copies_differ(self) -> bool:
-        """Exit 78 because the gang's hosts hold other versions of a shared job file (remote_jobs):
-        each host fetches a change within its poll, so wait for them to agree (CONVERGE_WAIT_S
-        between tries, CONVERGE_FOR_S in all) rather than fail. Whether it waits."""
-        if not self.shared_file or HOSTS_DIFFER not in (self.error or ""):
-            return False
-        now = self.clock()
-        self.differing_since = self.differing_since if self.differing_since is not None else now
-        if now - self.differing_since > CONVERGE_FOR_S:
-            return False
-        self.backoff_until = now + CONVERGE_WAIT_S
-        self._set(State.BACKOFF, "the hosts hold other versions of the job file: waiting for them to agree")
-        return True
 
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error
