@@ -159,16 +159,14 @@ def test_of_two_operators_writing_at_once_one_wins_and_the_other_is_told(tmp_pat
 
     def stale(directory):
         bucket, prefix = bucket_of(directory)
-        seen = bucket.get_blob(prefix + "alpha.yaml")
-        read = seen.download_as_bytes
+        read = bucket.get_blob
 
-        def read_then_the_other_writes(*args, **kwargs):
-            data = read(*args, **kwargs)
+        def read_then_the_other_writes(name):
+            blob = read(name)  # its generation is the one this submit writes against
             put(gcs_server, "alpha.yaml", job_text("alpha", max_steps=6))  # the other operator, meanwhile
-            return data
+            return blob
 
-        seen.download_as_bytes = read_then_the_other_writes
-        bucket.get_blob = lambda name: seen
+        bucket.get_blob = read_then_the_other_writes
         return bucket, prefix
 
     monkeypatch.setattr(remote, "_bucket", stale)
