@@ -256,6 +256,7 @@ def test_a_changed_teacher_is_refused_on_resume_unless_the_job_allows_it(teacher
 
 @pytest.mark.slow
 def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_one(teacher, tmp_path):
+    from engine.checkpoint.manifest import committed_steps
     from tests.states import assert_same_state, checkpoint_state
 
     args = [*SHORT, "train.max_steps=12", "train.log_interval=1", "checkpoint.interval_steps=4", "name=student",
@@ -276,10 +277,12 @@ def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_on
             run.send_signal(signal.SIGKILL)
             break
     assert run.wait() == -signal.SIGKILL
+    # Step 4's commit, or step 8's where the worker ran ahead of this reader on a loaded machine.
+    newest = max(step for step, _, _ in committed_steps(cut / "checkpoints" / "student"))
     resumed = start(cut)
     records = [json.loads(line) for line in resumed.stdout]
     assert resumed.wait() == 0
-    assert [r["step"] for r in records if r["event"] == "step"] == list(range(5, 13))  # from step 4's commit
+    assert newest < 12 and [r["step"] for r in records if r["event"] == "step"] == list(range(newest + 1, 13))
     final = "checkpoints/student/step_000000012"
     assert_same_state(checkpoint_state(whole / final, tmp_path), checkpoint_state(cut / final, tmp_path))
 
