@@ -173,11 +173,16 @@ class RemoteJobs:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.part")
-    with open(temporary, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError:  # a full disk: the copy the mirror held stays, and no half-written file is left
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
 
 
 def _default_client():
