@@ -129,6 +129,7 @@ class CheckpointStarted(_Save):
     TYPE: ClassVar[str] = "checkpoint_started"
     blocking_s: float = 0.0  # how long the loop was held for it (staging an async save)
     tier: str = "local"
+    waits: bool = True  # the loop waits for the write (a sync save, a final one): its silence is no hang
 
 
 @dataclass(frozen=True, config=_CONFIG)

@@ -290,7 +290,10 @@ def test_startup_and_checkpoints_get_longer_allowances(make_job):
     job.handle(events.CheckpointCommitted(42, 0, "interval", "/x", seconds=4.0))
     assert job.watch.bound() == health.heartbeat_timeout_seconds
     job.handle(events.CheckpointStarted(43, 0, "interval"))
-    job.handle(events.Heartbeat(43, 0))  # an async save: the loop runs on
+    job.handle(events.Heartbeat(43, 0))  # the loop runs on after all
+    assert job.watch.bound() == health.heartbeat_timeout_seconds
+    # An async save: a worker silent from the moment it staged one is hung as soon as any other.
+    job.handle(events.CheckpointStarted(44, 0, "interval", waits=False))
     assert job.watch.bound() == health.heartbeat_timeout_seconds
 
 

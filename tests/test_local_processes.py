@@ -22,7 +22,7 @@ from tpud.children import ranks
 ARGS = ["data.corpus_bytes=400000", "data.micro_batch_size=2", "data.seq_len=64", "train.max_steps=8",
         "train.log_interval=1", "scheduler.warmup_steps=1", "checkpoint.interval_steps=2", "device.backend=cpu",
         "device.processes_per_host=2", "health.heartbeat_timeout_seconds=3", "health.hang_step_multiple=2",
-        "health.startup_steps=1", "restart.backoff_initial_seconds=0.2"]
+        "health.startup_steps=1", "health.checkpoint_timeout_seconds=5", "restart.backoff_initial_seconds=0.2"]
 
 
 def test_processes_per_host_auto_is_one_per_visible_gpu(tmp_path):

@@ -181,14 +181,16 @@ checkpoint: {{interval_steps: 100000, memory: {{interval_steps: 1, max_overhead:
         assert metric(tmp_path, "tpud_checkpoint_last_committed_step", job="mem", tier="memory") >= 5
         pid = status["mem"]["pid"]
         os.kill(pid, signal.SIGSTOP)  # a step boundary reached while it stands still: nothing moves on
-        step = daemon.status()["mem"]["step"]
+        # The newest memory commit the daemon heard of; on a loaded machine the copy of a later step
+        # may still have been in flight (the loop does not wait for it).
+        heard = daemon.status()["mem"]["memory_checkpoint"]["step"]
         killed_at = max(s for s, _ in memory_steps(memory))
         os.kill(pid, signal.SIGKILL)
         daemon.wait_for(lambda s: s["mem"]["pid"] not in (None, pid) and s["mem"]["state"] == "RUNNING",
                         "a new worker")
         restored = wait_until(lambda: daemon.events("checkpoint restored"), "the restore")[-1]
         assert restored["path"].startswith(str(memory))
-        assert restored["step"] == killed_at >= step - 1  # at most one step of work lost
+        assert restored["step"] == killed_at >= heard  # the newest one held: no commit lost
         out = daemon.cli("checkpoints", str(jobs / "mem.yaml"))
         assert out.returncode == 0 and "memory" in out.stdout
     finally:

@@ -208,7 +208,8 @@ class Checkpointer:
         blocked = time.monotonic() - started
         self.schedule.saved(progress.step, blocked)
         self.last_saved_step = progress.step
-        self.emit(events.CheckpointStarted(progress.step, progress.micro_step, reason, blocking_s=round(blocked, 4)))
+        self.emit(events.CheckpointStarted(progress.step, progress.micro_step, reason, blocking_s=round(blocked, 4),
+                                               waits=blocking))
         with self.writer.lock:
             self.writer.submit(staged, progress.step, progress.micro_step, reason, started, self.data_skips, release)
         return self.wait() if blocking else None

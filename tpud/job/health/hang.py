@@ -54,7 +54,9 @@ class HangWatch:
         self.step_times.append(event.step_time_s)
 
     def on_checkpoint_started(self, event: events.CheckpointStarted) -> None:
-        if event.tier != "memory":  # the loop waits for a disk save only
+        # The loop waits for a blocking disk save only: an async one (or the memory tier's) gives
+        # a worker that stops right after it no longer allowance than any other.
+        if event.tier != "memory" and event.waits:
             self.saving_since = self.clock()
 
     def on_checkpoint_committed(self, event: events.CheckpointCommitted | events.CheckpointFailed) -> None:
