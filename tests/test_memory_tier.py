@@ -226,3 +226,30 @@ def test_flatten_keeps_the_structure_and_leaf_order():
     assert json.loads(json.dumps(structure)) == structure  # it is written to tree.json as is
     rebuilt = unflatten(leaves, structure)
     assert rebuilt == state and isinstance(rebuilt["model"][3][1], tuple) and list(rebuilt) == list(state)
+
+
+def test_a_slot_whose_state_was_discarded_takes_the_next_saves(tmp_path):
+    """A rollback (or a gang's restore of an older step) discards a memory state: the slot that held
+    it goes on taking saves. Before, every later save failed on the discarded directory's name."""
+    from engine.checkpoint.memory import MemoryTier, load
+
+    failures, commits = [], []
+
+    def describe(path, step, micro_step, reason, files):
+        return mf.Manifest(job="m", step=step, micro_step=micro_step, world_size=1, spec_hash="-", version="-",
+                           reason=reason, files=files)
+
+    tier = MemoryTier(tmp_path / "mem", describe, lambda key, path, m, t: commits.append(key),
+                      lambda key, error: failures.append(error), background=False)
+    state = {"w": torch.arange(6.0)}
+    for step in (5, 10):
+        tier.save(state, (step, 0), "interval", 0.0).release()
+    tier.discard(tmp_path / "mem" / mf.step_dir_name(10), ["a rollback to step 5 undid it"])
+    for step in (15, 20, 25):
+        state["w"] += 1
+        tier.save(state, (step, 0), "interval", 0.0).release()
+    assert failures == [] and commits == [(5, 0), (10, 0), (15, 0), (20, 0), (25, 0)]
+    assert memory_steps(tmp_path / "mem") == [(20, 0), (25, 0)]
+    newest = tmp_path / "mem" / mf.step_dir_name(25)
+    assert mf.problems(newest, mf.read_manifest(newest), checksums=True) == []
+    assert torch.equal(load(newest, {"w": torch.zeros(6)})["w"], torch.arange(6.0) + 3)

@@ -186,7 +186,10 @@ class MemoryTier:
         hidden = self.job_dir / f".slot-{self.slots.index(slot)}"
         if slot.path != hidden:
             shutil.rmtree(hidden, ignore_errors=True)
-            slot.path.rename(hidden)
+            if slot.path.is_dir():
+                slot.path.rename(hidden)
+            else:  # discarded (a rollback undid it) or a failed save removed: its state.bin is mapped anew
+                slot.release()
             slot.path = hidden
 
     def _place(self, slot: _Slot, leaves: list, structure: object) -> None:
