@@ -62,7 +62,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +70,7 @@ sys.path.insert(0, str(REPO))
 from testkit.metadata_server import MetadataServer  # noqa: E402
 from tpud.control import ControlClient  # noqa: E402
 from tpud.paths import Paths  # noqa: E402
+from testkit.logs import Tail  # noqa: E402,F401  (the other benches import it from here)
 from machine import describe  # noqa: E402
 
 KINDS = ("sigkill", "preemption", "hang")
@@ -114,32 +114,6 @@ def kill_group(pid: int | None) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError, TypeError):
         pass
-
-
-class Tail:
-    """The arm's log (JSON lines, ours and relayed), read as it grows; each record gets `_t`, epoch seconds."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.partial, self.records = path, 0, b"", []
-
-    def read(self) -> list[dict]:
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        if not chunk:
-            return []
-        self.offset += len(chunk)
-        *lines, self.partial = (self.partial + chunk).split(b"\n")
-        new = []
-        for line in lines:
-            try:  # a relayed chunk may split a line: such lines are skipped
-                record = json.loads(line)
-                record["_t"] = datetime.fromisoformat(record["timestamp"]).timestamp()
-            except (ValueError, KeyError, TypeError):
-                continue
-            new.append(record)
-        self.records += new
-        return new
 
 
 class TpudArm:

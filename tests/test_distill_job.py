@@ -37,7 +37,7 @@ def student(teacher_dir, *overrides):
 
 
 def test_the_student_learns_the_teachers_distribution_and_nothing_of_the_teacher_is_trained_or_saved(teacher, tmp_path):
-    from tests.states import checkpoint_state
+    from testkit.states import checkpoint_state
 
     trainer, hooks, code = train(student(teacher, "train.max_steps=6", "checkpoint.interval_steps=3"), tmp_path)
     assert code == 0 and len(hooks.losses) == 6
@@ -100,7 +100,7 @@ def test_hidden_states_train_projections_that_are_checkpointed_resumed_bitwise_a
     from safetensors import safe_open
 
     from engine.hf.export import export
-    from tests.states import checkpoint_state
+    from testkit.states import checkpoint_state
     from tests.test_checkpoint import assert_same_training_state
     from testkit.recorders import Recorder
 
@@ -257,7 +257,7 @@ def test_a_changed_teacher_is_refused_on_resume_unless_the_job_allows_it(teacher
 @pytest.mark.slow
 def test_a_distilled_run_killed_mid_way_ends_bit_for_bit_as_the_uninterrupted_one(teacher, tmp_path):
     from engine.checkpoint.manifest import committed_steps
-    from tests.states import assert_same_state, checkpoint_state
+    from testkit.states import assert_same_state, checkpoint_state
 
     args = [*SHORT, "train.max_steps=12", "train.log_interval=1", "checkpoint.interval_steps=4", "name=student",
             "model.dim=64", "model.n_layers=2", "model.ffn_dim=192", f"distill.teacher={teacher}",

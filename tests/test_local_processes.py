@@ -14,7 +14,7 @@ import pytest
 
 from engine.spec.schema import DeviceConfig
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.states import assert_same_state, checkpoint_state
+from testkit.states import assert_same_state, checkpoint_state
 from tests.test_distributed import torchrun
 from testkit.helpers import exited, free_port, read_records, wait_until
 from tpud.children import ranks

@@ -27,7 +27,7 @@ from engine.train import Trainer
 from tests.conftest import PYTHON, TINY_JOB, python_env
 from testkit.helpers import metric, read_records
 from testkit.recorders import Recorder
-from tests.states import assert_same_state, checkpoint_state
+from testkit.states import assert_same_state, checkpoint_state
 from tests.test_hf_export import weights
 from tests.test_hf_import import job
 

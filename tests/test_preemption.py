@@ -14,7 +14,7 @@ import pytest
 
 from engine.checkpoint import manifest as mf
 from tests.conftest import PYTHON, REPO, python_env
-from tests.states import assert_same_state, checkpoint_state
+from testkit.states import assert_same_state, checkpoint_state
 from testkit.helpers import Daemon, exits, metric
 
 pytestmark = pytest.mark.slow

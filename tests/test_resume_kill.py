@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import PYTHON, TINY_JOB, python_env
-from tests.states import assert_same_state, checkpoint_state
+from testkit.states import assert_same_state, checkpoint_state
 
 pytestmark = pytest.mark.slow
 # Big enough (3 M parameters, ~40 MB of state) that a checkpoint write takes a moment.

@@ -1,0 +1,166 @@
+"""The chaos campaign: every fault tpud handles, at random and together, with invariants checked.
+
+N `tpud daemon`s on loopback (default 4 hosts of one elastic gang, gang.min_hosts 2, each its own
+coordinator, GCE metadata server and tmpfs state directory; one fake-gcs-server) train the tiny
+model with the memory tier, the GCS tier, replica checks and spike rollback on, while a schedule
+drawn from the seed strikes faults at random times, alone and overlapping (testkit/chaos/
+schedule.py lists the kinds). The invariants (testkit/chaos/invariants.py) are checked all along
+and at the end, after every fault is healed, the job trained to its end on every host and every
+daemon stopped. Every run replays from its seed; the schedule, what each fault did and what ended
+it go into the results file.
+
+    .venv/bin/python bench/chaos.py                        # 30 min, seed 0
+    .venv/bin/python bench/chaos.py --seed 7 --minutes 5   # the short form CI runs (a slow test)
+    .venv/bin/python bench/chaos.py --hours 4              # a soak
+    .venv/bin/python bench/chaos.py --seeds 1-10           # one campaign per seed, a summary row each
+    .venv/bin/python bench/chaos.py --replay 7 --minimise  # the smallest schedule that still violates
+    .venv/bin/python bench/chaos.py --schedule FILE        # a schedule as written (results or minimiser)
+Results: a table on stdout and bench/results/chaos-SEED.json (--out for another path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from machine import describe  # noqa: E402
+from testkit.chaos import schedule as sch  # noqa: E402
+from testkit.chaos.campaign import Options, run  # noqa: E402
+from testkit.chaos.minimise import minimise  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--minutes", type=float, default=30.0, help="how long faults are struck (default 30)")
+    length.add_argument("--hours", type=float, help="the same, in hours (a soak)")
+    parser.add_argument("--seed", type=int, default=0, help="draws the schedule (default 0)")
+    parser.add_argument("--seeds", help="A-B: one campaign per seed in the range, one after the other")
+    parser.add_argument("--hosts", type=int, default=4, help="daemons of the gang (default 4)")
+    parser.add_argument("--min-hosts", type=int, default=2, help="gang.min_hosts (default 2)")
+    parser.add_argument("--every", type=float, default=40.0, help="a fault about every this many seconds (default 40)")
+    parser.add_argument("--steps-per-s", type=float, default=1.5,
+                        help="the gang's expected pace, to place the faults struck at a step (default 1.5)")
+    parser.add_argument("--kinds", help=f"comma-separated fault kinds (default all: {', '.join(sch.KINDS)})")
+    parser.add_argument("--replay", type=int, metavar="SEED", help="run SEED's schedule again (same as --seed)")
+    parser.add_argument("--schedule", type=Path, help="run this schedule (a results file or a minimiser's output)")
+    parser.add_argument("--minimise", action="store_true",
+                        help="after a run that violated an invariant, drop faults while the same invariant is still "
+                        "violated, and write the smallest schedule")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the reference run the loss curve is held to (within 1 %% per 50-step window)")
+    parser.add_argument("--keep", type=Path, help="copy the cluster's files (logs, state) here at the end")
+    parser.add_argument("--out", type=Path, help="results file (default bench/results/chaos-SEED.json)")
+    args = parser.parse_args(argv)
+    # SIGTERM as Ctrl-C: the campaign's cleanup runs (daemons killed, tmpfs unmounted, files removed).
+    signal.signal(signal.SIGTERM, _interrupt)
+    seeds = _seeds(args, parser)
+    kinds = tuple(args.kinds.split(",")) if args.kinds else tuple(sch.KINDS)
+    if unknown := [k for k in kinds if k not in sch.KINDS]:
+        parser.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(sch.KINDS)})")
+    if args.hosts < 2 or not 1 <= args.min_hosts <= args.hosts:
+        parser.error("--hosts must be at least 2, --min-hosts between 1 and --hosts")
+    try:
+        given = sch.load(args.schedule) if args.schedule else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--schedule {args.schedule}: {e}")
+    duration = (args.hours * 3600) if args.hours else args.minutes * 60
+    rows, worst = [], 0
+    for seed in seeds:
+        opts = Options(seed=seed, duration_s=duration, hosts=args.hosts, min_hosts=args.min_hosts, every_s=args.every,
+                       steps_per_s=args.steps_per_s, kinds=kinds, schedule=given, keep=args.keep,
+                       reference=not args.no_reference)
+        result = campaign(opts)
+        out = args.out if args.out and len(seeds) == 1 else REPO / "bench" / "results" / f"chaos-{seed}.json"
+        if args.minimise and result["violations"]:
+            result["minimised"] = shrink(opts, result)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        table(result)
+        print(f"results: {out}")
+        rows.append(result)
+        worst = max(worst, len(result["violations"]))
+    if len(rows) > 1:
+        summary(rows)
+    return 1 if worst else 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _seeds(args, parser) -> list[int]:
+    if args.seeds:
+        try:
+            low, _, high = args.seeds.partition("-")
+            return list(range(int(low), int(high or low) + 1))
+        except ValueError:
+            parser.error(f"--seeds {args.seeds!r}: give A-B, e.g. 1-10")
+    return [args.replay if args.replay is not None else args.seed]
+
+
+def campaign(opts: Options) -> dict:
+    started = time.time()
+    result = run(opts)
+    return {"machine": describe(), "wall_s": round(time.time() - started, 1), **result}
+
+
+def shrink(opts: Options, result: dict) -> dict:
+    target = result["violations"][0]["invariant"]
+    faults = sch.from_json(result["schedule"])
+
+    def fails(schedule: list[sch.Fault]) -> bool:
+        again = run(Options(**{**opts.__dict__, "schedule": schedule, "keep": None, "say": lambda line: None}))
+        return target in again["violations_per_invariant"]
+
+    smallest = minimise(faults, fails)
+    print(f"minimised: {len(smallest)} of {len(faults)} faults still violate {target}:")
+    for f in smallest:
+        print(f"  {f.label()}")
+    return {"invariant": target, "schedule": sch.to_json(smallest)}
+
+
+def table(r: dict) -> None:
+    print(f"\nseed {r['seed']}: {r['hosts']} hosts, {r['duration_s'] / 60:.0f} min of faults, job finished at step "
+          f"{r['final_steps']}: {r['finished']} (settled {r['settled_s']} s after the faults)")
+    print(f"{'fault kind':<20} {'struck':>6} {'recovery median s':>18} {'max s':>7}")
+    for kind in sorted(set(r["faults_per_kind"]) | set(r["recovery_s"])):
+        rec = r["recovery_s"].get(kind, {})
+        print(f"{kind:<20} {r['faults_per_kind'].get(kind, 0):>6} {rec.get('median', '-'):>18} {rec.get('max', '-'):>7}")
+    for kind, n in r["stepped_fired"].items():
+        print(f"{kind + ' (at a step)':<20} {n:>6}")
+    print(f"faults struck {sum(r['faults_per_kind'].values())} of {len(r['schedule'])} drawn, "
+          f"{len(r['faults_per_kind']) + len(r['stepped_fired'])} kinds; goodput per host {r['goodput']}; "
+          f"steps redone per host {r['steps_redone']}; status answered in median {r['status_s']['median']} s, "
+          f"max {r['status_s']['max']} s")
+    if (loss := r.get("loss_curve")) is not None:
+        print(f"loss curve vs the reference run: {loss['steps_compared']} steps, worst {loss['window']}-step window "
+              f"{loss['max_rel_diff']:.3%} apart {loss['worst_window']}; final loss {loss['final_loss']} vs "
+              f"{loss['reference_final_loss']}")
+    print(f"violations: {len(r['violations'])} {r['violations_per_invariant']}")
+    for v in r["violations"][:20]:
+        print(f"  {v['t']:7.1f}s {v['invariant']:<16} host {v['host']}: {v['detail'][:160]}  [faults: "
+              f"{'; '.join(v['faults'][-3:])}]")
+
+
+def summary(rows: list[dict]) -> None:
+    print(f"\n{'seed':>5} {'struck':>6} {'kinds':>5} {'violations':>10} {'finished':>8} {'goodput':>8}")
+    for r in rows:
+        good = [g for g in r["goodput"] if g is not None]
+        print(f"{r['seed']:>5} {sum(r['faults_per_kind'].values()):>6} "
+              f"{len(r['faults_per_kind']) + len(r['stepped_fired']):>5} {len(r['violations']):>10} "
+              f"{str(r['finished']):>8} {statistics.mean(good) if good else float('nan'):>8.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
