@@ -62,9 +62,11 @@ def run(opts: Options) -> dict:
         return Campaign(opts, cluster, faults, inject).run()
     finally:
         cluster.close()
-        if opts.keep is not None:
-            shutil.copytree(root, opts.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("gcs"))
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if opts.keep is not None:
+                shutil.copytree(root, opts.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("gcs", "*.sock"))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 class Campaign:
@@ -150,7 +152,8 @@ class Campaign:
             if row and row.get("state") == "FAILED":
                 since = self.failed_since.setdefault(h.index, self.now())
                 if self.now() - since >= REPLACE_FAILED_AFTER_S:
-                    self.act(h, f"job FAILED ({(row.get('reason') or '')[:120]}): host replaced blank", blank=True)
+                    why = next((f["reason"] for f in reversed(self.checker.failures) if f["host"] == h.index), None)
+                    self.act(h, f"job FAILED ({why}): host replaced blank", blank=True)
             else:
                 self.failed_since.pop(h.index, None)
 
@@ -249,11 +252,9 @@ class Campaign:
 
     def results(self, faults_end: float, settled, finished: bool, final_steps: int, rows: dict) -> dict:
         struck = [e for e in self.entries if e["struck"]]
-        fired = Counter()
-        for h in self.cluster.hosts:
-            for r in h.log.records:
-                if (kind := FIRED.get(r.get("event"))) is not None:
-                    fired[kind] += 1
+        seen = {(FIRED[r["event"]], r.get("step"), r.get("rank"), r.get("element"))
+                for h in self.cluster.hosts for r in h.log.records if r.get("event") in FIRED}
+        fired = Counter(kind for kind, *_ in seen)  # once each, however often replayed
         recovery: dict[str, list[float]] = {}
         for e in struck:
             if (s := self.resumed_after(self.t0 + e["t"])) is not None:
@@ -270,6 +271,7 @@ class Campaign:
             "stepped_fired": dict(fired),
             "violations": as_dicts(self.checker.violations),
             "violations_per_invariant": dict(Counter(v.invariant for v in self.checker.violations)),
+            "checked": dict(self.checker.checked),
             "settled_s": settled, "finished": finished, "final_steps": final_steps,
             "goodput": [round(g, 4) if g is not None else None for g in goodputs],
             "steps_redone": redone,

@@ -175,11 +175,15 @@ def job_text(inject: dict, max_steps: int = 100_000_000, interval_steps: int = 2
     spike rollback on, the global batch fixed so that every membership trains the same batches."""
     lines = [
         f"name: {JOB}",
-        f"include: {REPO}/configs/jobs/tiny-cpu.yaml",
+        f"include: [{REPO}/configs/models/tiny.yaml, {REPO}/configs/attention/auto.yaml]",
+        "device: {backend: cpu}",
+        "optimizer: {lr: 3.0e-3, weight_decay: 0.1}",
         "data: {corpus_bytes: 400000, seq_len: 32, micro_batch_size: 2}",
         "model: {dim: 64, n_layers: 2, ffn_dim: 128}",
-        f"train: {{max_steps: {max_steps}, log_interval: 1, global_batch_size: 12}}",
-        "scheduler: {warmup_steps: 1}",
+        f"train: {{max_steps: {max_steps}, log_interval: 1, global_batch_size: 12, seed: 0}}",
+        # Constant: the lr is a function of the step and max_steps, and max_steps is set only when
+        # the campaign ends; the reference run must see the lr the campaign's steps saw.
+        "scheduler: {name: constant, warmup_steps: 1}",
         f"checkpoint: {{interval_steps: {interval_steps}, remote: {json.dumps(remote)}, memory: {{interval_steps: 5, "
         "max_overhead: 1}}",
         "health: {replicas: {interval_steps: 10}, heartbeat_timeout_seconds: 20, checkpoint_timeout_seconds: 60}",

@@ -135,14 +135,13 @@ class Injector:
         if not host.tmpfs:
             return Struck("not struck: the state directory is no tmpfs of its own (not root)")
         ballast = host.paths.state / ".chaos-ballast"
-        with open(ballast, "wb") as f:
-            block = b"\0" * (1 << 20)
-            try:
-                while True:
-                    f.write(block)
-                    f.flush()
-            except OSError:
-                pass
+        with open(ballast, "wb", buffering=0) as f:
+            for block in (b"\0" * (1 << 20), b"\0" * 4096):  # to the last page
+                try:
+                    while True:
+                        f.write(block)
+                except OSError:
+                    pass
         self.full[host.index] = str(ballast)
         return Struck("state file system full", (now + fault.seconds, lambda: self._free(host) or "freed"))
 

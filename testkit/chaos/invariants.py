@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,12 +56,16 @@ class Checker:
         self.global_commit = 0            # the newest step committed on every member, seen so far
         self.awaiting: dict[int, int] = {}  # host -> the global commit when its worker started, until its first step
         self.rollback = (0, 0.0)          # the newest data rollback's restored step, and when
-        self.flips: list[float] = []      # when bit flips were injected
+        self.flips: list[float] = []      # when bit flips (and host spikes) were injected
+        self.mismatches: list[tuple[float, int, str]] = []  # replica mismatches not yet judged
         self.rss: dict[int, list[int]] = {}
         self.status_s: list[float] = []
         self.damaged: set[Path] = set()   # checkpoint files a fault damaged on purpose
         self.failures: list[dict] = []    # job state FAILED records
         self.steps: dict[int, list[tuple[float, int, float]]] = {}  # host -> (t, step, loss) of every step record
+        self.verified: set[Path] = set()  # committed step directories read back whole
+        # How often each invariant was actually checked: one never checked proves nothing.
+        self.checked: Counter = Counter()
 
     def violate(self, invariant: str, host: int | None, detail: str, at: float | None = None) -> None:
         t = (at if at is not None else time.time()) - self.t0
@@ -87,15 +92,50 @@ class Checker:
             if (rss := h.rss_bytes()) is not None:
                 self.rss.setdefault(h.index, []).append(rss)
             kinds = children_by_kind(h.proc.pid)
+            self.checked["status"] += 1
+            self.checked["processes"] += 1
             if len(kinds.get("worker", [])) > 1 or len(kinds.get("coordinator", [])) > 1:
                 self.violate("processes", h.index, f"processes: {kinds}")
+        for h in self.cluster.hosts:
+            self._verify_new(h)
+        self._mismatches(before=now - 10.0)
+
+    def _mismatches(self, before: float) -> None:
+        """Replicas found to differ: each explained by a fault injected on some host shortly before."""
+        for at, host, event in [m for m in self.mismatches if m[0] <= before]:
+            self.mismatches.remove((at, host, event))
+            self.checked["replica_mismatch"] += 1
+            if not any(-5.0 <= at - t <= FLIP_EXPLAINS_S for t in self.flips):
+                self.violate("replica_mismatch", host, f"{event} with no bit flip or host spike injected before", at)
+
+    def _verify_new(self, h: Host) -> None:
+        """Each committed step directory read back once, while it is there (retention may take it)."""
+        try:
+            committed = mf.committed_steps(h.checkpoints())
+        except OSError:
+            return
+        for _, path, manifest in committed:
+            if path in self.verified or any(path in d.parents for d in self.damaged):
+                continue
+            try:
+                found = mf.problems(path, manifest, checksums=True)
+            except OSError:
+                continue
+            if not path.is_dir():  # deleted while read: retention, not damage
+                continue
+            self.verified.add(path)
+            self.checked["checksum"] += 1
+            if found:
+                self.violate("checksum", h.index, f"{path.relative_to(h.home)}: {'; '.join(found)[:300]}")
 
     def record(self, host: Host, r: dict) -> None:
         """One new log record of a host."""
         event = r.get("event")
         if event == "step" and r.get("job") == JOB:
             self.steps.setdefault(host.index, []).append((r["_t"], r["step"], r.get("loss")))
-            if (floor := self.awaiting.pop(host.index, None)) is not None and r["step"] - 1 < floor:
+            if (floor := self.awaiting.pop(host.index, None)) is not None:
+                self.checked["commit_lost"] += 1
+            if floor is not None and r["step"] - 1 < floor:
                 self.violate("commit_lost", host.index, f"trained step {r['step']} after a start, below the global "
                              f"commit {floor} seen before it", r["_t"])
         elif event == "rolled back":
@@ -108,26 +148,23 @@ class Checker:
         elif event in ("injected bit flip", "injected host spike"):  # a spike's replay names a replica too
             self.flips.append(r["_t"])
         elif event and event.startswith("replica mismatch"):
-            if not any(0 <= r["_t"] - t <= FLIP_EXPLAINS_S for t in self.flips):
-                self.violate("replica_mismatch", host.index, f"{event} with no bit flip injected before", r["_t"])
+            self.mismatches.append((r["_t"], host.index, event))  # judged once every host's log is read
         elif event == "job state" and r.get("state") == "FAILED":
             self.failures.append({"host": host.index, "t": round(r["_t"] - self.t0, 1), "reason": r.get("reason")})
 
     # --- at the end ---
 
     def final(self, scratch: Path) -> None:
+        self._mismatches(before=float("inf"))
         self._checksums()
         self._gcs()
         self._replicas(scratch)
         self._memory()
 
     def _checksums(self) -> None:
+        self.verified.clear()  # every one there now, read back again
         for h in self.cluster.hosts:
-            for _, path, manifest in mf.committed_steps(h.checkpoints()):
-                if any(path in d.parents for d in self.damaged):
-                    continue
-                if found := mf.problems(path, manifest, checksums=True):
-                    self.violate("checksum", h.index, f"{path.relative_to(h.home)}: {'; '.join(found)[:300]}")
+            self._verify_new(h)
 
     def _gcs(self) -> None:
         from tpud.gcs.tier import GcsTier, RemoteError
@@ -141,6 +178,7 @@ class Checker:
                     self.violate("checksum", None, f"gs step {remote.step}: {e}")
                     continue
                 manifest = mf.read_manifest(path)
+                self.checked["checksum_gcs"] += 1
                 if manifest is None or (found := mf.problems(path, manifest, checksums=True)):
                     self.violate("checksum", None, f"gs step {remote.step}: {found if manifest else 'no manifest'}")
 
@@ -158,6 +196,7 @@ class Checker:
             states = [checkpoint_state(path, scratch) for _, path in copies]
             for state in states:
                 state.get("loader", {}).pop("rank", None)
+            self.checked["replicas"] += 1
             for (h, _), state in zip(copies[1:], states[1:]):
                 if found := differences(states[0], state):
                     self.violate("replicas_differ", h.index, f"step {step}: host {copies[0][0].index} vs host "
