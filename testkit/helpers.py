@@ -224,17 +224,19 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port below {low}")
 
 
-def data_parallel(state_dir: Path, world: int, *overrides: str, steps: int = 12) -> list[dict]:
+def data_parallel(state_dir: Path, world: int, *overrides: str, steps: int = 12, memory: bool = False) -> list[dict]:
     """`world` data-parallel processes (gloo, DDP) training the tiny job (tests/replica_probe.py);
-    each rank's report: its exit code, its replica_mismatch and straggler events, its steps."""
+    each rank's report: its exit code, its replica_mismatch and straggler events, its steps. With
+    `memory`, a memory tier in STATE_DIR/shm."""
     port = free_port()
+    extra = {"TPUD_MEMORY_DIR": str(state_dir / "shm")} if memory else {}
     args = [PYTHON, str(REPO / "tests" / "replica_probe.py"), str(TINY_JOB), str(state_dir),
             f"train.max_steps={steps}", "train.log_interval=1", "scheduler.warmup_steps=1", "data.seq_len=32",
             "data.micro_batch_size=2", "data.corpus_bytes=400000", "device.mesh.data=-1", "device.mesh.fsdp=1",
             "checkpoint.interval_steps=4", "health.replicas.interval_steps=2", *overrides]
     procs = [subprocess.Popen(args, env=python_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                   OMP_NUM_THREADS="1"),
+                                                   OMP_NUM_THREADS="1", **extra),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
     for proc in procs:
         _, err = proc.communicate(timeout=300)

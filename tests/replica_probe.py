@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from engine import events
+from engine.runtime import Runtime
 from engine.spec.loader import load_spec
 from engine.train import Trainer
 from tpud.worker.entry import run_and_exit
@@ -17,7 +18,8 @@ from testkit.recorders import Recorder
 
 def main(job: str, state_dir: str, *overrides: str) -> int:
     hooks = Recorder()
-    trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), hooks)
+    # Runtime.from_env: TPUD_MEMORY_DIR gives the ranks a memory tier, as the supervisor would.
+    trainer = Trainer(load_spec(job, list(overrides)), Path(state_dir), hooks, runtime=Runtime.from_env())
     code = trainer.run()
     rank = dist.get_rank()
     mismatches = [dict(e.to_json()) for e in hooks.of(events.ReplicaMismatch)]

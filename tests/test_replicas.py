@@ -169,6 +169,23 @@ def test_a_bit_flipped_in_one_of_three_replicas_is_found_and_that_replica_quaran
 
 
 @pytest.mark.slow
+def test_a_flip_that_makes_the_loss_non_finite_before_any_comparison_quarantines_its_replica(tmp_path):
+    """Found by the chaos campaign. After step 5 rank 2 flips an exponent bit of the (tied) embedding
+    and its memory state of step 5 holds the flip; step 6's loss is NaN on every rank (the all-reduce
+    carries it), long before the comparison of step 10. The rollback restores step 5 everywhere:
+    compared, rank 2's differs, so it is quarantined (79) and the others restart (77). Before, every
+    rank rolled back to the same poisoned state until health.max_rollbacks failed the job (76)."""
+    ranks = data_parallel(tmp_path, 3, "debug.inject.bit_flips=[{step: 5, rank: 2, element: 100, bit: 30}]",
+                          "checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1",
+                          "health.replicas.interval_steps=10", memory=True)
+    assert [r["exit"] for r in ranks] == [77, 77, 79]
+    for report in ranks:
+        (mismatch,) = report["mismatches"]
+        assert (mismatch["step"], mismatch["odd"], mismatch["found_by"]) == (5, [2], "majority")
+        assert report["steps"][-1] == 5  # step 6, poisoned, never reported
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flip, named", [("{step: 5, rank: 1}", 1), ("{step: 5, rank: 0, gradient: true}", 0)])
 def test_of_two_replicas_the_one_a_bit_flipped_in_is_named_by_replaying_the_steps(tmp_path, flip, named):
     # The comparison after step 6 finds the flip; the steps after step 4 (saved, agreed) are

@@ -93,6 +93,7 @@ class Healer:
                 log.warning("no state to roll back to in place; the supervisor restarts the worker", step=bad.step,
                             wanted_at_most=target)
                 self.guard.exit()
+            self._restored_replicas_agree(restored.step)
             restored_step, verdict = restored.step, "data"
             if self.cfg.spikes is None or self.cfg.spikes.replay:
                 values = None
@@ -120,3 +121,17 @@ class Healer:
         self.emit(event)
         if verdict == "hardware" and (named := self.replicas.name_after_spike(bad.step, first_run)) is not None:
             self.replicas.settle(named, self.emit)  # quarantined (79), or the others restart (77)
+
+    def _restored_replicas_agree(self, step: int) -> None:
+        """The state a rollback restored, compared across the replicas (a collective: every rank
+        heals alike). A bit flipped into one replica's weights can make the next loss non-finite
+        before any periodic comparison saw it, and a state saved since holds the flip: replayed,
+        the step fails again whatever data is skipped. The odd replica is quarantined (79) and the
+        others restart (77) from a state they all hold; without a majority, from the last state all
+        agreed on, the newer ones set aside."""
+        mismatch = self.replicas.compare(step)
+        if mismatch is None:
+            return
+        if not mismatch.odd and 0 < self.replicas.agreed < step:
+            self.checkpointer.forget_after(self.replicas.agreed)
+        self.replicas.settle(mismatch, self.emit)

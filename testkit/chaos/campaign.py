@@ -40,8 +40,8 @@ class Options:
     duration_s: float = 1800.0
     hosts: int = 4
     min_hosts: int = 2
-    every_s: float = 40.0       # a fault about this often
-    steps_per_s: float = 1.5    # the gang's expected pace, to place the stepped faults
+    every_s: float = 30.0       # a fault about this often
+    steps_per_s: float = 12.0   # the gang's expected pace, to place the stepped faults
     kinds: tuple[str, ...] = tuple(sch.KINDS)
     schedule: list[sch.Fault] | None = None  # run this one instead of drawing it from the seed
     probe_s: float = 5.0
@@ -152,8 +152,8 @@ class Campaign:
             if row and row.get("state") == "FAILED":
                 since = self.failed_since.setdefault(h.index, self.now())
                 if self.now() - since >= REPLACE_FAILED_AFTER_S:
-                    why = next((f["reason"] for f in reversed(self.checker.failures) if f["host"] == h.index), None)
-                    self.act(h, f"job FAILED ({why}): host replaced blank", blank=True)
+                    self.act(h, f"job FAILED ({(row.get('error') or 'no error given')[:160]}): host replaced blank",
+                             blank=True)
             else:
                 self.failed_since.pop(h.index, None)
 

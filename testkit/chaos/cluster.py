@@ -38,7 +38,8 @@ class Host:
         self.tmpfs = tmpfs and _mount_tmpfs(self.paths.state)
         self.metadata = MetadataServer()
         self.env = {**env, "GCE_METADATA_HOST": self.metadata.host}
-        self.log = Tail(self.home / "daemon.log")
+        # Steps go to the checker as they are read; kept here they would fill memory in a soak.
+        self.log = Tail(self.home / "daemon.log", keep=lambda r: r.get("event") != "step")
         (self.home / "daemon.log").touch()
         self.proc: subprocess.Popen | None = None
         self.stopped = False  # SIGSTOPped by a fault

@@ -8,11 +8,13 @@ follows the world size), hence a loss curve compared window by window rather tha
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 from pathlib import Path
 
 from testkit import PYTHON, python_env
+from tpud.paths import Paths
 
 WINDOW = 100  # steps per compared window, at least (a twentieth of the run where that is more)
 BOUND = 0.01  # the largest relative difference of a window's mean loss that passes
@@ -24,8 +26,11 @@ def losses(job_text: str, home: Path, timeout: float) -> dict[int, float]:
     (home / "tpud.yaml").write_text("allow_fault_injection: true\n")  # the data spikes
     job = home / "reference.yaml"
     job.write_text(job_text)
-    done = subprocess.run([PYTHON, "-m", "tpud", "run", str(job), "--home", str(home)], capture_output=True, text=True,
-                          timeout=timeout, env=python_env(OMP_NUM_THREADS="1"))
+    try:
+        done = subprocess.run([PYTHON, "-m", "tpud", "run", str(job), "--home", str(home)], capture_output=True,
+                              text=True, timeout=timeout, env=python_env(OMP_NUM_THREADS="1"))
+    finally:
+        shutil.rmtree(Paths.resolve(home).memory, ignore_errors=True)  # its memory tier, in /dev/shm
     if done.returncode != 0:
         raise RuntimeError(f"the reference run exited {done.returncode}: {done.stdout[-2000:]}")
     found = {}
