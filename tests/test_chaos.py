@@ -43,7 +43,7 @@ def test_the_minimiser_keeps_only_the_faults_that_together_cause_the_violation()
 @pytest.mark.slow
 def test_a_short_campaign_of_every_kind_of_fault_violates_no_invariant():
     lines = []
-    result = run(Options(seed=11, duration_s=240, hosts=3, min_hosts=2, every_s=15, steps_per_s=1.0,
+    result = run(Options(seed=11, duration_s=240, hosts=3, min_hosts=2, every_s=15, steps_per_s=15,
                          say=lines.append))
     report = "\n".join(lines[-40:])
     assert result["violations"] == [], report

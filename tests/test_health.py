@@ -111,6 +111,11 @@ def test_a_nan_with_policy_stop_fails_the_job_with_exit_76(tmp_path):
         jobs = daemon.wait_for(lambda jobs: jobs["sick"]["state"] == "FAILED", "FAILED", timeout=180)
         assert exits(daemon) == [76] and "non-finite loss" in jobs["sick"]["error"]
         assert jobs["sick"]["restarts"] == 0
+        # jobs.d read again (another file dropped in): the failure keeps its explanation. Before, any
+        # read of the unchanged file cleared it, and status showed a FAILED job with no error.
+        (tmp_path / "jobs.d" / "broken.yaml").write_text("name: [\n")
+        jobs = daemon.wait_for(lambda jobs: "broken" in jobs, "the other file read", timeout=60)
+        assert jobs["sick"]["state"] == "FAILED" and "non-finite loss" in jobs["sick"]["error"]
     finally:
         stopped(daemon)
 

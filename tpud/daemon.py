@@ -213,7 +213,8 @@ class Daemon:
                 log.info("job file changed; restarting with the new spec", job=name)
                 self._guard(lambda: job.replace_spec(spec, path), job)
             else:
-                job.error = None
+                if job.error is not None and job.error == previously_invalid.get(path):
+                    job.error = None  # the file is valid again; a failure's own explanation stays
                 if job.state is State.STOPPED and job.stop_reason == "removed" and not job.held:
                     log.info("job file is back; starting", job=name)
                     self._guard(job.start, job)

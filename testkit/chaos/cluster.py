@@ -89,9 +89,17 @@ class Host:
         self.stopped = False
 
     def wipe(self) -> None:
-        """A new VM: its disk and memory blank (the tmpfs stays mounted, emptied)."""
+        """A new VM: its disk and memory blank (the tmpfs stays mounted, emptied). The injected
+        faults' markers stay: they are the campaign's record that a transient fault struck, which
+        a new VM replaying the step must not meet again."""
+        markers = self.paths.state / "jobs" / JOB / "faults"
+        kept = {p.name: p.read_bytes() for p in markers.iterdir()} if markers.is_dir() else {}
         for entry in self.paths.state.iterdir():
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if kept:
+            markers.mkdir(parents=True)
+            for name, data in kept.items():
+                (markers / name).write_bytes(data)
         shutil.rmtree(self.paths.memory, ignore_errors=True)
         self.metadata.set("instance/preempted", "FALSE")
         self.metadata.set("instance/maintenance-event", "NONE")
