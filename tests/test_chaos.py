@@ -41,6 +41,7 @@ def test_the_minimiser_keeps_only_the_faults_that_together_cause_the_violation()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # four minutes of faults, the end, and the reference run, on a loaded machine
 def test_a_short_campaign_of_every_kind_of_fault_violates_no_invariant():
     lines = []
     result = run(Options(seed=11, duration_s=240, hosts=3, min_hosts=2, every_s=15, steps_per_s=15,
