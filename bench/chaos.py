@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                         "violated, and write the smallest schedule")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the reference run the loss curve is held to (within 1 %% per window of 100 steps or a twentieth of the run)")
+    parser.add_argument("--reference-steps", type=int, metavar="N",
+                        help="compare the loss curve over the first N steps only (a shorter reference run)")
     parser.add_argument("--keep", type=Path, help="copy the cluster's files (logs, state) here at the end")
     parser.add_argument("--out", type=Path, help="results file (default bench/results/chaos-SEED.json)")
     args = parser.parse_args(argv)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         opts = Options(seed=seed, duration_s=duration, hosts=args.hosts, min_hosts=args.min_hosts, every_s=args.every,
                        steps_per_s=args.steps_per_s, kinds=kinds, schedule=given, keep=args.keep,
-                       reference=not args.no_reference, say=lambda line: print(line, flush=True))
+                       reference=not args.no_reference, reference_steps=args.reference_steps, say=lambda line: print(line, flush=True))
         result = campaign(opts)
         out = args.out if args.out and len(seeds) == 1 else REPO / "bench" / "results" / f"chaos-{seed}.json"
         if args.minimise and result["violations"]:

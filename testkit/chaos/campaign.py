@@ -49,6 +49,7 @@ class Options:
     finish_steps: int = 30      # trained after the faults stop, to end the job
     keep: Path | None = None    # keep the cluster's files here
     reference: bool = True      # hold the loss curve to a run with nothing struck
+    reference_steps: int | None = None  # ...over its first this many steps (None: all of them)
     say: Callable[[str], None] = print
 
 
@@ -191,10 +192,11 @@ class Campaign:
     def against_reference(self, final_steps: int) -> dict | None:
         """The loss curve against the reference run's (testkit/chaos/reference.py)."""
         kept = {k: v for k, v in self.inject.items() if k == "spike_at_step"}
-        text = job_text(kept, max_steps=final_steps, interval_steps=(20, 25)[self.injector.variant], remote=None)
-        self.opts.say(f"  {self.now():7.1f}s  the reference run: {final_steps} steps, nothing struck")
+        steps = min(final_steps, self.opts.reference_steps or final_steps)  # the lr is constant: max_steps is free
+        text = job_text(kept, max_steps=steps, interval_steps=(20, 25)[self.injector.variant], remote=None)
+        self.opts.say(f"  {self.now():7.1f}s  the reference run: {steps} steps, nothing struck")
         try:
-            theirs = reference.losses(text, self.cluster.root / "reference", timeout=120 + final_steps)
+            theirs = reference.losses(text, self.cluster.root / "reference", timeout=120 + steps)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             self.checker.violate("loss_curve", None, f"the reference run failed: {e}")
             return None
