@@ -51,4 +51,6 @@ def test_a_short_campaign_of_every_kind_of_fault_violates_no_invariant():
     assert result["finished"], report
     kinds = set(result["faults_per_kind"]) | set(result["stepped_fired"])
     assert len(kinds) >= 8, (kinds, report)
-    assert result["loss_curve"]["steps_compared"] >= 1900 and result["checked"]["commit_lost"] >= 3, report
+    # Held to the reference over its first 2,000 steps, or all it trained (a loaded machine trains fewer).
+    compared = result["loss_curve"]["steps_compared"]
+    assert compared >= min(2000, result["final_steps"]) - 1 and result["checked"]["commit_lost"] >= 3, report
