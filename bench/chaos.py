@@ -111,9 +111,12 @@ def _seeds(args, parser) -> list[int]:
     if args.seeds:
         try:
             low, _, high = args.seeds.partition("-")
-            return list(range(int(low), int(high or low) + 1))
+            seeds = list(range(int(low), int(high or low) + 1))
         except ValueError:
             parser.error(f"--seeds {args.seeds!r}: give A-B, e.g. 1-10")
+        if not seeds:
+            parser.error(f"--seeds {args.seeds!r}: the range is empty (A must not exceed B)")
+        return seeds
     return [args.replay if args.replay is not None else args.seed]
 
 

@@ -248,7 +248,7 @@ class Campaign:
                 continue
             try:
                 h.proc.wait(timeout=60)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 self.checker.violate("leaked", h.index, "the daemon did not stop within 60 s of SIGTERM")
                 h.kill()
 
