@@ -10,7 +10,7 @@ daemon stopped. Every run replays from its seed; the schedule, what each fault d
 it go into the results file.
 
     .venv/bin/python bench/chaos.py                        # 30 min, seed 0
-    .venv/bin/python bench/chaos.py --seed 7 --minutes 5   # the short form CI runs (a slow test)
+    .venv/bin/python bench/chaos.py --seed 11 --minutes 4 --hosts 3 --every 15  # about CI's short form
     .venv/bin/python bench/chaos.py --hours 4              # a soak
     .venv/bin/python bench/chaos.py --seeds 1-10           # one campaign per seed, a summary row each
     .venv/bin/python bench/chaos.py --replay 7 --minimise  # the smallest schedule that still violates

@@ -12,8 +12,8 @@ from testkit.chaos.minimise import minimise
 
 
 def test_a_schedule_is_drawn_from_its_seed_with_every_kind_and_written_out_and_back():
-    drawn = sch.draw(7, 1800, 4)
-    assert drawn == sch.draw(7, 1800, 4) and drawn != sch.draw(8, 1800, 4)
+    drawn = sch.draw(7, 1800, 4, every_s=40)
+    assert drawn == sch.draw(7, 1800, 4, every_s=40) and drawn != sch.draw(8, 1800, 4, every_s=40)
     assert len(drawn) == 45 and {f.kind for f in drawn} == set(sch.KINDS)
     assert all(0 <= f.host < 4 for f in drawn)
     timed = [f for f in drawn if f.at is not None]
@@ -28,7 +28,7 @@ def test_a_schedule_is_drawn_from_its_seed_with_every_kind_and_written_out_and_b
 
 
 def test_the_minimiser_keeps_only_the_faults_that_together_cause_the_violation():
-    faults = sch.draw(3, 1800, 4)
+    faults = sch.draw(3, 1800, 4, every_s=40)
     culprits = [faults[4], faults[31]]
     tries = []
 

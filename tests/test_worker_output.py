@@ -36,6 +36,23 @@ def test_the_tail_is_bounded_by_lines_and_line_length_and_starts_afresh_per_work
     out.feed(b"a line without end " * 10_000)  # never an unbounded buffer
     out.new_worker()
     out.feed(b'{"level": "error", "event": "boom"}\n')
-    assert list(out.tail) == ['{"level": "error", "event": "boom"}'] and out.last_error() == out.tail[0]
+    assert list(out.tail) == ['{"level": "error", "event": "boom"}'] and out.last_error() == "boom"
     out.new_worker()
     assert out.last_error() is None
+
+
+def test_the_last_error_reads_as_its_event_and_fields_not_as_a_json_line():
+    """`tpud status` shows it under the job: a quarantine's record, a refusal naming its key."""
+    out = WorkerOutput(lambda chunk: None)
+    out.feed(b'{"event": "replica mismatch: this process\'s state is the odd one; quarantined", "step": 40, '
+             b'"level": "error", "timestamp": "2026-11-28T08:00:00Z"}\n{"event": "exiting", "level": "info"}\n')
+    assert out.last_error() == "replica mismatch: this process's state is the odd one; quarantined (step=40)"
+    out.feed(b'{"event": "job cannot run here", "key": "attention.kernel", "error": "no flash here", '
+             b'"level": "error", "exception": "Traceback (most recent call last):\\n  File \\"x\\"\\nValueError: no"}\n')
+    assert out.last_error() == ("job cannot run here (key=attention.kernel, error=no flash here, "
+                                "exception=ValueError: no)")
+    for junk in (b'{"level": "error", "event": {"nested": 1}}', b'{"level": "error", "event": "cut',
+                 b"{" + b"[" * 1500 + b'"level": "error"'):
+        out.new_worker()
+        out.feed(junk + b"\n")
+        assert out.last_error() == junk.decode()  # shown as it came, never a crash

@@ -61,7 +61,7 @@ class Fault:
         return f"{self.kind}@host{self.host} {where}{lasts}"
 
 
-def draw(seed: int, duration_s: float, hosts: int, *, every_s: float = 40.0, steps_per_s: float = 1.0,
+def draw(seed: int, duration_s: float, hosts: int, *, every_s: float, steps_per_s: float = 1.0,
          kinds: tuple[str, ...] = tuple(KINDS)) -> list[Fault]:
     """About one fault per `every_s` seconds, at uniform random times, overlapping as they fall;
     stepped faults at steps the run is expected to reach (`steps_per_s`). Each kind drawn at least

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from tpud.job.health.crashes import json_record
+
 TAIL_LINES = 100
 LINE_CHARS = 2000  # a longer line is kept by its end, where the error usually is
 
@@ -44,8 +46,24 @@ class WorkerOutput:
             self._partial = b""
 
     def last_error(self) -> str | None:
-        """The worker's last error line (a JSON error record, or a traceback's plain text)."""
+        """The worker's last error line (a JSON error record, or a traceback's plain text), as an
+        operator reads it in `tpud status`."""
         for line in reversed(self.tail):
             if '"level": "error"' in line or "Traceback" in line or "Error" in line[:80]:
-                return line
+                return readable(line)
         return None
+
+
+def readable(line: str) -> str:
+    """A JSON log record as its event and its fields (`event (key=value, ...)`); any other line as it
+    is. The level and time say nothing in an error, and a logged traceback is shown by its last line."""
+    record = json_record(line.strip())
+    if record is None or not isinstance(record.get("event"), str):
+        return line
+    fields = []
+    for key, value in record.items():
+        if key == "exception" and isinstance(value, str) and value.strip():
+            value = value.strip().splitlines()[-1]
+        if key not in ("event", "level", "timestamp"):
+            fields.append(f"{key}={value}")
+    return record["event"] + (f" ({', '.join(fields)})" if fields else "")

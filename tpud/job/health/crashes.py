@@ -124,7 +124,7 @@ def _lines(tail: Sequence[str]) -> list[_Line]:
         text = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
         # A progress bar's "\r" redraws the line: keep what a terminal would show.
         text = _ANSI.sub("", text).rstrip().rsplit("\r", 1)[-1]
-        record = _record(text)
+        record = json_record(text)
         if record is None:
             lines.append(_Line(text[:_MAX_LINE], "plain"))
             continue
@@ -138,7 +138,8 @@ def _lines(tail: Sequence[str]) -> list[_Line]:
     return lines
 
 
-def _record(text: str) -> dict | None:
+def json_record(text: str) -> dict | None:
+    """A structlog JSON line as its record; None for any other line, however garbled."""
     if not (text.startswith("{") and text.endswith("}")):
         return None
     try:
