@@ -15,6 +15,7 @@ it go into the results file.
     .venv/bin/python bench/chaos.py --seeds 1-10           # one campaign per seed, a summary row each
     .venv/bin/python bench/chaos.py --replay 7 --minimise  # the smallest schedule that still violates
     .venv/bin/python bench/chaos.py --schedule FILE        # a schedule as written (results or minimiser)
+    .venv/bin/python bench/chaos.py --summary              # every campaign's results so far, and per fault kind
 Results: a table on stdout and bench/results/chaos-SEED.json (--out for another path).
 """
 
@@ -67,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare the loss curve over the first N steps only (a shorter reference run)")
     parser.add_argument("--keep", type=Path, help="copy the cluster's files (logs, state) here at the end")
     parser.add_argument("--out", type=Path, help="results file (default bench/results/chaos-SEED.json)")
+    parser.add_argument("--summary", nargs="*", type=Path, metavar="FILE",
+                        help="run nothing: a row per campaign and each fault kind over all of them, from these "
+                        "results files (default bench/results/chaos-*.json)")
     args = parser.parse_args(argv)
+    if args.summary is not None:
+        return summarise(args.summary or sorted((REPO / "bench" / "results").glob("chaos-*.json")), parser)
     # The GCS client's own records (the end's read-back of every remote commit) are not the report.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     # SIGTERM as Ctrl-C: the campaign's cleanup runs (daemons killed, tmpfs unmounted, files removed).
@@ -166,12 +172,49 @@ def table(r: dict) -> None:
 
 
 def summary(rows: list[dict]) -> None:
-    print(f"\n{'seed':>5} {'struck':>6} {'kinds':>5} {'violations':>10} {'finished':>8} {'goodput':>8}")
+    """A row per campaign, then each fault kind over all of them (recovery: the campaigns' medians' median)."""
+    print(f"\n{'seed':>5} {'min':>4} {'hosts':>5} {'faults':>6} {'kinds':>5} {'violations':>10} {'finished':>8} "
+          f"{'step':>7} {'loss diff':>9} {'goodput':>8} {'redone':>6} {'status max s':>12}")
     for r in rows:
         good = [g for g in r["goodput"] if g is not None]
-        print(f"{r['seed']:>5} {sum(r['faults_per_kind'].values()):>6} "
-              f"{len(r['faults_per_kind']) + len(r['stepped_fired']):>5} {len(r['violations']):>10} "
-              f"{str(r['finished']):>8} {statistics.mean(good) if good else float('nan'):>8.3f}")
+        loss = r.get("loss_curve") or {}
+        print(f"{r['seed']:>5} {r['duration_s'] / 60:>4.0f} {r['hosts']:>5} "
+              f"{sum(r['faults_per_kind'].values()) + sum(r['stepped_fired'].values()):>6} "
+              f"{len(set(r['faults_per_kind']) | set(r['stepped_fired'])):>5} {len(r['violations']):>10} "
+              f"{str(r['finished']):>8} {r['final_steps']:>7} "
+              f"{format(loss['max_rel_diff'], '.2%') if 'max_rel_diff' in loss else '-':>9} "
+              f"{statistics.mean(good) if good else float('nan'):>8.3f} {sum(r['steps_redone'].values()):>6} "
+              f"{r['status_s']['max']:>12}")
+    kinds = sorted({k for r in rows for k in (*r["faults_per_kind"], *r["stepped_fired"])})
+    print(f"\n{'fault kind':<20} {'struck':>6} {'campaigns':>9} {'recovery median s':>18} {'max s':>7}")
+    for kind in kinds:
+        recs = [r["recovery_s"][kind] for r in rows if kind in r["recovery_s"]]
+        struck = sum(r["faults_per_kind"].get(kind, 0) + r["stepped_fired"].get(kind, 0) for r in rows)
+        campaigns = sum(1 for r in rows if kind in r["faults_per_kind"] or kind in r["stepped_fired"])
+        median = round(statistics.median(x["median"] for x in recs), 2) if recs else "-"
+        print(f"{kind:<20} {struck:>6} {campaigns:>9} {median:>18} {max((x['max'] for x in recs), default='-'):>7}")
+    print(f"{len(rows)} campaigns, {sum(r['duration_s'] for r in rows) / 3600:.1f} hours of faults, "
+          f"{sum(len(r['violations']) for r in rows)} violations")
+
+
+SUMMARY_KEYS = ("seed", "duration_s", "hosts", "faults_per_kind", "stepped_fired", "violations", "finished",
+                "final_steps", "goodput", "steps_redone", "status_s", "recovery_s")
+
+
+def summarise(files: list[Path], parser: argparse.ArgumentParser) -> int:
+    rows = []
+    for path in files:
+        try:
+            row = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            parser.error(f"--summary {path}: {e}")
+        if not isinstance(row, dict) or (missing := [k for k in SUMMARY_KEYS if k not in row]):
+            parser.error(f"--summary {path}: not a campaign's results (no {', '.join(missing) if isinstance(row, dict) else 'object'})")
+        rows.append(row)
+    if not rows:
+        parser.error("--summary: no results files (bench/results/chaos-*.json)")
+    summary(rows)
+    return 1 if any(r["violations"] for r in rows) else 0
 
 
 if __name__ == "__main__":
