@@ -261,6 +261,7 @@ class Campaign:
         for e in struck:
             if (s := self.resumed_after(self.t0 + e["t"])) is not None:
                 recovery.setdefault(e["kind"], []).append(s)
+                e["recovered_s"] = s  # each fault's own, beside the per-kind figures
         redone = {h: len(records) - len({s for _, s, _ in records}) for h, records in self.checker.steps.items()}
         goodputs = [((row.get("goodput") or {}).get("ratio")) for row in rows.values()]
         return {
