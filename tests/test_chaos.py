@@ -4,6 +4,8 @@ every kind, at a fixed seed, then healed and trained to the end with no invarian
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from testkit.chaos import schedule as sch
@@ -54,3 +56,30 @@ def test_a_short_campaign_of_every_kind_of_fault_violates_no_invariant():
     # Held to the reference over its first 2,000 steps, or all it trained (a loaded machine trains fewer).
     compared = result["loss_curve"]["steps_compared"]
     assert compared >= min(2000, result["final_steps"]) - 1 and result["checked"]["commit_lost"] >= 3, report
+
+
+def test_the_reference_is_fed_the_samples_the_hosts_skipped_and_finds_hosts_that_disagree(tmp_path):
+    from testkit.chaos.reference import ledger
+
+    def write(name, *samples):
+        (tmp_path / name).write_text(json.dumps({"entries": [{"samples": list(s)} for s in samples]}))
+        return tmp_path / name
+
+    # A rollback's ranges, and the same samples adopted by a host that joined later in another geometry.
+    first = write("a", (120, 12), (132, 12), (600, 24))
+    joined = write("b", (120, 24), (600, 12), (612, 12))
+    assert ledger([first, joined]) == ([[120, 24], [600, 24]], True)
+    assert ledger([first, joined, tmp_path / "never-skipped"]) == ([[120, 24], [600, 24]], False)
+    (tmp_path / "torn").write_text('{"entries": [{"samp')
+    with pytest.raises(ValueError, match="torn cannot be read"):
+        ledger([first, tmp_path / "torn"])
+
+
+def test_the_operator_replaces_a_host_left_out_and_starts_a_job_that_spent_a_budget():
+    from testkit.chaos.campaign import left_out
+
+    assert left_out({"replicas": {"quarantined": True}, "error": "replica mismatch (step=40, odd=[2])"})
+    assert left_out({"replicas": None, "error": "rank 0 is a straggler: ... evicted"})
+    assert not left_out({"replicas": {"quarantined": False, "healed": True},
+                         "error": "3 rollbacks within 1000 steps (health.max_rollbacks); then loss spike"})
+    assert not left_out({"error": None})

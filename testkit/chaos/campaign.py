@@ -3,8 +3,9 @@ invariants are checked, then every fault healed, the job run to its end, every d
 and the end's invariants checked. What it returns is the results file's content.
 
 An operator acts as one would on a real fleet, and the results say when: a daemon that died by
-itself is started again (systemd's Restart=always; the death is a violation), and a host whose
-job FAILED there (a quarantined replica) is replaced by a blank one 20 s later.
+itself is started again (systemd's Restart=always; the death is a violation); 20 s after a job
+FAILED on a host, a host left out of the gang (its replica quarantined or evicted) is replaced by
+a blank one, and a job that spent a budget (restarts, rollbacks) is started again (`tpud start`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from testkit.chaos import reference
 from testkit.chaos import schedule as sch
-from testkit.chaos.cluster import Cluster, Host, job_text
+from testkit.chaos.cluster import JOB, Cluster, Host, job_text
 from testkit.chaos.faults import Injector
 from testkit.chaos.invariants import Checker, as_dicts
 
@@ -68,6 +69,13 @@ def run(opts: Options) -> dict:
                 shutil.copytree(root, opts.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("gcs", "*.sock"))
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def left_out(row: dict) -> bool:
+    """Whether the job FAILED on this host because the host itself is left out of the gang (its
+    replica quarantined, or evicted as a straggler): never retried there, so the host is replaced."""
+    error = row.get("error") or ""
+    return bool((row.get("replicas") or {}).get("quarantined")) or "quarantined" in error or "evicted" in error
 
 
 class Campaign:
@@ -152,9 +160,16 @@ class Campaign:
                 raise RuntimeError(f"host {h.index}: the job file is invalid: {row.get('error')}")
             if row and row.get("state") == "FAILED":
                 since = self.failed_since.setdefault(h.index, self.now())
-                if self.now() - since >= REPLACE_FAILED_AFTER_S:
-                    self.act(h, f"job FAILED ({(row.get('error') or 'no error given')[:160]}): host replaced blank",
-                             blank=True)
+                if self.now() - since < REPLACE_FAILED_AFTER_S:
+                    continue
+                why = f"job FAILED ({(row.get('error') or 'no error given')[:160]})"
+                if left_out(row):
+                    self.act(h, f"{why}: host replaced blank", blank=True)
+                else:  # a budget spent (restarts, rollbacks): looked at, then started again
+                    self.failed_since.pop(h.index, None)
+                    self.operator.append({"t": round(self.now(), 1), "host": h.index,
+                                          "did": f"{why}: tpud start: {h.start_job()}"})
+                    self.opts.say(f"  {self.now():7.1f}s  operator: host {h.index} {self.operator[-1]['did']}")
             else:
                 self.failed_since.pop(h.index, None)
 
@@ -190,17 +205,28 @@ class Campaign:
         return self.results(faults_end, settled, finished, final_steps, rows)
 
     def against_reference(self, final_steps: int) -> dict | None:
-        """The loss curve against the reference run's (testkit/chaos/reference.py)."""
-        kept = {k: v for k, v in self.inject.items() if k == "spike_at_step"}
+        """The loss curve against the reference run's (testkit/chaos/reference.py), fed the skip
+        ledger the campaign's hosts ended with."""
+        try:
+            skip, agree = reference.ledger([h.paths.layout.skips_file(JOB) for h in self.cluster.hosts
+                                            if h.index not in self.injector.gone])
+        except ValueError as e:
+            self.checker.violate("loss_curve", None, str(e))
+            return None
+        if not agree:
+            self.checker.violate("replicas_differ", None, "the hosts' skip ledgers differ at the end: they trained "
+                                 "on other samples")
         steps = min(final_steps, self.opts.reference_steps or final_steps)  # the lr is constant: max_steps is free
-        text = job_text(kept, max_steps=steps, interval_steps=(20, 25)[self.injector.variant], remote=None)
-        self.opts.say(f"  {self.now():7.1f}s  the reference run: {steps} steps, nothing struck")
+        text = job_text({}, max_steps=steps, interval_steps=(20, 25)[self.injector.variant], remote=None, skip=skip)
+        self.opts.say(f"  {self.now():7.1f}s  the reference run: {steps} steps, nothing struck, "
+                      f"{sum(count for _, count in skip)} samples skipped as the campaign's ledger says")
         try:
             theirs = reference.losses(text, self.cluster.root / "reference", timeout=120 + steps)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             self.checker.violate("loss_curve", None, f"the reference run failed: {e}")
             return None
         found = reference.compare(reference.lineage(self.checker.steps), theirs)
+        found["skipped"] = skip
         if not found["within"]:
             self.checker.violate("loss_curve", None, f"window {found['worst_window']}: mean loss "
                                  f"{found['max_rel_diff']:.2%} from the reference's (bound {reference.BOUND:.0%})")

@@ -124,6 +124,12 @@ class Host:
         row = next((job for job in result.get("jobs", []) if job.get("name") == JOB), {})
         return row, time.monotonic() - asked
 
+    def start_job(self) -> str:
+        """`tpud start` of the chaos job, as an operator types it: what it printed."""
+        done = subprocess.run([PYTHON, "-m", "tpud", "start", JOB, "--home", str(self.home)], capture_output=True,
+                              text=True, timeout=60, env=python_env(**self.env))
+        return (done.stdout.strip() or done.stderr.strip() or f"exit {done.returncode}").splitlines()[-1]
+
     def worker(self) -> int | None:
         started = [r for r in self.log.records if r.get("event") == "worker started" and r.get("job") == JOB]
         pid = started[-1]["pid"] if started else None
@@ -179,15 +185,17 @@ class Cluster:
         self.gcs.close()
 
 
-def job_text(inject: dict, max_steps: int = 100_000_000, interval_steps: int = 20, remote: str | None = REMOTE) -> str:
+def job_text(inject: dict, max_steps: int = 100_000_000, interval_steps: int = 20, remote: str | None = REMOTE,
+             skip: list[list[int]] | None = None) -> str:
     """The campaign's job: the tiny model, every tier (memory, local, GCS), replica checks and
-    spike rollback on, the global batch fixed so that every membership trains the same batches."""
+    spike rollback on, the global batch fixed so that every membership trains the same batches.
+    `skip`: data.skip's sample ranges (the reference run's: the campaign's skip ledger)."""
     lines = [
         f"name: {JOB}",
         f"include: [{REPO}/configs/models/tiny.yaml, {REPO}/configs/attention/auto.yaml]",
         "device: {backend: cpu}",
         "optimizer: {lr: 3.0e-3, weight_decay: 0.1}",
-        "data: {corpus_bytes: 400000, seq_len: 32, micro_batch_size: 2}",
+        f"data: {{corpus_bytes: 400000, seq_len: 32, micro_batch_size: 2, skip: {json.dumps(skip or [])}}}",
         "model: {dim: 64, n_layers: 2, ffn_dim: 128}",
         f"train: {{max_steps: {max_steps}, log_interval: 1, global_batch_size: 12, seed: 0}}",
         # Constant: the lr is a function of the step and max_steps, and max_steps is set only when

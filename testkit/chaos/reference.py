@@ -1,9 +1,9 @@
 """The reference a campaign's training is held to: the same job, trained to the same step by one
-`tpud run` with nothing struck. The data spikes are kept (the same poisoned batches, so the same
-rollbacks and the same skip ledger); bit flips and host spikes are left out (a lone replica has
-no peer to be found out by, and a transient spike changes nothing once healed). The global batch
-is fixed, but a gang whose membership changed trains other batches (each host's share of the data
-follows the world size), hence a loss curve compared window by window rather than bitwise weights."""
+`tpud run` with nothing struck and fed the campaign's skip ledger (`data.skip`: the sample ranges
+its rollbacks left out, whichever fault caused them), so that every step trains the same samples
+(the loader's global batches depend on the global batch only, not on the world size). What
+differs is the order of the sums (each membership splits the batch its own way) and nothing
+else, so the curves agree closely but not bitwise: they are compared window by window."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from engine.data.skips import merge_skips
 from testkit import PYTHON, python_env
 from tpud.paths import Paths
 
@@ -20,10 +21,35 @@ WINDOW = 100  # steps per compared window, at least (a twentieth of the run wher
 BOUND = 0.01  # the largest relative difference of a window's mean loss that passes
 
 
+def ledger(paths: list[Path]) -> tuple[list[list[int]], bool]:
+    """The sample ranges the skip ledgers at `paths` left out (their union), and whether they all
+    agree (every host of a gang skips the same: it rolls back in lockstep or adopts a peer's ranges)."""
+    found = []
+    for path in paths:
+        try:
+            found.append(_covered(e["samples"] for e in json.loads(path.read_text())["entries"]))
+        except FileNotFoundError:
+            found.append(())  # nothing skipped on this host
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the skip ledger {path} cannot be read: {e}") from e
+    return [list(r) for r in _covered(r for ranges in found for r in ranges)], len(set(found)) <= 1
+
+
+def _covered(ranges) -> tuple[tuple[int, int], ...]:
+    """The samples the (first, count) ranges cover, as the fewest ranges: a peer's ranges adopted
+    in another geometry cover the same samples in other pieces."""
+    out: list[list[int]] = []
+    for first, count in merge_skips(ranges):
+        if out and first <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], first + count - out[-1][0])
+        else:
+            out.append([first, count])
+    return tuple((first, count) for first, count in out)
+
+
 def losses(job_text: str, home: Path, timeout: float) -> dict[int, float]:
-    """step -> loss of the reference run (the last record of each step: a rollback's replay wins)."""
+    """step -> loss of the reference run (the last record of each step)."""
     home.mkdir(parents=True, exist_ok=True)
-    (home / "tpud.yaml").write_text("allow_fault_injection: true\n")  # the data spikes
     job = home / "reference.yaml"
     job.write_text(job_text)
     try:
@@ -42,8 +68,8 @@ def losses(job_text: str, home: Path, timeout: float) -> dict[int, float]:
 
 
 def lineage(steps: dict[int, list[tuple[float, int, float]]]) -> dict[int, float]:
-    """step -> the median over hosts of each host's last loss of that step (each host logs its own
-    micro-batches' loss; the median leaves out a replica that went wrong before it was found)."""
+    """step -> the median over hosts of each host's last loss of that step (every host logs the
+    gang's loss; a host's last record may still be of a lineage the others abandoned)."""
     per_host = []
     for records in steps.values():
         last = {}
@@ -55,8 +81,8 @@ def lineage(steps: dict[int, list[tuple[float, int, float]]]) -> dict[int, float
 
 
 def compare(chaos: dict[int, float], reference: dict[int, float]) -> dict:
-    """Window by window. A gang that changed its membership trains other batches from then on (each
-    host's share of the data follows the world size), so the curves agree in level, not step by step."""
+    """Window by window: the same samples each step, but each membership sums them in its own
+    order, and the difference grows over thousands of steps into other weights of the same quality."""
     common = sorted(set(chaos) & set(reference))
     worst, at, size = 0.0, None, max(WINDOW, len(common) // 20)
     for start in range(0, len(common) - size + 1, size):
