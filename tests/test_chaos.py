@@ -68,11 +68,12 @@ def test_the_reference_is_fed_the_samples_the_hosts_skipped_and_finds_hosts_that
     # A rollback's ranges, and the same samples adopted by a host that joined later in another geometry.
     first = write("a", (120, 12), (132, 12), (600, 24))
     joined = write("b", (120, 24), (600, 12), (612, 12))
-    assert ledger([first, joined]) == ([[120, 24], [600, 24]], True)
-    assert ledger([first, joined, tmp_path / "never-skipped"]) == ([[120, 24], [600, 24]], False)
+    covered = ((120, 24), (600, 24))
+    assert ledger({0: first, 1: joined}) == ([[120, 24], [600, 24]], {0: covered, 1: covered})
+    assert ledger({0: first, 2: tmp_path / "never-skipped"})[1] == {0: covered, 2: ()}
     (tmp_path / "torn").write_text('{"entries": [{"samp')
     with pytest.raises(ValueError, match="torn cannot be read"):
-        ledger([first, tmp_path / "torn"])
+        ledger({0: first, 1: tmp_path / "torn"})
 
 
 def test_the_operator_replaces_a_host_left_out_and_starts_a_job_that_spent_a_budget():

@@ -201,21 +201,27 @@ class Campaign:
             self.checker.final(Path(scratch))
         exclude = {self.cluster.gcs.proc.pid} if self.cluster.gcs.proc else set()
         self.checker.leaks(self.cluster.gcs.url, exclude | {os.getpid()})
-        self.loss = self.against_reference(final_steps) if self.opts.reference and finished else None
+        skip = self.skip_ledger()
+        self.loss = self.against_reference(final_steps, skip) if self.opts.reference and finished and skip is not None \
+            else None
         return self.results(faults_end, settled, finished, final_steps, rows)
 
-    def against_reference(self, final_steps: int) -> dict | None:
+    def skip_ledger(self) -> list[list[int]] | None:
+        """The samples the hosts' skip ledgers left out at the end; each host's must cover the same."""
+        try:
+            skip, per_host = reference.ledger({h.index: h.paths.layout.skips_file(JOB) for h in self.cluster.hosts
+                                               if h.index not in self.injector.gone})
+        except ValueError as e:
+            self.checker.violate("replicas_differ", None, str(e))
+            return None
+        if len(set(per_host.values())) > 1:
+            self.checker.violate("replicas_differ", None, "the hosts' skip ledgers cover other samples at the end: "
+                                 + "; ".join(f"host {h}: {list(map(list, r))}" for h, r in per_host.items()))
+        return skip
+
+    def against_reference(self, final_steps: int, skip: list[list[int]]) -> dict | None:
         """The loss curve against the reference run's (testkit/chaos/reference.py), fed the skip
         ledger the campaign's hosts ended with."""
-        try:
-            skip, agree = reference.ledger([h.paths.layout.skips_file(JOB) for h in self.cluster.hosts
-                                            if h.index not in self.injector.gone])
-        except ValueError as e:
-            self.checker.violate("loss_curve", None, str(e))
-            return None
-        if not agree:
-            self.checker.violate("replicas_differ", None, "the hosts' skip ledgers differ at the end: they trained "
-                                 "on other samples")
         steps = min(final_steps, self.opts.reference_steps or final_steps)  # the lr is constant: max_steps is free
         text = job_text({}, max_steps=steps, interval_steps=(20, 25)[self.injector.variant], remote=None, skip=skip)
         self.opts.say(f"  {self.now():7.1f}s  the reference run: {steps} steps, nothing struck, "

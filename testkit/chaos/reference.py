@@ -21,18 +21,18 @@ WINDOW = 100  # steps per compared window, at least (a twentieth of the run wher
 BOUND = 0.01  # the largest relative difference of a window's mean loss that passes
 
 
-def ledger(paths: list[Path]) -> tuple[list[list[int]], bool]:
-    """The sample ranges the skip ledgers at `paths` left out (their union), and whether they all
-    agree (every host of a gang skips the same: it rolls back in lockstep or adopts a peer's ranges)."""
-    found = []
-    for path in paths:
+def ledger(paths: dict[int, Path]) -> tuple[list[list[int]], dict[int, tuple[tuple[int, int], ...]]]:
+    """The sample ranges the skip ledgers at `paths` (by host) left out, their union, and each
+    host's (every host of a gang skips the same: it rolls back in lockstep or adopts a peer's ranges)."""
+    found = {}
+    for host, path in paths.items():
         try:
-            found.append(_covered(e["samples"] for e in json.loads(path.read_text())["entries"]))
+            found[host] = _covered(e["samples"] for e in json.loads(path.read_text())["entries"])
         except FileNotFoundError:
-            found.append(())  # nothing skipped on this host
+            found[host] = ()  # nothing skipped on this host
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"the skip ledger {path} cannot be read: {e}") from e
-    return [list(r) for r in _covered(r for ranges in found for r in ranges)], len(set(found)) <= 1
+    return [list(r) for r in _covered(r for ranges in found.values() for r in ranges)], found
 
 
 def _covered(ranges) -> tuple[tuple[int, int], ...]:
