@@ -39,7 +39,7 @@ from engine.spec.fingerprint import check_resume, fingerprint
 from engine.spec.schema import HiddenDistillConfig, JobSpec
 from engine.data.dataset import open_data
 from engine.data.loader import PackedLoader, batch_geometry
-from engine.data.skips import merge_skips, regeometry
+from engine.data.skips import Skips, merge_skips, regeometry
 from engine.data.prefetch import Prefetcher
 from engine.errors import ConfigError, WorkerExit
 from engine.checkpoint.checkpointer import Checkpointer, Progress
@@ -143,8 +143,14 @@ class Warm:
     model: Transformer
     optimizer: torch.optim.Optimizer
     progress: Progress
-    skips: list
+    skips: list                 # the loader's, in micro-batches of `per_micro_batch` samples
+    per_micro_batch: int
     teacher: Transformer | None = None
+
+    def skips_for(self, per_micro_batch: int) -> Skips:
+        """The skips in micro-batches of another gang's size: the same samples (a gang of 3 hosts
+        of 2-sequence micro-batches counts 6 samples to one, a gang of 4 hosts 8)."""
+        return regeometry(self.skips, self.per_micro_batch, per_micro_batch)
 
 
 class Trainer:
@@ -295,7 +301,9 @@ class Trainer:
         if hosts is not None and hosts.source is not None:  # a live gang: its state, not a checkpoint
             self.progress = Progress(warm.progress.step, 0, warm.progress.tokens_seen) if warm else Progress()
             if warm is not None:
-                self.loader.skips = merge_skips(self.loader.skips, warm.skips)
+                skips = warm.skips_for(self.ledger.per_micro_batch)
+                self.ledger.adopt(skips)
+                self.loader.skips = merge_skips(self.loader.skips, skips)
             if hosts.transfer:
                 try:
                     self._take_live_state(hosts.source)
@@ -346,7 +354,7 @@ class Trainer:
         p = self.progress  # the step in flight is redone: its micro-batches' tokens are not seen yet
         unseen = p.micro_step * self.loader.micro_batch_size * self.spec.data.seq_len * self.backend.data.world
         return Warm(self.model, self.optimizer, Progress(p.step, 0, p.tokens_seen - unseen), list(self.loader.skips),
-                    self.teacher_model)
+                    self.ledger.per_micro_batch, self.teacher_model)
 
     def _take_live_state(self, source: int) -> None:
         """The gang's newest live state, sent by rank `source` to every rank (one broadcast on the

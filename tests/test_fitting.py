@@ -171,6 +171,18 @@ def test_skips_recorded_before_a_smaller_micro_batch_skip_the_same_samples(tmp_p
     assert regeometry([(3, 2)], 16, 16) == ((3, 2),)
 
 
+def test_a_gang_changed_in_place_keeps_skipping_the_same_samples_at_its_new_size():
+    """A survivor's loader skips are in micro-batches of the old gang (4 hosts x 1 sequence: 4
+    samples each); the gang of 3 hosts (2 sequences each: 6) must skip the same samples, not the
+    micro-batches of the same numbers (what the chaos campaign found: the hosts' ledgers parted)."""
+    from engine.train import Progress, Warm
+
+    warm = Warm(model=None, optimizer=None, progress=Progress(), skips=[(5457, 3)], per_micro_batch=4)
+    assert warm.skips_for(6) == ((3638, 2),)  # samples 21828 .. 21839: step 1820 of 12 sequences
+    assert warm.skips_for(4) == ((5457, 3),)
+    assert warm.skips_for(2) == ((10914, 6),)  # one process alone
+
+
 def test_a_partial_step_saved_at_another_micro_batch_is_trained_again_from_its_start(tmp_path, runtime):
     """Its gradients were summed over micro-batches of 8 and scaled for 2 of them: a worker that now runs
     4 x 4 cannot add to them, so it trains the step again on the same weights, and the run goes on as
