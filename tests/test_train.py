@@ -141,3 +141,21 @@ def test_a_gang_change_while_taking_a_peers_state_takes_the_wrapper_off_the_kept
     with pytest.raises(GangChanged):
         Trainer(spec, tmp_path / "a", Recorder(), Hosts(0, 1, source=0, transfer=True), warm)
     assert len(released) == 1 and released[0].model is warm.model
+
+
+def test_a_gang_changed_in_place_to_another_size_skips_the_samples_its_survivors_skipped(tiny_spec, tmp_path):
+    """A survivor's skips are in micro-batches of the old gang's size; the next trainer skips (and
+    records in its ledger) the same samples in micro-batches of its own."""
+    import dataclasses
+
+    from engine.checkpoint.hosts import Hosts
+
+    spec = tiny_spec("train.max_steps=2", "scheduler.warmup_steps=1")
+    first = Trainer(spec, tmp_path / "a", Recorder())
+    first.run()
+    per = first.ledger.per_micro_batch
+    # The old gang was twice this one: its micro-batches 10 and 11 are this one's 20 .. 23.
+    warm = dataclasses.replace(first.warm(), skips=[(10, 2)], per_micro_batch=2 * per)
+    second = Trainer(spec, tmp_path / "a", Recorder(), Hosts(0, 1, source=0, transfer=False), warm)
+    assert (20, 4) in second.loader.skips and (10, 2) not in second.loader.skips
+    assert [e.samples for e in second.ledger.entries] == [(20 * per, 4 * per)]

@@ -126,8 +126,11 @@ class Host:
 
     def start_job(self) -> str:
         """`tpud start` of the chaos job, as an operator types it: what it printed."""
-        done = subprocess.run([PYTHON, "-m", "tpud", "start", JOB, "--home", str(self.home)], capture_output=True,
-                              text=True, timeout=60, env=python_env(**self.env))
+        try:
+            done = subprocess.run([PYTHON, "-m", "tpud", "start", JOB, "--home", str(self.home)], capture_output=True,
+                                  text=True, timeout=60, env=python_env(**self.env))
+        except subprocess.TimeoutExpired:  # a daemon stopped by a fault meanwhile: the operator looks again later
+            return "no answer within 60 s"
         return (done.stdout.strip() or done.stderr.strip() or f"exit {done.returncode}").splitlines()[-1]
 
     def worker(self) -> int | None:
