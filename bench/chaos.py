@@ -27,6 +27,7 @@ import logging
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--minutes", type=float, default=30.0, help="how long faults are struck (default 30)")
-    length.add_argument("--hours", type=float, help="the same, in hours (a soak)")
+    length.add_argument("--minutes", type=positive, default=30.0, help="how long faults are struck (default 30)")
+    length.add_argument("--hours", type=positive, help="the same, in hours (a soak)")
     parser.add_argument("--seed", type=int, default=0, help="draws the schedule (default 0)")
     parser.add_argument("--seeds", help="A-B: one campaign per seed in the range, one after the other")
     parser.add_argument("--hosts", type=int, default=4, help="daemons of the gang (default 4)")
     parser.add_argument("--min-hosts", type=int, default=2, help="gang.min_hosts (default 2)")
-    parser.add_argument("--every", type=float, default=30.0, help="a fault about every this many seconds (default 30)")
-    parser.add_argument("--steps-per-s", type=float, default=12.0,
+    parser.add_argument("--every", type=positive, default=30.0, help="a fault about every this many seconds (default 30)")
+    parser.add_argument("--steps-per-s", type=positive, default=12.0,
                         help="the gang's expected pace, to place the faults struck at a step (default 12: the tiny "
                         "model's on 2 cores)")
     parser.add_argument("--kinds", help=f"comma-separated fault kinds (default all: {', '.join(sch.KINDS)})")
@@ -64,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                         "violated, and write the smallest schedule")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the reference run the loss curve is held to (within 1 %% per window of 100 steps or a twentieth of the run)")
-    parser.add_argument("--reference-steps", type=int, metavar="N",
+    parser.add_argument("--reference-steps", type=positive_int, metavar="N",
                         help="compare the loss curve over the first N steps only (a shorter reference run)")
-    parser.add_argument("--keep", type=Path, help="copy the cluster's files (logs, state) here at the end")
-    parser.add_argument("--out", type=Path, help="results file (default bench/results/chaos-SEED.json)")
+    parser.add_argument("--keep", type=Path, help="copy the cluster's files (logs, state) here at the end (with "
+                        "--seeds, into seed-N/ under it)")
+    parser.add_argument("--out", type=Path, help="results file (default bench/results/chaos-SEED.json; one seed only)")
     parser.add_argument("--summary", nargs="*", type=Path, metavar="FILE",
                         help="run nothing: a row per campaign and each fault kind over all of them, from these "
                         "results files (default bench/results/chaos-*.json)")
@@ -88,25 +90,66 @@ def main(argv: list[str] | None = None) -> int:
         given = sch.load(args.schedule) if args.schedule else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         parser.error(f"--schedule {args.schedule}: {e}")
+    _check_paths(args, seeds, parser)
     duration = (args.hours * 3600) if args.hours else args.minutes * 60
     rows, worst = [], 0
     for seed in seeds:
+        keep = args.keep / f"seed-{seed}" if args.keep and len(seeds) > 1 else args.keep
         opts = Options(seed=seed, duration_s=duration, hosts=args.hosts, min_hosts=args.min_hosts, every_s=args.every,
-                       steps_per_s=args.steps_per_s, kinds=kinds, schedule=given, keep=args.keep,
+                       steps_per_s=args.steps_per_s, kinds=kinds, schedule=given, keep=keep,
                        reference=not args.no_reference, reference_steps=args.reference_steps, say=lambda line: print(line, flush=True))
         result = campaign(opts)
         out = args.out if args.out and len(seeds) == 1 else REPO / "bench" / "results" / f"chaos-{seed}.json"
         if args.minimise and result["violations"]:
             result["minimised"] = shrink(opts, result)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
         table(result)
-        print(f"results: {out}")
+        print(f"results: {write_results(out, result)}")
         rows.append(result)
         worst = max(worst, len(result["violations"]))
     if len(rows) > 1:
         summary(rows)
     return 1 if worst else 0
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 (got {text})")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return value
+
+
+def _check_paths(args, seeds: list[int], parser) -> None:
+    """Refused before a campaign starts rather than after it ran for half an hour."""
+    if args.out is not None and len(seeds) > 1:
+        parser.error("--out names one results file: with --seeds each goes to bench/results/chaos-SEED.json")
+    if args.schedule is not None and len(seeds) > 1:
+        parser.error("--schedule runs one schedule: give it without --seeds")
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out {args.out}: is a directory, give a file's path")
+    if args.keep is not None and args.keep.exists() and not args.keep.is_dir():
+        parser.error(f"--keep {args.keep}: exists and is not a directory")
+
+
+def write_results(out: Path, result: dict) -> Path:
+    """The results file; where it cannot be written (a full disk, a path gone meanwhile), a file in
+    the temporary directory instead, so that a campaign's figures are never lost."""
+    text = json.dumps(result, indent=1) + "\n"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        return out
+    except OSError as e:
+        fallback = Path(tempfile.mkstemp(prefix=f"chaos-{result['seed']}-", suffix=".json")[1])
+        fallback.write_text(text)
+        print(f"could not write {out} ({e}); wrote {fallback} instead", file=sys.stderr)
+        return fallback
 
 
 def _interrupt(signum, frame) -> None:

@@ -84,3 +84,54 @@ def test_the_operator_replaces_a_host_left_out_and_starts_a_job_that_spent_a_bud
     assert not left_out({"replicas": {"quarantined": False, "healed": True},
                          "error": "3 rollbacks within 1000 steps (health.max_rollbacks); then loss spike"})
     assert not left_out({"error": None})
+
+
+@pytest.fixture(scope="module")
+def chaos_cli():
+    import importlib.util
+
+    from testkit import REPO
+
+    spec = importlib.util.spec_from_file_location("chaos_cli", REPO / "bench" / "chaos.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--minutes", "0"], "--minutes: must be above 0"),
+    (["--every", "-5"], "--every: must be above 0"),
+    (["--steps-per-s", "nan"], "--steps-per-s: must be above 0"),
+    (["--reference-steps", "0"], "--reference-steps: must be at least 1"),
+    (["--seeds", "5-3"], "the range is empty"),
+    (["--seeds", "1-2", "--out", "x.json"], "--out names one results file"),
+    (["--hosts", "1"], "--hosts must be at least 2"),
+    (["--kinds", "worker_kill,meteor"], "--kinds: unknown meteor"),
+])
+def test_the_campaign_refuses_bad_arguments_before_it_starts(chaos_cli, capsys, tmp_path, argv, says):
+    with pytest.raises(SystemExit) as ended:
+        chaos_cli.main(argv)
+    assert ended.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_campaign_refuses_paths_it_could_not_write_and_a_schedule_it_cannot_read(chaos_cli, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "torn.json").write_text('{"schedule": [{"kind": "worker_')
+    (tmp_path / "one.json").write_text('[{"kind": "worker_kill", "host": 0, "at": 70.0}]')
+    for argv, says in [(["--keep", str(tmp_path / "a-file")], "exists and is not a directory"),
+                       (["--out", str(tmp_path)], "is a directory"),
+                       (["--schedule", str(tmp_path / "torn.json")], "torn.json"),
+                       (["--schedule", str(tmp_path / "one.json"), "--seeds", "1-2"], "without --seeds"),
+                       (["--summary", str(tmp_path / "a-file")], "--summary")]:
+        with pytest.raises(SystemExit) as ended:
+            chaos_cli.main(argv)
+        assert ended.value.code == 2 and says in capsys.readouterr().err, argv
+
+
+def test_results_that_cannot_be_written_where_asked_go_to_a_temporary_file(chaos_cli, tmp_path, capsys):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("x")
+    written = chaos_cli.write_results(blocked / "chaos-3.json", {"seed": 3, "violations": []})
+    assert json.loads(written.read_text()) == {"seed": 3, "violations": []}
+    assert "could not write" in capsys.readouterr().err
+    written.unlink()

@@ -67,6 +67,8 @@ def run(opts: Options) -> dict:
         try:
             if opts.keep is not None:
                 shutil.copytree(root, opts.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("gcs", "*.sock"))
+        except OSError as e:  # a full disk there loses the copy, never the campaign's results
+            opts.say(f"could not keep the cluster's files in {opts.keep}: {e}")
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
