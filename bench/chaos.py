@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", type=Path, help="run this schedule (a results file or a minimiser's output)")
     parser.add_argument("--minimise", action="store_true",
                         help="after a run that violated an invariant, drop faults while the same invariant is still "
-                        "violated, and write the smallest schedule")
+                        "violated, and write the smallest schedule (a violation seen while faults struck: short "
+                        "tries of the faults before it, each ended at the violation)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the reference run the loss curve is held to (within 1 %% per window of 100 steps or a twentieth of the run)")
     parser.add_argument("--reference-steps", type=positive_int, metavar="N",
@@ -175,19 +177,45 @@ def campaign(opts: Options) -> dict:
     return {"machine": describe(), "wall_s": round(time.time() - started, 1), **result}
 
 
-def shrink(opts: Options, result: dict) -> dict:
-    target = result["violations"][0]["invariant"]
+# A try whose violation came while faults struck runs this long past the time it came originally.
+AFTER_S = 120.0
+
+
+def shrink(opts: Options, result: dict, run=run) -> dict:
+    """The smallest schedule that still violates the run's first violated invariant. Where that
+    violation came while faults struck, no later fault caused it: the tries leave those out, end at
+    the target's first violation (stop_on) or soon after its original time, and skip the reference
+    run; if such a cut schedule no longer fails, the tries are whole campaigns."""
+    first = result["violations"][0]
+    target = first["invariant"]
     faults = sch.from_json(result["schedule"])
+    quiet = {"keep": None, "say": lambda line: None, "reference": opts.reference and target == "loss_curve"}
 
-    def fails(schedule: list[sch.Fault]) -> bool:
-        again = run(Options(**{**opts.__dict__, "schedule": schedule, "keep": None, "say": lambda line: None}))
-        return target in again["violations_per_invariant"]
+    def trying(**changes) -> Callable[[list[sch.Fault]], bool]:
+        def fails(schedule: list[sch.Fault]) -> bool:
+            again = run(Options(**{**opts.__dict__, **quiet, **changes, "schedule": schedule}))
+            return target in again["violations_per_invariant"]
+        return fails
 
+    fails = trying()
+    if first["t"] < result.get("faults_end_s", opts.duration_s):
+        before = [f for f in faults if _strikes_at(f, opts.steps_per_s) <= first["t"]]
+        cut = trying(duration_s=min(opts.duration_s, first["t"] + AFTER_S), stop_on=target)
+        print(f"minimise: {target} came at {first['t']:.0f} s: trying the {len(before)} faults struck before it")
+        if before and cut(before):
+            faults, fails = before, cut
+        else:
+            print("minimise: those alone do not violate it; trying whole campaigns")
     smallest = minimise(faults, fails)
     print(f"minimised: {len(smallest)} of {len(faults)} faults still violate {target}:")
     for f in smallest:
         print(f"  {f.label()}")
     return {"invariant": target, "schedule": sch.to_json(smallest)}
+
+
+def _strikes_at(fault: sch.Fault, steps_per_s: float) -> float:
+    """When a fault strikes, in seconds from the start (a stepped one's at the expected pace)."""
+    return fault.at if fault.at is not None else fault.step / steps_per_s
 
 
 def table(r: dict) -> None:

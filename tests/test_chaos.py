@@ -135,3 +135,30 @@ def test_results_that_cannot_be_written_where_asked_go_to_a_temporary_file(chaos
     assert json.loads(written.read_text()) == {"seed": 3, "violations": []}
     assert "could not write" in capsys.readouterr().err
     written.unlink()
+
+
+def test_a_violation_seen_while_faults_struck_is_minimised_with_short_tries_of_the_faults_before_it(chaos_cli):
+    faults = sch.draw(3, 1800, 4, every_s=40)
+    culprits = [faults[4], faults[9]]
+    t = max(chaos_cli._strikes_at(f, 12.0) for f in culprits) + 5
+    original = {"violations": [{"invariant": "commit_lost", "t": t}], "schedule": sch.to_json(faults),
+                "faults_end_s": 1800.0}
+    tries = []
+
+    def run(opts):
+        tries.append(opts)
+        hit = all(f in opts.schedule for f in culprits)
+        return {"violations_per_invariant": {"commit_lost": 1} if hit else {}}
+
+    found = chaos_cli.shrink(chaos_cli.Options(seed=3), original, run=run)
+    assert sch.from_json(found["schedule"]) == culprits and found["invariant"] == "commit_lost"
+    # Every try ends at its target's first violation, soon after the original's time, with no
+    # reference run, and none strikes a fault that came after it.
+    assert all(o.stop_on == "commit_lost" and o.duration_s == t + chaos_cli.AFTER_S and not o.reference
+               for o in tries)
+    assert max(len(o.schedule) for o in tries) < len(faults)
+    # Where the faults before the violation do not cause it alone, the tries are whole campaigns.
+    tries.clear()
+    culprits.append(faults[-1])
+    chaos_cli.shrink(chaos_cli.Options(seed=3), original, run=run)
+    assert tries[0].stop_on == "commit_lost" and all(o.stop_on is None and o.duration_s == 1800 for o in tries[1:])

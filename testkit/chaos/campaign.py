@@ -51,6 +51,7 @@ class Options:
     keep: Path | None = None    # keep the cluster's files here
     reference: bool = True      # hold the loss curve to a run with nothing struck
     reference_steps: int | None = None  # ...over its first this many steps (None: all of them)
+    stop_on: str | None = None  # end at this invariant's first violation, before the end's (a minimiser's try)
     say: Callable[[str], None] = print
 
 
@@ -122,8 +123,18 @@ class Campaign:
                 self.checker.probe([h for h in self.cluster.hosts if h.up and h.index not in self.injector.gone])
                 self.tend()
                 next_probe = self.now() + self.opts.probe_s
+            if self.opts.stop_on is not None and self.opts.stop_on in {v.invariant for v in self.checker.violations}:
+                return self.stopped()
             time.sleep(0.2)
         return self.finish()
+
+    def stopped(self) -> dict:
+        """What a try that ended at its target's first violation found (the cluster is then torn down)."""
+        self.opts.say(f"  {self.now():7.1f}s  {self.opts.stop_on} violated: the try ends here")
+        return {"seed": self.opts.seed, "hosts": self.opts.hosts, "schedule": sch.to_json(self.faults),
+                "struck": self.entries, "stopped_at_s": round(self.now(), 1),
+                "violations": as_dicts(self.checker.violations),
+                "violations_per_invariant": dict(Counter(v.invariant for v in self.checker.violations))}
 
     def strike(self, fault: sch.Fault) -> None:
         struck = self.injector.strike(fault, self.now())
