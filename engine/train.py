@@ -22,7 +22,6 @@ import os
 import sys
 import time
 from itertools import chain
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -68,6 +67,7 @@ from engine.models.moe import STATS, require_static_capacity, router_terms
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_factor
 from engine.report import Reporter, StepResult
+from engine.resume import Warm, check_same_data, check_same_teacher, take_live_state
 from engine.runtime import Runtime
 
 log = structlog.get_logger()
@@ -133,24 +133,6 @@ class LanguageModel(nn.Module):
                 mse = hidden_loss(taps, teacher_taps, getattr(self.model, PROJECTIONS, None), targets)
                 extras = torch.cat([extras[:1] + self.hidden.weight * mse, extras[1:], mse.reshape(1)])
         return loss, extras
-
-
-@dataclass
-class Warm:
-    """What a worker keeps when its gang changes in place (tpud/gang/): the model (its compiled code
-    with it), the optimizer and where the loop stood. Everything sized by the gang is built anew."""
-
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    progress: Progress
-    skips: list                 # the loader's, in micro-batches of `per_micro_batch` samples
-    per_micro_batch: int
-    teacher: Transformer | None = None
-
-    def skips_for(self, per_micro_batch: int) -> Skips:
-        """The skips in micro-batches of another gang's size: the same samples (a gang of 3 hosts
-        of 2-sequence micro-batches counts 6 samples to one, a gang of 4 hosts 8)."""
-        return regeometry(self.skips, self.per_micro_batch, per_micro_batch)
 
 
 class Trainer:
@@ -301,15 +283,17 @@ class Trainer:
         if hosts is not None and hosts.source is not None:  # a live gang: its state, not a checkpoint
             self.progress = Progress(warm.progress.step, 0, warm.progress.tokens_seen) if warm else Progress()
             if warm is not None:
-                skips = warm.skips_for(self.ledger.per_micro_batch)
-                self.ledger.adopt(skips)
-                self.loader.skips = merge_skips(self.loader.skips, skips)
+                self._add_skips(warm.skips_for(self.ledger.per_micro_batch))
             if hosts.transfer:
                 try:
-                    self._take_live_state(hosts.source)
+                    rank = self.backend.data.rank
+                    self.progress, skips = take_live_state(rank, hosts.source, self.model, self.optimizer,
+                                                           self.progress, self.loader.skips)
                 except BaseException:  # the gang changed again: the next trainer wraps this model anew
                     self.backend.release(self.module)
                     raise
+                if rank != hosts.source:
+                    self._add_skips(skips)
             self.checkpointer.schedule.restored(self.progress.step)
         else:
             self.progress = self.checkpointer.restore() or Progress()
@@ -318,17 +302,22 @@ class Trainer:
             if hosts is not None or restored.hosts > 1:  # a gang's commit, or a gang resuming
                 check_resume(restored.fingerprint, self.checkpointer.fingerprint, allowed, restored.step)
             else:
-                self._check_same_teacher(restored.fingerprint or {}, restored.step, allowed)
+                where = self.teacher.source.path if self.teacher is not None else "the data's offline teacher"
+                check_same_teacher((restored.fingerprint or {}).get(IDENTITY), self.teacher_identity, restored.step,
+                                   allowed, where)
             saved = self.checkpointer.restored_loader
-            self._check_same_data(saved)
+            check_same_data(saved.get("data", "stdlib"), self.loader.identity, self.spec.data, self.step)
             # A checkpoint made on another host carries skips that this host's state file lacks, in
             # micro-batches of the geometry it was saved with.
             per = self.ledger.per_micro_batch
             saved_per = saved.get("micro_batch_size", 0) * saved.get("world", 0) or per
-            skips = regeometry(restored.data_skips, saved_per, per)
-            self.ledger.adopt(skips)
-            self.loader.skips = merge_skips(self.loader.skips, skips)
+            self._add_skips(regeometry(restored.data_skips, saved_per, per))
         self.checkpointer.data_skips = self.loader.skips
+
+    def _add_skips(self, skips: Skips) -> None:
+        """Skips another state carried (a checkpoint, a peer's, a kept one) in this loader's micro-batches."""
+        self.ledger.adopt(skips)
+        self.loader.skips = merge_skips(self.loader.skips, skips)
 
     def _watch_health(self) -> None:
         """The bad-step guard, the replicas' check, the healer and the straggler watch."""
@@ -355,54 +344,6 @@ class Trainer:
         unseen = p.micro_step * self.loader.micro_batch_size * self.spec.data.seq_len * self.backend.data.world
         return Warm(self.model, self.optimizer, Progress(p.step, 0, p.tokens_seen - unseen), list(self.loader.skips),
                     self.ledger.per_micro_batch, self.teacher_model)
-
-    def _take_live_state(self, source: int) -> None:
-        """The gang's newest live state, sent by rank `source` to every rank (one broadcast on the
-        gang's process group): a host that joined a live gang, or a survivor a step behind."""
-        import torch.distributed as dist
-
-        started, rank = time.monotonic(), self.backend.data.rank
-        state = [None]
-        if rank == source:
-            p = self.progress
-            state = [{"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "progress": (p.step, p.tokens_seen), "skips": list(self.loader.skips)}]
-        dist.broadcast_object_list(state, src=source)
-        taken = state[0]
-        if rank != source:
-            self.model.load_state_dict(taken["model"])
-            self.optimizer.load_state_dict(taken["optimizer"])
-            self.optimizer.zero_grad(set_to_none=True)
-            self.progress = Progress(taken["progress"][0], 0, taken["progress"][1])
-            self.loader.skips = merge_skips(self.loader.skips, [tuple(s) for s in taken["skips"]])
-            self.ledger.adopt(taken["skips"])
-        size = sum(t.numel() * t.element_size() for t in _tensors(taken))
-        seconds = time.monotonic() - started
-        log.info("state taken from a peer" if rank != source else "state sent to the gang", step=self.progress.step,
-                 source=source, bytes=size, seconds=round(seconds, 3),
-                 bytes_per_s=round(size / seconds) if seconds > 0 else None)
-
-    def _check_same_teacher(self, saved: dict, step: int, allowed: list[str]) -> None:
-        """A distilled checkpoint resumes only with the teacher it was distilled from (a gang's
-        resume compares this with the rest of the spec)."""
-        before, now = saved.get(IDENTITY), self.teacher_identity
-        if now is None or before is None or before == now or "distill" in allowed:
-            return
-        where = self.teacher.source.path if self.teacher is not None else "the data's offline teacher"
-        raise ConfigError("distill.teacher", f"the checkpoint at step {step} was distilled from another teacher "
-                          f"(identity {before}; {where} is {now}): name that teacher again, or list distill in "
-                          "checkpoint.allow_spec_changes to go on with this one")
-
-    def _check_same_data(self, saved: dict) -> None:
-        """A resume on different data is an error, unless the job says data.allow_change."""
-        before, now = saved.get("data", "stdlib"), self.loader.identity
-        if before == now:
-            return
-        if not self.spec.data.allow_change:
-            key = "data.mixture" if self.spec.data.mixture else "data.dataset"
-            raise ConfigError(key, f"the checkpoint at step {self.step} was trained on other data ({before}, now "
-                              f"{now}); set data.allow_change: true to continue on the new data")
-        log.warning("resuming on other data (data.allow_change)", saved=before, now=now)
 
     # --- the loop ---
 
@@ -696,12 +637,6 @@ class Trainer:
         written = self.checkpointer.promote()
         return (written is not None and request.action is Action.CHECKPOINT
                 and written >= (self.progress.step, 0))
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def default_state_dir() -> Path:

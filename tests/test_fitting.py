@@ -175,7 +175,8 @@ def test_a_gang_changed_in_place_keeps_skipping_the_same_samples_at_its_new_size
     """A survivor's loader skips are in micro-batches of the old gang (4 hosts x 1 sequence: 4
     samples each); the gang of 3 hosts (2 sequences each: 6) must skip the same samples, not the
     micro-batches of the same numbers (what the chaos campaign found: the hosts' ledgers parted)."""
-    from engine.train import Progress, Warm
+    from engine.checkpoint.checkpointer import Progress
+    from engine.resume import Warm
 
     warm = Warm(model=None, optimizer=None, progress=Progress(), skips=[(5457, 3)], per_micro_batch=4)
     assert warm.skips_for(6) == ((3638, 2),)  # samples 21828 .. 21839: step 1820 of 12 sequences
