@@ -16,7 +16,8 @@ it go into the results file.
     .venv/bin/python bench/chaos.py --replay 7 --minimise  # the smallest schedule that still violates
     .venv/bin/python bench/chaos.py --schedule FILE        # a schedule as written (results or minimiser)
     .venv/bin/python bench/chaos.py --summary              # every campaign's results so far, and per fault kind
-Results: a table on stdout and bench/results/chaos-SEED.json (--out for another path).
+Results: a table on stdout and bench/results/chaos-SEED.json (--out for another path); a campaign
+interrupted (Ctrl-C, SIGTERM) writes what it found so far to chaos-SEED.interrupted.json and ends.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                         "results files (default bench/results/chaos-*.json)")
     args = parser.parse_args(argv)
     if args.summary is not None:
-        return summarise(args.summary or sorted((REPO / "bench" / "results").glob("chaos-*.json")), parser)
+        return summarise(args.summary or sorted(p for p in (REPO / "bench" / "results").glob("chaos-*.json")
+                                                if not p.name.endswith(".interrupted.json")), parser)
     # The GCS client's own records (the end's read-back of every remote commit) are not the report.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     # SIGTERM as Ctrl-C: the campaign's cleanup runs (daemons killed, tmpfs unmounted, files removed).
@@ -102,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                        reference=not args.no_reference, reference_steps=args.reference_steps, say=lambda line: print(line, flush=True))
         result = campaign(opts)
         out = args.out if args.out and len(seeds) == 1 else REPO / "bench" / "results" / f"chaos-{seed}.json"
+        if result.get("stopped"):  # interrupted: what it found is kept beside, never over, a whole run's results
+            print(f"\nseed {seed} {result['stopped']} at {result['stopped_at_s']} s: "
+                  f"{sum(1 for e in result['struck'] if e['struck'])} faults struck, "
+                  f"violations so far: {len(result['violations'])} {result['violations_per_invariant']}")
+            print(f"results so far: {write_results(out.with_name(out.stem + '.interrupted.json'), result)}")
+            return 130
         if args.minimise and result["violations"]:
             result["minimised"] = shrink(opts, result)
         table(result)
@@ -279,6 +287,8 @@ def summarise(files: list[Path], parser: argparse.ArgumentParser) -> int:
             row = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             parser.error(f"--summary {path}: {e}")
+        if isinstance(row, dict) and row.get("stopped"):
+            parser.error(f"--summary {path}: a campaign {row['stopped']} at {row.get('stopped_at_s')} s, not a whole one")
         if not isinstance(row, dict) or (missing := [k for k in SUMMARY_KEYS if k not in row]):
             parser.error(f"--summary {path}: not a campaign's results (no {', '.join(missing) if isinstance(row, dict) else 'object'})")
         rows.append(row)

@@ -5,6 +5,7 @@ every kind, at a fixed seed, then healed and trained to the end with no invarian
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -95,7 +96,9 @@ def chaos_cli():
     spec = importlib.util.spec_from_file_location("chaos_cli", REPO / "bench" / "chaos.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    sigterm = signal.getsignal(signal.SIGTERM)  # main() takes SIGTERM for Ctrl-C: pytest's own is given back
+    yield module
+    signal.signal(signal.SIGTERM, sigterm)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -162,3 +165,20 @@ def test_a_violation_seen_while_faults_struck_is_minimised_with_short_tries_of_t
     culprits.append(faults[-1])
     chaos_cli.shrink(chaos_cli.Options(seed=3), original, run=run)
     assert tries[0].stop_on == "commit_lost" and all(o.stop_on is None and o.duration_s == 1800 for o in tries[1:])
+
+
+def test_an_interrupted_campaign_keeps_what_it_found_beside_a_whole_runs_results(chaos_cli, tmp_path, monkeypatch,
+                                                                                   capsys):
+    whole = tmp_path / "chaos-5.json"
+    whole.write_text('{"seed": 5, "whole": true}')
+    found = {"seed": 5, "stopped": "interrupted", "stopped_at_s": 612.0, "schedule": [],
+             "struck": [{"struck": True}, {"struck": False}], "violations": [{"invariant": "status_slow"}],
+             "violations_per_invariant": {"status_slow": 1}}
+    monkeypatch.setattr(chaos_cli, "campaign", lambda opts: found)
+    assert chaos_cli.main(["--seed", "5", "--out", str(whole), "--no-reference"]) == 130
+    assert json.loads(whole.read_text()) == {"seed": 5, "whole": True}
+    assert json.loads((tmp_path / "chaos-5.interrupted.json").read_text()) == found
+    assert "interrupted at 612.0 s: 1 faults struck" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # and it is no whole campaign's row
+        chaos_cli.main(["--summary", str(tmp_path / "chaos-5.interrupted.json")])
+    assert "not a whole one" in capsys.readouterr().err

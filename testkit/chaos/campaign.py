@@ -106,6 +106,12 @@ class Campaign:
     # --- the campaign ---
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (bench/chaos.py): what was found so far is kept
+            return self.stopped("interrupted")
+
+    def _run(self) -> dict:
         self.cluster.write_job(self.job(0))
         for h in self.cluster.hosts:
             h.start()
@@ -124,15 +130,17 @@ class Campaign:
                 self.tend()
                 next_probe = self.now() + self.opts.probe_s
             if self.opts.stop_on is not None and self.opts.stop_on in {v.invariant for v in self.checker.violations}:
-                return self.stopped()
+                return self.stopped(f"{self.opts.stop_on} violated")
             time.sleep(0.2)
         return self.finish()
 
-    def stopped(self) -> dict:
-        """What a try that ended at its target's first violation found (the cluster is then torn down)."""
-        self.opts.say(f"  {self.now():7.1f}s  {self.opts.stop_on} violated: the try ends here")
-        return {"seed": self.opts.seed, "hosts": self.opts.hosts, "schedule": sch.to_json(self.faults),
-                "struck": self.entries, "stopped_at_s": round(self.now(), 1),
+    def stopped(self, why: str) -> dict:
+        """What a campaign ended early found (a minimiser's try at its target's first violation, or
+        an interrupted one): the cluster is then torn down, and nothing at the end is checked."""
+        self.opts.say(f"  {self.now():7.1f}s  {why}: the campaign ends here")
+        return {"seed": self.opts.seed, "hosts": self.opts.hosts, "duration_s": self.opts.duration_s,
+                "schedule": sch.to_json(self.faults), "struck": self.entries, "operator": self.operator,
+                "stopped": why, "stopped_at_s": round(self.now(), 1),
                 "violations": as_dicts(self.checker.violations),
                 "violations_per_invariant": dict(Counter(v.invariant for v in self.checker.violations))}
 
