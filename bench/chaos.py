@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import statistics
 import sys
@@ -110,10 +111,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"violations so far: {len(result['violations'])} {result['violations_per_invariant']}")
             print(f"results so far: {write_results(out.with_name(out.stem + '.interrupted.json'), result)}")
             return 130
-        if args.minimise and result["violations"]:
-            result["minimised"] = shrink(opts, result)
         table(result)
         print(f"results: {write_results(out, result)}")
+        if args.minimise and result["violations"]:  # the results are written first: a minimiser runs for hours
+            try:
+                result["minimised"] = shrink(opts, result)
+            except KeyboardInterrupt:
+                print(f"minimiser interrupted; the campaign's results are in {out}")
+                return 130
+            print(f"results, with the smallest schedule: {write_results(out, result)}")
         rows.append(result)
         worst = max(worst, len(result["violations"]))
     if len(rows) > 1:
@@ -156,10 +162,16 @@ def write_results(out: Path, result: dict) -> Path:
         out.write_text(text)
         return out
     except OSError as e:
-        fallback = Path(tempfile.mkstemp(prefix=f"chaos-{result['seed']}-", suffix=".json")[1])
-        fallback.write_text(text)
-        print(f"could not write {out} ({e}); wrote {fallback} instead", file=sys.stderr)
-        return fallback
+        print(f"could not write {out} ({e})", file=sys.stderr)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"chaos-{result['seed']}-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        print(f"wrote {name} instead", file=sys.stderr)
+        return Path(name)
+    except OSError as e:  # nowhere to write: the results go to stdout, the last place left
+        print(f"could not write a temporary file either ({e}); the results:\n{text}", file=sys.stderr)
+        return out
 
 
 def _interrupt(signum, frame) -> None:
@@ -202,6 +214,8 @@ def shrink(opts: Options, result: dict, run=run) -> dict:
     def trying(**changes) -> Callable[[list[sch.Fault]], bool]:
         def fails(schedule: list[sch.Fault]) -> bool:
             again = run(Options(**{**opts.__dict__, **quiet, **changes, "schedule": schedule}))
+            if again.get("stopped") == "interrupted":  # Ctrl-C stops the minimiser, not just this try
+                raise KeyboardInterrupt
             return target in again["violations_per_invariant"]
         return fails
 

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from engine.checkpoint.checkpointer import Progress
-from engine.data.skips import Skips, merge_skips, regeometry
+from engine.data.skips import Skips, regeometry
 from engine.errors import ConfigError
 from engine.models.llama import Transformer
 from engine.spec.schema import DataConfig
@@ -42,10 +42,10 @@ class Warm:
 
 
 def take_live_state(rank: int, source: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    progress: Progress, skips: Skips) -> tuple[Progress, Skips]:
+                    progress: Progress, skips: Skips) -> tuple[Progress, list]:
     """The gang's newest live state, sent by rank `source` to every rank (one broadcast on the
-    gang's process group): every rank's progress and skips after it (the source's unchanged); the
-    other ranks load the model and optimizer in place."""
+    gang's process group): its progress and the source's loader skips; the other ranks load the
+    model and optimizer in place."""
     import torch.distributed as dist
 
     started = time.monotonic()
@@ -60,13 +60,12 @@ def take_live_state(rank: int, source: int, model: torch.nn.Module, optimizer: t
         optimizer.load_state_dict(taken["optimizer"])
         optimizer.zero_grad(set_to_none=True)
         progress = Progress(taken["progress"][0], 0, taken["progress"][1])
-        skips = merge_skips(skips, [tuple(s) for s in taken["skips"]])
     size = sum(t.numel() * t.element_size() for t in _tensors(taken))
     seconds = time.monotonic() - started
     log.info("state taken from a peer" if rank != source else "state sent to the gang", step=progress.step,
              source=source, bytes=size, seconds=round(seconds, 3),
              bytes_per_s=round(size / seconds) if seconds > 0 else None)
-    return progress, skips
+    return progress, [tuple(s) for s in taken["skips"]]
 
 
 def check_same_teacher(before: str | None, now: str | None, step: int, allowed: list[str], where: str) -> None:

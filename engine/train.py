@@ -287,13 +287,13 @@ class Trainer:
             if hosts.transfer:
                 try:
                     rank = self.backend.data.rank
-                    self.progress, skips = take_live_state(rank, hosts.source, self.model, self.optimizer,
-                                                           self.progress, self.loader.skips)
+                    self.progress, theirs = take_live_state(rank, hosts.source, self.model, self.optimizer,
+                                                            self.progress, self.loader.skips)
                 except BaseException:  # the gang changed again: the next trainer wraps this model anew
                     self.backend.release(self.module)
                     raise
                 if rank != hosts.source:
-                    self._add_skips(skips)
+                    self._add_skips(theirs)
             self.checkpointer.schedule.restored(self.progress.step)
         else:
             self.progress = self.checkpointer.restore() or Progress()

@@ -8,6 +8,7 @@ import json
 import signal
 
 import pytest
+import structlog
 
 from testkit.chaos import schedule as sch
 from testkit.chaos.campaign import Options, run
@@ -96,9 +97,11 @@ def chaos_cli():
     spec = importlib.util.spec_from_file_location("chaos_cli", REPO / "bench" / "chaos.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sigterm = signal.getsignal(signal.SIGTERM)  # main() takes SIGTERM for Ctrl-C: pytest's own is given back
+    # main() takes SIGTERM for Ctrl-C and quiets structlog for a campaign: the test process's are given back.
+    sigterm, logging = signal.getsignal(signal.SIGTERM), structlog.get_config()
     yield module
     signal.signal(signal.SIGTERM, sigterm)
+    structlog.configure(**logging)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -125,7 +128,7 @@ def test_the_campaign_refuses_paths_it_could_not_write_and_a_schedule_it_cannot_
                        (["--out", str(tmp_path)], "is a directory"),
                        (["--schedule", str(tmp_path / "torn.json")], "torn.json"),
                        (["--schedule", str(tmp_path / "one.json"), "--seeds", "1-2"], "without --seeds"),
-                       (["--summary", str(tmp_path / "a-file")], "--summary")]:
+                       (["--summary", str(tmp_path / "a-file")], f"--summary {tmp_path / 'a-file'}: ")]:
         with pytest.raises(SystemExit) as ended:
             chaos_cli.main(argv)
         assert ended.value.code == 2 and says in capsys.readouterr().err, argv
@@ -182,3 +185,19 @@ def test_an_interrupted_campaign_keeps_what_it_found_beside_a_whole_runs_results
     with pytest.raises(SystemExit):  # and it is no whole campaign's row
         chaos_cli.main(["--summary", str(tmp_path / "chaos-5.interrupted.json")])
     assert "not a whole one" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_a_minimisers_try_stops_the_minimiser(chaos_cli):
+    faults = sch.draw(3, 1800, 4, every_s=40)
+    original = {"violations": [{"invariant": "loss_curve", "t": 1900.0}], "schedule": sch.to_json(faults),
+                "faults_end_s": 1800.0}
+    tries = []
+
+    def run(opts):
+        tries.append(opts)
+        return {"stopped": "interrupted", "violations_per_invariant": {}}
+
+    with pytest.raises(KeyboardInterrupt):
+        chaos_cli.shrink(chaos_cli.Options(seed=3), original, run=run)
+    assert len(tries) == 1  # a violation at the end: whole campaigns, and the reference run for its curve
+    assert tries[0].stop_on is None and tries[0].reference

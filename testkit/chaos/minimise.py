@@ -1,7 +1,7 @@
 """Delta debugging over a schedule: drop faults while the violation still occurs.
 
-Each try is a whole campaign of the same length on the same seed with fewer faults; the
-violation "still occurs" when the campaign violates the same invariant. ddmin's complement
+Each try is a campaign on the same seed with fewer faults (bench/chaos.py's shrink says how
+long); the violation "still occurs" when the campaign violates the same invariant. ddmin's complement
 steps (Zeller): split the schedule into n parts, keep any complement that still fails (then
 n - 1 parts), else split finer, until single faults are tried.
 """
