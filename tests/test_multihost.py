@@ -259,6 +259,46 @@ def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
     assert_like_reference(hosts, reference, may_lack={gone.index: restored[0]["step"]})
 
 
+def test_a_blank_host_back_to_a_gang_that_went_on_without_it_takes_a_peers_newer_state_and_no_commit_is_lost(
+        tmp_path):
+    """gang.min_hosts 2 of 3, the restart path, no GCS: host 2's VM is replaced (disk and memory
+    blank) and hosts 0 and 1 go on as a gang of two, committing steps host 2 never saw. When it
+    comes back, the gang of three resumes from the newest state the two hold in memory, made by the
+    gang of two and sent to host 2, not from anything older than their global commits (the chaos
+    campaign's seed 3 found the gang rolled back to the newest step the blank host held)."""
+    every_step = ("checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1",
+                  "train.max_steps=100000")  # stopped by SIGTERM once the three resumed
+    hosts = [h.start(*every_step) for h in gang(tmp_path, extra=f"{RESTART_PATH}, min_hosts: 2")]
+    gone = hosts[2]
+    wait_step(gone, 6)
+    os.kill(gone.worker(), signal.SIGKILL)
+    gone.proc.kill()
+    gone.wait()
+    shutil.rmtree(gone.home / "state")
+    shutil.rmtree(Paths.resolve(gone.home).memory, ignore_errors=True)
+    checkpoints = hosts[0].home / "state" / "checkpoints" / "tiny-cpu"
+    seen = [0]  # the newest global commit of the gang of two on host 0 (moved aside if it is undone)
+
+    def newest_global() -> int:
+        seen[0] = max([seen[0], *(step for step, _, m in committed_steps(checkpoints)
+                                  if m.hosts == 2 and m.micro_step == 0)])
+        return seen[0]
+
+    wait_until(newest_global, "a commit of the gang of two", timeout=120)
+    gone.start(*every_step)
+    ready = wait_until(lambda: newest_global() and gone.records("trainer ready", every_run=False), "host 2 back",
+                       timeout=120)[0]
+    for h in hosts[:2]:
+        wait_until(lambda: any(r["resumed_at"] == ready["resumed_at"] for r in h.records("trainer ready")[1:]),
+                   f"host {h.index} resumed with host 2", timeout=60)
+    for h in hosts:
+        h.proc.send_signal(signal.SIGTERM)
+    assert [h.wait() for h in hosts] == [75, 75, 75]  # checkpointed, then stopped
+    assert ready["resumed_at"] >= seen[0]  # no step the two committed was undone
+    assert gone.records("a peer's memory state restores the hosts that lost theirs", every_run=False)
+    assert not [r for h in hosts for r in h.records("checkpoint rolled back, moved aside")]
+
+
 def test_a_killed_worker_and_a_blank_host_rejoin_in_place_bitwise_like_an_uninterrupted_run(tmp_path, reference):
     """In place (the default): host 1's worker SIGKILLed, then host 2's VM replaced (daemon and worker
     killed, disk blank). The survivors keep their processes and wait for the host (min_hosts is

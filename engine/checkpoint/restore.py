@@ -138,9 +138,13 @@ class Restorer:
                 if not mf.problems(path, m, checksums=False)}
         mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
         # Verified before they are offered: every host must restore the step it agreed to. A host's
-        # processes each hold their own shards: the host offers the states all of them hold.
+        # processes each hold their own shards: the host offers the states all of them hold. A whole
+        # step's state is every host's (data parallelism), whichever gang made it: a host that comes
+        # back blank to a gang that went on without it takes the newest from a peer, never an older
+        # commit; a partial step's micro-batches are laid out by the host count that made it.
         in_memory = frozenset((step, m.micro_step) for step, path, m in mf.parts(self.memory.job_dir)
-                              if (m.hosts, m.world_size) == (self.hosts.count, self._processes())
+                              if (m.micro_step == 0 or m.hosts == self.hosts.count)
+                              and m.world_size == self._processes()
                               and not mf.problems(path, m, checksums=True)
                               ) if self.memory is not None else frozenset()
         in_memory = frozenset.intersection(*gang.gather_host(in_memory, self.group))
