@@ -137,6 +137,15 @@ def wait_step(host: Host, step: int, timeout: float = 180) -> None:
     wait_until(lambda: host.step() >= step, f"host {host.index} at step {step}", timeout=timeout, interval=0.1)
 
 
+def replace_vm(host: Host) -> None:
+    """The host's VM replaced: its worker and supervisor killed, its disk and memory blank."""
+    os.kill(host.worker(), signal.SIGKILL)
+    host.proc.kill()
+    host.wait()
+    shutil.rmtree(host.home / "state")
+    shutil.rmtree(Paths.resolve(host.home).memory, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[list[dict[str, str]], dict[int, float]]:
     """Scenario 1: an uninterrupted three-host run."""
@@ -240,11 +249,7 @@ def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
     # Step 8 trained on host 2 proves the others past step 7's boundary, and so its memory save (step 7
     # alone did not: once in CI they had not saved it yet, and the gang resumed from step 6).
     wait_step(gone, 8)
-    os.kill(gone.worker(), signal.SIGKILL)
-    gone.proc.kill()
-    gone.wait()
-    shutil.rmtree(gone.home / "state")
-    shutil.rmtree(Paths.resolve(gone.home).memory, ignore_errors=True)
+    replace_vm(gone)
     for other in hosts[:2]:
         wait_until(lambda: metric(other.home, "tpud_job_gang_hosts_present", host=str(other.index), job="tiny-cpu")
                    == 2, "the others waiting for host 2", timeout=60)
@@ -271,11 +276,7 @@ def test_a_blank_host_back_to_a_gang_that_went_on_without_it_takes_a_peers_newer
     hosts = [h.start(*every_step) for h in gang(tmp_path, extra=f"{RESTART_PATH}, min_hosts: 2")]
     gone = hosts[2]
     wait_step(gone, 6)
-    os.kill(gone.worker(), signal.SIGKILL)
-    gone.proc.kill()
-    gone.wait()
-    shutil.rmtree(gone.home / "state")
-    shutil.rmtree(Paths.resolve(gone.home).memory, ignore_errors=True)
+    replace_vm(gone)
     checkpoints = hosts[0].home / "state" / "checkpoints" / "tiny-cpu"
     seen = [0]  # the newest global commit of the gang of two on host 0 (moved aside if it is undone)
 
