@@ -27,6 +27,8 @@ def configure(level: str = "info", fmt: str | None = None, stream=None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # One write a record, its newline included (print writes them apart, and an unbuffered
+        # worker killed between the two leaves a record its reader splices the next line onto).
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )

@@ -14,8 +14,8 @@ def test_lines_split_across_chunks_are_kept_whole_and_everything_is_relayed():
     # Whole lines only (processes of one job share the relay), the rest once the output closes.
     assert relayed == [b'{"event": "step"}\n', b"Traceback (most recent call last):\nValueError: bad\n"]
     assert list(out.tail) == ['{"event": "step"}', "Traceback (most recent call last):", "ValueError: bad"]
-    out.ended()  # the last line counts once the output closes
-    assert relayed[-1] == b"no newline"
+    out.ended()  # the last line counts once the output closes, ended as a line: the next is not spliced on
+    assert relayed[-1] == b"no newline\n"
     assert out.tail[-1] == "no newline" and out.last_error() == "ValueError: bad"
 
 
@@ -56,3 +56,33 @@ def test_the_last_error_reads_as_its_event_and_fields_not_as_a_json_line():
         out.new_worker()
         out.feed(junk + b"\n")
         assert out.last_error() == junk.decode()  # shown as it came, never a crash
+
+
+def test_a_worker_writes_each_log_record_with_its_newline_in_one_write():
+    """A worker's output is unbuffered: were a record and its newline two writes, a worker killed
+    between them would leave a record without its line's end."""
+    import structlog
+
+    from engine import logs
+
+    class Writes:
+        def __init__(self):
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.calls.append(text)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    stream = Writes()
+    before = structlog.get_config()
+    try:
+        logs.configure(fmt="json", stream=stream)
+        structlog.get_logger().info("checkpoint committed", step=4)
+    finally:
+        structlog.configure(**before)
+    assert len(stream.calls) == 1 and stream.calls[0].endswith("}\n")

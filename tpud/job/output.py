@@ -37,9 +37,11 @@ class WorkerOutput:
         self.tail.extend(line.decode(errors="replace")[-LINE_CHARS:] for line in lines)
 
     def ended(self) -> None:
-        """The worker's output closed: its last line counts even without a newline."""
+        """The worker's output closed: its last line counts even without a newline, and is relayed
+        with one. A worker killed between a record and its newline (unbuffered output writes them
+        apart) would otherwise have the next line, any process's, spliced onto that record."""
         if self._unrelayed:
-            self.relay(self._unrelayed)
+            self.relay(self._unrelayed + b"\n")
             self._unrelayed = b""
         if self._partial:
             self.tail.append(self._partial.decode(errors="replace")[-LINE_CHARS:])
