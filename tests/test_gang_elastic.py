@@ -98,24 +98,57 @@ def test_a_gang_whose_coordinator_vanished_goes_on_in_the_next_hosts_without_hos
 
 def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_path):
     addresses = ["127.0.0.1:1", *coordinators(2)]
-    record = tmp_path / "gang.json"
-    stores.Known(3, (0, 1, 2), 0).write(record)
-    stop = threading.Event()
-    m = member(addresses, 1, 3, record)
-    other = member(addresses, 2, 3, record)
-    # A daemon thread, stopped however the test ends: a failed assertion once left it waiting for
-    # coordinators gone with the fixture, and pytest waited for it at exit.
-    t = threading.Thread(target=lambda: other.join("xla", stop.is_set, {"a": 1}), daemon=True)
+    members, joined, stop = [], [], threading.Event()
+    for host in (1, 2):
+        record = tmp_path / f"gang{host}.json"
+        stores.Known(3, (0, 1, 2), 0).write(record)
+        members.append(member(addresses, host, 3, record))
+    # Daemon threads, stopped however the test ends: a failed assertion once left them waiting for
+    # coordinators gone with the fixture, and pytest waited for them at exit.
+    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", stop.is_set, {"a": 1})), daemon=True)
+               for m in members]
+    for t in threads:
+        t.start()
+    try:
+        look = {}  # the test's own connections: a member's client belongs to its thread
+
+        def together() -> bool:
+            at = {m.at for m in members}
+            if at not in ({1}, {2}):  # `at` is 0 until a member meets somewhere
+                return False
+            i = at.pop()
+            look[i] = look.get(i) or stores.open_store(addresses[i])
+            g = int(look[i].add("tpud/j/gen", 0))
+            return stores.seated_in(look[i], f"tpud/j/g{g}/roster") == {1, 2}
+
+        # Each member tries host 0's dead address first; on a loaded machine one may meet alone in
+        # host 2's coordinator, and moves to host 1's once its look for a better one finds it.
+        wait_until(together, "both seated in one coordinator", timeout=60)
+        time.sleep(4 * members[0].peer_timeout_s)  # host 0 silent for far longer than the peer timeout
+        assert joined == [] and all(t.is_alive() for t in threads)  # the gang still waits
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert joined == [False, False]
+
+
+def test_a_coordinator_that_did_not_answer_is_looked_at_again_a_while_later(coordinators, monkeypatch):
+    """Host 2 met alone in its own coordinator: host 1's did not answer its connect (a timeout on a
+    loaded host). Host 1 waits in its own. Host 2's look for a better coordinator skips a silent one
+    (each look at one costs seconds), but only for RETRY_DOWN_S: skipped for good, the two would
+    wait apart for ever."""
+    addresses = ["127.0.0.1:1", *coordinators(2)]
+    host1, host2, stop = member(addresses, 1, 3), member(addresses, 2, 3), threading.Event()
+    t = threading.Thread(target=lambda: host1.join("xla", stop.is_set, {"a": 1}), daemon=True)
     t.start()
     try:
-        started = time.monotonic()
-        assert m.join("xla", lambda: time.monotonic() > started + 2, {"a": 1}) is False  # still waiting after 2 s
-        # Host 2's thread tries host 0's dead address first (a 2 s connect timeout): on a loaded
-        # machine it sits down after this member's 2 s are over. Both seated, the gang still waits.
-        def seated() -> set[int]:
-            return {int(e) for e in m.store.get(m._key("roster")).decode().split(",") if e and not e.startswith("-")}
-
-        wait_until(lambda: seated() == {1, 2}, "both seated", timeout=20)
+        wait_until(lambda: host1.at == 1 and host1.generation == 0, "host 1 seated in its coordinator")
+        host2.store, host2.at = stores.open_store(addresses[2]), 2
+        monkeypatch.setitem(stores.DOWN, addresses[1], time.monotonic())
+        assert not host2._better_elsewhere(0, 1)  # host 1's coordinator skipped: it did not answer lately
+        monkeypatch.setitem(stores.DOWN, addresses[1], time.monotonic() - stores.RETRY_DOWN_S - 1)
+        assert host2._better_elsewhere(0, 1)  # looked at again: the same gang, as full, at a lower host
     finally:
         stop.set()
         t.join(10)

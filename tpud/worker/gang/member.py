@@ -364,7 +364,7 @@ class GangMember:
     def _better_elsewhere(self, g: int, seats: int) -> bool:
         """Whether another coordinator holds a newer gang than this one (this host was cut off)."""
         here = (g, seats, -self.at)
-        down = {i for i, address in enumerate(self.addresses) if address in stores.DOWN}  # each look costs seconds
+        down = {i for i, address in enumerate(self.addresses) if stores.down_lately(address)}
         found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at, *down}), clients=self._clients)
         if found is None or found.rank <= here:
             return False

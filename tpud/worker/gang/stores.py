@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,17 @@ class Candidate:
         return self.generation, self.seats, -self.index
 
 
-DOWN: set[str] = set()  # addresses where nothing answered at the last try
+# Addresses where nothing answered at the last try, with when. A waiting worker's look for a
+# better coordinator skips them (a look at a silent one costs seconds) but only for a while: a
+# connect that timed out on a loaded host is no lasting verdict, and a worker that never looked
+# again would wait alone in the next host's coordinator while the gang met in the one it skipped.
+DOWN: dict[str, float] = {}
+RETRY_DOWN_S = 15.0
+
+
+def down_lately(address: str) -> bool:
+    """Whether nothing answered at `address` within the last RETRY_DOWN_S."""
+    return time.monotonic() - DOWN.get(address, float("-inf")) < RETRY_DOWN_S
 
 
 def open_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
@@ -63,9 +74,9 @@ def open_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
             store = dist.TCPStore(host, port, is_master=False, use_libuv=True,
                                   timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError):  # torch's DistNetworkError is a RuntimeError
-        DOWN.add(address)
+        DOWN[address] = time.monotonic()
         return None
-    DOWN.discard(address)
+    DOWN.pop(address, None)
     return store
 
 
