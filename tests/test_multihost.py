@@ -260,23 +260,30 @@ def test_a_lost_host_restores_from_a_peers_memory_state(tmp_path, reference):
     assert len(steps) == 1 and steps.pop() >= 7  # newer than the disks' (every 3 steps) could give
     for h, r in zip(hosts, restored):
         assert r["path"].startswith(str(Paths.resolve(h.home).memory)), h.index
-    assert gone.records("a peer's memory state restores the hosts that lost theirs", every_run=False)
+    assert gone.records("a peer's memory state restores the hosts that lack it", every_run=False)
     assert_like_reference(hosts, reference, may_lack={gone.index: restored[0]["step"]})
 
 
-def test_a_blank_host_back_to_a_gang_that_went_on_without_it_takes_a_peers_newer_state_and_no_commit_is_lost(
-        tmp_path):
-    """gang.min_hosts 2 of 3, the restart path, no GCS: host 2's VM is replaced (disk and memory
-    blank) and hosts 0 and 1 go on as a gang of two, committing steps host 2 never saw. When it
-    comes back, the gang of three resumes from the newest state the two hold in memory, made by the
-    gang of two and sent to host 2, not from anything older than their global commits (the chaos
-    campaign's seed 3 found the gang rolled back to the newest step the blank host held)."""
+@pytest.mark.parametrize("away", ["blank", "behind"])
+def test_a_host_back_to_a_gang_that_went_on_without_it_takes_a_peers_newer_state_and_no_commit_is_lost(
+        tmp_path, away):
+    """gang.min_hosts 2 of 3, the restart path, no GCS: host 2 goes, its VM replaced (disk and
+    memory blank) or its daemon and worker killed (both kept, now behind), and hosts 0 and 1 go on
+    as a gang of two, committing steps host 2 never saw. When it comes back, the gang of three
+    resumes from the newest state the two hold in memory, made by the gang of two and sent to host
+    2, not from anything older than their global commits (the chaos campaign found the gang rolled
+    back to the newest step host 2 held: seed 3 blank, seed 5 behind)."""
     every_step = ("checkpoint.memory.interval_steps=1", "checkpoint.memory.max_overhead=1",
                   "train.max_steps=100000")  # stopped by SIGTERM once the three resumed
     hosts = [h.start(*every_step) for h in gang(tmp_path, extra=f"{RESTART_PATH}, min_hosts: 2")]
     gone = hosts[2]
     wait_step(gone, 6)
-    replace_vm(gone)
+    if away == "blank":
+        replace_vm(gone)
+    else:
+        os.kill(gone.worker(), signal.SIGKILL)
+        gone.proc.kill()
+        gone.wait()
     checkpoints = hosts[0].home / "state" / "checkpoints" / "tiny-cpu"
     seen = [0]  # the newest global commit of the gang of two on host 0 (moved aside if it is undone)
 
@@ -296,7 +303,7 @@ def test_a_blank_host_back_to_a_gang_that_went_on_without_it_takes_a_peers_newer
         h.proc.send_signal(signal.SIGTERM)
     assert [h.wait() for h in hosts] == [75, 75, 75]  # checkpointed, then stopped
     assert ready["resumed_at"] >= seen[0]  # no step the two committed was undone
-    assert gone.records("a peer's memory state restores the hosts that lost theirs", every_run=False)
+    assert gone.records("a peer's memory state restores the hosts that lack it", every_run=False)
     assert not [r for h in hosts for r in h.records("checkpoint rolled back, moved aside")]
 
 

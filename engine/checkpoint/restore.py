@@ -3,7 +3,8 @@
 Every file's CRC32C is checked before a state is applied; a damaged disk checkpoint is moved
 aside and the next older one tried, a damaged memory state discarded. A job on several hosts
 restores the step the hosts agree on (engine.checkpoint.hosts), or a memory state every host
-holds, which a host that lost its memory states (a replaced VM) first takes from a peer.
+holds, which a host that lacks it (a replaced VM, or one that was away while the others went on
+and committed) first takes from a peer.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ class Restorer:
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:
             log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
-        if not self._memory_agreed and all(tiers):
-            self._memory_from_peer(memories, key)
+        if all(tiers):
+            self._memory_from_peer(memories, [h for h, _ in everyone], key)
         if key is None:
             if any(h.marked for h, _ in everyone) and not self._memory_agreed:
                 raise RuntimeError(f"no globally committed step is held by every host ({'; '.join(passed)}); "
@@ -176,25 +177,43 @@ class Restorer:
         """The processes writing one checkpoint together (a memory state is each one's shards)."""
         return dist.get_world_size(self.group) if self.group is not None else 1
 
-    def _memory_from_peer(self, memories: list[frozenset], on_disk: tuple[int, int] | None) -> None:
-        """Hosts whose memory states are gone (a replaced VM) take the newest state that every other
-        host holds, newer than the step the disks agree on, from one of them. The engine's state is
-        replicated across hosts (data parallelism), so a peer's state is this host's too. Every
-        host computes the same plan from the exchange; the receivers' checks are agreed again."""
-        empty = [i for i, memory in enumerate(memories) if not memory]
-        holding = [memory for memory in memories if memory]
-        common = frozenset.intersection(*holding) if holding else frozenset()
-        newer = sorted(k for k in common if on_disk is None or k > on_disk)
-        if not empty or not newer:
+    def _memory_from_peer(self, memories: list[frozenset], holdings: list[gang.Holdings],
+                          on_disk: tuple[int, int] | None) -> None:
+        """Hosts that lack the newest state the gang can vouch for take it from a peer. The engine's
+        state is replicated across hosts (data parallelism), so a peer's state is this host's too.
+
+        Vouched for: a state that the hosts holding the newest global commit, newer than the step
+        the disks agree on, all hold in memory, as new as that commit or newer (a host that was
+        away, behind or blank, would otherwise roll the gang back past it); else, for hosts whose
+        memory states are gone (a replaced VM), the newest state every other host holds, newer than
+        the disks' step. Every host computes the same plan from the exchange; the receivers'
+        checks are agreed again."""
+        def after_disk(k) -> bool:
+            return on_disk is None or k > on_disk
+
+        commits = [k for h in holdings for k in h.marked if after_disk(k)]
+        plans = []  # (the oldest state that will do, the hosts vouching for it), the first that finds one
+        if commits:
+            commit = max(commits)
+            plans.append((commit, [i for i, h in enumerate(holdings) if commit in h.marked]))
+        plans.append((None, [i for i, memory in enumerate(memories) if memory]))
+        for floor, sources in plans:
+            common = frozenset.intersection(*(memories[i] for i in sources)) if sources else frozenset()
+            if (found := sorted(k for k in common if after_disk(k) and (floor is None or k >= floor))):
+                break
+        else:
             return
-        key = newer[-1]
-        source = next(i for i, memory in enumerate(memories) if key in memory)
+        key = found[-1]
+        receivers = [i for i, memory in enumerate(memories) if key not in memory]
+        if not receivers:  # every host holds it: agreed already
+            return
+        source = sources[0]
         # Each process from the process of the source host that holds the same shards.
-        received = self.memory.transfer(key, source, empty, self.hosts.index, self.hosts_group)
+        received = self.memory.transfer(key, source, receivers, self.hosts.index, self.hosts_group)
         received = all(gang.gather_host(received, self.group))
         if all(gang.exchange(received, self.hosts, self.hosts_group)):
-            log.info("a peer's memory state restores the hosts that lost theirs", step=key[0], micro_step=key[1],
-                     source=source, hosts=empty)
+            log.info("a peer's memory state restores the hosts that lack it", step=key[0], micro_step=key[1],
+                     source=source, hosts=receivers)
             self._memory_agreed = frozenset({key})
 
     def _load(self, path: Path, manifest: mf.Manifest) -> dict:
