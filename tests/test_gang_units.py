@@ -3,7 +3,7 @@ count, where a host finds its place."""
 
 import pytest
 
-from engine.checkpoint.hosts import Holdings, Hosts, choose
+from engine.checkpoint.hosts import Holdings, Hosts, PeerSend, choose, peer_send
 from engine.data.loader import PackedLoader, batch_geometry
 from engine.backends.base import DataPosition
 from engine.errors import ConfigError
@@ -34,6 +34,40 @@ def test_a_partial_step_resumes_only_on_the_host_count_that_made_it():
     hosts = [holdings({(4, 0), (5, 1)}, {(4, 0), (5, 1)})] * 2
     assert choose(hosts, 2, {(5, 1): 3, (4, 0): 3})[0] == (4, 0)
     assert choose(hosts, 3, {(5, 1): 3, (4, 0): 3})[0] == (5, 1)
+
+
+def keys(*steps):
+    return frozenset((s, 0) for s in steps)
+
+
+def test_a_host_back_behind_takes_the_state_the_holders_of_a_newer_commit_hold():
+    """The chaos campaign's seed 5: host 0 was away (disk 15300, memory 15315); hosts 1-3 went on and
+    committed 15317. Every host still holds 15315 in memory, but restoring it would undo the commit."""
+    disks = [holdings(keys(15300), keys(15300))] + [holdings(keys(15300, 15317), keys(15300, 15317))] * 3
+    memories = [keys(15300, 15315)] + [keys(15315, 15317)] * 3
+    assert choose(disks, 4, {})[0] == (15300, 0)
+    assert peer_send(memories, disks, (15300, 0)) == PeerSend((15317, 0), 1, (0,))
+    # A blank host (a replaced VM), the gang of two having committed steps it never saw: the same.
+    disks = [holdings(keys(4, 8), keys(4, 8)), holdings(keys(4, 8), keys(4, 8)), holdings(keys(4), keys(4))]
+    assert peer_send([keys(8, 9), keys(8, 9), frozenset()], disks, (4, 0)) == PeerSend((9, 0), 0, (2,))
+    # Nothing newer committed: only a blank host is sent the newest state every other host holds.
+    same = [holdings(keys(4), keys(4))] * 3
+    assert peer_send([keys(5, 6), keys(6, 7), frozenset()], same, (4, 0)) == PeerSend((6, 0), 0, (2,))
+    assert peer_send([keys(5, 6), keys(6, 7), keys(5)], same, (4, 0)) is None  # behind, nothing committed
+    assert peer_send([keys(6), keys(6), keys(6)], same, (4, 0)) is None  # all hold it already
+
+
+def test_a_commit_a_rollback_undid_is_no_source_and_a_holder_without_memory_is_skipped():
+    # Host 1 holds global 110, which the others rolled back (and set aside) while it was away.
+    disks = [holdings(keys(100, 105), keys(100, 105)), holdings(keys(100, 110), keys(100, 110)),
+             holdings(keys(100, 105), keys(100, 105))]
+    assert peer_send([keys(105), keys(110, 111), keys(105)], disks, (100, 0)) is None
+    # Half the hosts with the lowest are a quorum; a holder whose memory tier is blank sends nothing.
+    disks = [holdings(keys(4, 8), keys(4, 8)), holdings(keys(4, 8), keys(4, 8)),
+             holdings(keys(4), keys(4)), holdings(keys(4), keys(4))]
+    assert peer_send([frozenset(), keys(8, 9), keys(5), keys(5)], disks, (4, 0)) == PeerSend((9, 0), 1, (0, 2, 3))
+    # Partial steps are never sent: their accumulated gradients are their host's own micro-batches'.
+    assert peer_send([frozenset({(9, 1)}), frozenset({(9, 1)}), keys(5), keys(5)], disks, (4, 0)) is None
 
 
 @pytest.mark.parametrize("world, micro, accum", [(1, 4, 3), (2, 3, 2), (3, 4, 1), (4, 3, 1), (6, 2, 1)])

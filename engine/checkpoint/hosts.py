@@ -82,6 +82,47 @@ def choose(holdings: list[Holdings], hosts_now: int, hosts_of: dict[Key, int]) -
     return None, passed
 
 
+@dataclass(frozen=True)
+class PeerSend:
+    """A memory state one host sends the hosts that lack it before they all restore it."""
+
+    key: Key
+    source: int
+    receivers: tuple[int, ...]
+
+
+def peer_send(memories: list[frozenset[Key]], holdings: list[Holdings], on_disk: Key | None) -> PeerSend | None:
+    """Which memory state hosts that lack it take from a peer (in host order; every host computes
+    the same from the exchange), or None. Whole steps only: a partial step's accumulated gradients
+    are its host's own micro-batches'.
+
+    First, a global commit newer than the step the disks agree on (hosts went on without one that
+    is back, behind or blank): the newest state that its holders with a memory tier all hold, as
+    new as the commit or newer. Only a commit whose holders are a quorum of the hosts here (more
+    than half, or half with the lowest): a commit a rollback undid is held by the hosts that were
+    away from it, never by a quorum, since the gang that undid it was one and set it aside. Else,
+    hosts whose memory tier is blank (a replaced VM) take the newest state every other host holds,
+    newer than the disks' step."""
+    def wanted(k: Key, floor: Key | None) -> bool:
+        return k[1] == 0 and (on_disk is None or k > on_disk) and (floor is None or k >= floor)
+
+    plans: list[tuple[Key | None, list[int]]] = []
+    commits = [k for h in holdings for k in h.marked if on_disk is None or k > on_disk]
+    if commits:
+        commit = max(commits)
+        holders = [i for i, h in enumerate(holdings) if commit in h.marked]
+        if 2 * len(holders) > len(holdings) or (2 * len(holders) == len(holdings) and 0 in holders):
+            plans.append((commit, [i for i in holders if memories[i]]))
+    plans.append((None, [i for i, memory in enumerate(memories) if memory]))
+    for floor, sources in plans:
+        common = frozenset.intersection(*(memories[i] for i in sources)) if sources else frozenset()
+        if found := sorted(k for k in common if wanted(k, floor)):
+            key = found[-1]
+            receivers = tuple(i for i, memory in enumerate(memories) if key not in memory)
+            return PeerSend(key, sources[0], receivers) if receivers else None
+    return None
+
+
 HELD = "hosts.json"
 
 

@@ -314,6 +314,10 @@ class MemoryTier:
             return False
         mf.write_manifest(slot.path, mine)
         final = self.job_dir / mf.step_dir_name(*key)
+        for other in self.slots:
+            if other.path == final:  # a damaged copy of this step, which restore passed over
+                other.key = other.staged = None
+        shutil.rmtree(final, ignore_errors=True)
         slot.path.rename(final)
         slot.path, slot.key, slot.staged = final, key, key
         return True

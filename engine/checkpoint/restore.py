@@ -61,7 +61,7 @@ class Restorer:
         afresh.
         """
         tainted = False
-        candidates = mf.committed_steps(self.job_dir) if self.hosts is None else self._agreed_part()
+        candidates = mf.committed_steps(self.job_dir) if self.hosts is None else self._agreed_part(at_most)
         in_memory = self._memory_states(candidates)
         if at_most is not None:  # a partial step of at_most itself holds batches of step at_most + 1
             candidates, in_memory = ([c for c in found if (c[0], c[2].micro_step) <= (at_most, 0)]
@@ -132,9 +132,10 @@ class Restorer:
         self.memory.discard(path, found)
         return None
 
-    def _agreed_part(self) -> list[Candidate]:
+    def _agreed_part(self, at_most: int | None) -> list[Candidate]:
         """This host's part of the step every host restores (engine.checkpoint.hosts), marked
-        global here too; none when the hosts have no step in common."""
+        global here too; none when the hosts have no step in common. A rollback's (`at_most`)
+        takes no peer's state: its gang is whole, and a state sent would be past the rollback."""
         held = {(step, m.micro_step): (step, path, m) for step, path, m in mf.parts(self.job_dir)
                 if not mf.problems(path, m, checksums=False)}
         mine = gang.Holdings(frozenset(held), frozenset(k for k, (_, p, m) in held.items() if mf.is_global(p, m)))
@@ -161,7 +162,7 @@ class Restorer:
         key, passed = gang.choose([h for h, _ in everyone], self.hosts.count, hosts_of)
         if passed:
             log.warning("newer global checkpoints passed over", reasons=passed, restoring=key)
-        if all(tiers):
+        if all(tiers) and at_most is None:
             self._memory_from_peer(memories, [h for h, _ in everyone], key)
         if key is None:
             if any(h.marked for h, _ in everyone) and not self._memory_agreed:
@@ -179,42 +180,26 @@ class Restorer:
 
     def _memory_from_peer(self, memories: list[frozenset], holdings: list[gang.Holdings],
                           on_disk: tuple[int, int] | None) -> None:
-        """Hosts that lack the newest state the gang can vouch for take it from a peer. The engine's
-        state is replicated across hosts (data parallelism), so a peer's state is this host's too.
-
-        Vouched for: a state that the hosts holding the newest global commit, newer than the step
-        the disks agree on, all hold in memory, as new as that commit or newer (a host that was
-        away, behind or blank, would otherwise roll the gang back past it); else, for hosts whose
-        memory states are gone (a replaced VM), the newest state every other host holds, newer than
-        the disks' step. Every host computes the same plan from the exchange; the receivers'
-        checks are agreed again."""
-        def after_disk(k) -> bool:
-            return on_disk is None or k > on_disk
-
-        commits = [k for h in holdings for k in h.marked if after_disk(k)]
-        plans = []  # (the oldest state that will do, the hosts vouching for it), the first that finds one
-        if commits:
-            commit = max(commits)
-            plans.append((commit, [i for i, h in enumerate(holdings) if commit in h.marked]))
-        plans.append((None, [i for i, memory in enumerate(memories) if memory]))
-        for floor, sources in plans:
-            common = frozenset.intersection(*(memories[i] for i in sources)) if sources else frozenset()
-            if (found := sorted(k for k in common if after_disk(k) and (floor is None or k >= floor))):
-                break
-        else:
+        """Hosts that lack the newest state the gang can vouch for take it from a peer
+        (gang.peer_send says which): the engine's state is replicated across hosts (data
+        parallelism), so a peer's state is this host's too. The receivers' checks are agreed
+        again; a failed transfer may have cost a receiver the state in the slot it reused, so then
+        no memory state is agreed, and every host restores the disks' step."""
+        send = gang.peer_send(memories, holdings, on_disk)
+        if send is None:
             return
-        key = found[-1]
-        receivers = [i for i, memory in enumerate(memories) if key not in memory]
-        if not receivers:  # every host holds it: agreed already
-            return
-        source = sources[0]
         # Each process from the process of the source host that holds the same shards.
-        received = self.memory.transfer(key, source, receivers, self.hosts.index, self.hosts_group)
+        received = self.memory.transfer(send.key, send.source, list(send.receivers), self.hosts.index,
+                                        self.hosts_group)
         received = all(gang.gather_host(received, self.group))
         if all(gang.exchange(received, self.hosts, self.hosts_group)):
-            log.info("a peer's memory state restores the hosts that lack it", step=key[0], micro_step=key[1],
-                     source=source, hosts=receivers)
-            self._memory_agreed = frozenset({key})
+            log.info("a peer's memory state restores the hosts that lack it", step=send.key[0],
+                     micro_step=send.key[1], source=send.source, hosts=list(send.receivers))
+            self._memory_agreed = frozenset({send.key})
+        else:
+            log.warning("a peer's memory state did not reach every host that lacks it: restoring from disk",
+                        step=send.key[0], source=send.source, hosts=list(send.receivers))
+            self._memory_agreed = frozenset()
 
     def _load(self, path: Path, manifest: mf.Manifest) -> dict:
         template = self.state.template(manifest)
