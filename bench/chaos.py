@@ -112,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"results so far: {write_results(out.with_name(out.stem + '.interrupted.json'), result)}")
             return 130
         table(result)
-        print(f"results: {write_results(out, result)}")
+        written = write_results(out, result)
+        print(f"results: {written}")
         if args.minimise and result["violations"]:  # the results are written first: a minimiser runs for hours
             try:
                 result["minimised"] = shrink(opts, result)
             except KeyboardInterrupt:
-                print(f"minimiser interrupted; the campaign's results are in {out}")
+                print(f"minimiser interrupted; the campaign's results are in {written}")
                 return 130
             print(f"results, with the smallest schedule: {write_results(out, result)}")
         rows.append(result)
@@ -153,9 +154,10 @@ def _check_paths(args, seeds: list[int], parser) -> None:
         parser.error(f"--keep {args.keep}: exists and is not a directory")
 
 
-def write_results(out: Path, result: dict) -> Path:
+def write_results(out: Path, result: dict) -> Path | str:
     """The results file; where it cannot be written (a full disk, a path gone meanwhile), a file in
-    the temporary directory instead, so that a campaign's figures are never lost."""
+    the temporary directory instead, so that a campaign's figures are never lost; where neither
+    can be, the results printed on stderr, and that said in place of a path."""
     text = json.dumps(result, indent=1) + "\n"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +173,7 @@ def write_results(out: Path, result: dict) -> Path:
         return Path(name)
     except OSError as e:  # nowhere to write: the results go to stdout, the last place left
         print(f"could not write a temporary file either ({e}); the results:\n{text}", file=sys.stderr)
-        return out
+        return "nowhere (printed on stderr above)"
 
 
 def _interrupt(signum, frame) -> None:

@@ -5,6 +5,7 @@ every kind, at a fixed seed, then healed and trained to the end with no invarian
 from __future__ import annotations
 
 import json
+import tempfile
 import signal
 
 import pytest
@@ -134,13 +135,17 @@ def test_the_campaign_refuses_paths_it_could_not_write_and_a_schedule_it_cannot_
         assert ended.value.code == 2 and says in capsys.readouterr().err, argv
 
 
-def test_results_that_cannot_be_written_where_asked_go_to_a_temporary_file(chaos_cli, tmp_path, capsys):
+def test_results_that_cannot_be_written_where_asked_go_to_a_temporary_file(chaos_cli, tmp_path, capsys,
+                                                                           monkeypatch):
     blocked = tmp_path / "a-file"
     blocked.write_text("x")
     written = chaos_cli.write_results(blocked / "chaos-3.json", {"seed": 3, "violations": []})
     assert json.loads(written.read_text()) == {"seed": 3, "violations": []}
     assert "could not write" in capsys.readouterr().err
     written.unlink()
+    monkeypatch.setattr(tempfile, "tempdir", str(blocked))  # no temporary directory either: stderr, said so
+    assert chaos_cli.write_results(blocked / "chaos-3.json", {"seed": 3}) == "nowhere (printed on stderr above)"
+    assert '"seed": 3' in capsys.readouterr().err
 
 
 def test_a_violation_seen_while_faults_struck_is_minimised_with_short_tries_of_the_faults_before_it(chaos_cli):
