@@ -5,8 +5,8 @@ every kind, at a fixed seed, then healed and trained to the end with no invarian
 from __future__ import annotations
 
 import json
-import tempfile
 import signal
+import tempfile
 
 import pytest
 import structlog
