@@ -99,8 +99,10 @@ def peer_send(memories: list[frozenset[Key]], holdings: list[Holdings], on_disk:
     First, a global commit newer than the step the disks agree on (hosts went on without one that
     is back, behind or blank): the newest state that its holders with a memory tier all hold, as
     new as the commit or newer. Only a commit whose holders are a quorum of the hosts here (more
-    than half, or half with the lowest): a commit a rollback undid is held by the hosts that were
-    away from it, never by a quorum, since the gang that undid it was one and set it aside. Else,
+    than half, or half with the lowest): a gang that undid a commit by a rollback was a quorum and
+    set it aside, so the hosts still holding it (away meanwhile) are not one. The price: a commit
+    made by a gang that was a quorum only of an earlier, smaller gang (hosts 1 and 2 of 1-3, with
+    host 0 gone before) is not sent when every host is back, and is passed over as before. Else,
     hosts whose memory tier is blank (a replaced VM) take the newest state every other host holds,
     newer than the disks' step."""
     def wanted(k: Key, floor: Key | None) -> bool:
