@@ -137,28 +137,43 @@ def test_bad_input_fails_without_restart_and_says_why(make_job):
     assert job.state is State.FAILED and len(job.workers.made) == 1 and "attention.kernel" in job.error
 
 
-def test_a_shared_job_files_copies_that_differ_across_the_gang_are_waited_for_then_fail(make_job):
-    """remote_jobs: the hosts fetch a change seconds apart, so their specs may differ for a while."""
+@pytest.mark.parametrize("where", ["jobs_dir", "remote_jobs"])
+def test_a_watched_job_files_copies_that_differ_across_the_gang_are_waited_for_then_fail(make_job, where):
+    """Under the daemon the hosts' copies change seconds apart (an operator copying the file host
+    by host, remote_jobs' polls, a host paused through the edit), so their specs may differ for a
+    while; `tpud run`'s operator is watching, and it fails at once."""
+    from engine.events import Step
     from engine.spec.fingerprint import HOSTS_DIFFER
 
     make, now = make_job
     refusal = '{"event": "%s: train.max_steps: 5 on host 0, 7 on host 1", "level": "error"}' % HOSTS_DIFFER
-    local = make()
-    local.start()
-    local.current.output.tail.append(refusal)
-    local.worker_exited(78)
-    assert local.state is State.FAILED  # a local file: the operator gave the hosts different files
-    job = make()
-    job.file = job.paths.remote_jobs / "j.yaml"  # a copy of remote_jobs' file
-    for _ in range(20):  # tries every 10 s for 2 minutes
-        job.start()
+
+    def refused(job):
+        if job.worker is None:
+            job.start()
         job.current.output.tail.append(refusal)
         job.worker_exited(78)
-        if job.state is State.FAILED:
-            break
+
+    run = make()
+    refused(run)
+    assert run.state is State.FAILED  # `tpud run`'s file, named on its command line
+    job = make()
+    job.file = getattr(job.paths, where) / "j.yaml"
+    for _ in range(11):  # 2 minutes of tries, every 10 s
+        refused(job)
         assert job.state is State.BACKOFF and "waiting for them to agree" in job.record.history[-1]["reason"]
         now[0] += 10
-    assert job.state is State.FAILED and len(job.workers.made) == 14 and HOSTS_DIFFER in job.error
+    job.start()  # the copies agree at last: the gang trains
+    job.handle(Step(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_per_s=1.0, step_time_s=0.1))
+    now[0] += 3600  # hours later the copies differ again: waited for afresh
+    job.worker_exited(77)  # the gang restarts (its daemon starts a worker at once)
+    for _ in range(20):
+        refused(job)
+        if job.state is State.FAILED:
+            break
+        assert job.state is State.BACKOFF
+        now[0] += 10
+    assert job.state is State.FAILED and len(job.workers.made) == 26 and HOSTS_DIFFER in job.error
 
 
 @pytest.mark.parametrize("line", [

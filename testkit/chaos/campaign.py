@@ -272,7 +272,7 @@ class Campaign:
                 return round(self.now() - started, 1)
             time.sleep(1.0)
         self.checker.violate("unfinished", None, f"the gang did not settle in {self.opts.settle_timeout_s:.0f} s: "
-                             f"{[(h.index, (h.status()[0] or {}).get('state')) for h in self.cluster.hosts]}")
+                             f"{self.hosts_now()}")
         return None
 
     def top_step(self) -> int:
@@ -288,9 +288,21 @@ class Campaign:
                 return True
             time.sleep(1.0)
         reasons = [f for f in self.checker.failures][-3:]
-        self.checker.violate("unfinished", None, f"not every host finished step {final_steps}: {states}; "
-                             f"failures: {reasons}")
+        self.checker.violate("unfinished", None, f"not every host finished step {final_steps}: "
+                             f"{self.hosts_now()}; failures: {reasons}")
         return False
+
+    def hosts_now(self) -> str:
+        """What an operator would look at on each host of a gang that does not finish: its job's
+        row in `tpud status` and the daemon's last events."""
+        said = []
+        for h in self.cluster.hosts:
+            row = h.status()[0] or {}
+            gang = row.get("gang") or {}
+            last = [r.get("event") for r in h.log.records[-4:]]
+            said.append(f"host {h.index}: {row.get('state')} at step {row.get('step')} "
+                        f"(error {row.get('error')!r}, gang {gang.get('state')!r}); last: {last}")
+        return " | ".join(said)
 
     def stop_daemons(self) -> None:
         for h in self.cluster.hosts:

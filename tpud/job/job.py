@@ -280,6 +280,7 @@ class Job:
     on_started = on_heartbeat
 
     def on_step(self, event: events.Step) -> None:
+        self.restarts.differing_since = None  # the gang agreed: a later difference is waited for afresh
         if self.clock() - self._saved_at >= SAVE_EVERY_S:
             self.save()
 
@@ -325,8 +326,9 @@ class Job:
             self._nonfinite_exit()
         elif status in (exit_codes.BAD_INPUT, exit_codes.QUARANTINED):  # never retried on this host
             self.error = self.current.output.last_error() or f"worker exited with {status}"
-            wait = self.restarts.copies_differ(self.error, self.file.parent == self.paths.remote_jobs, self.clock())
-            self.backoff_until = self.clock() + (wait or 0.0)  # remote_jobs: the hosts fetch a change apart
+            watched = self.file.parent in (self.paths.jobs_dir, self.paths.remote_jobs)  # not `tpud run`'s
+            wait = self.restarts.copies_differ(self.error, watched, self.clock())
+            self.backoff_until = self.clock() + (wait or 0.0)  # the hosts' copies change seconds apart
             self._set(State.FAILED if wait is None else State.BACKOFF, f"exit {status}" if wait is None
                       else "the hosts hold other versions of the job file: waiting for them to agree")
         else:

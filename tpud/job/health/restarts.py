@@ -5,9 +5,11 @@ fails. Each restart waits an exponential backoff whose exponent is the crash str
 since a worker last committed a checkpoint, so a job that makes progress between rare crashes
 never backs off for long. Non-finite-loss rollbacks have their own budget (health.max_rollbacks)
 and restart at once; so does a micro-batch found too large (engine.fitting), whose sizes only shrink.
-A gang refusing a job because its hosts' copies of a shared job file differ (remote_jobs: each host
-fetches a change within its own poll) waits for them to agree: every CONVERGE_WAIT_S, for
-CONVERGE_FOR_S at most, without spending the budget.
+A gang refusing a job because its hosts' copies of the job file differ waits for them to agree:
+every CONVERGE_WAIT_S, for CONVERGE_FOR_S at most, without spending the budget. Under the daemon
+the copies change seconds apart: remote_jobs' hosts each fetch a change within their own poll, an
+operator copies a file to one host after another, and a host that was paused (or whose daemon
+was down) reads it last. Under `tpud run` the operator is watching: it fails at once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from engine.checkpoint.policy import DisruptionRate
 from engine.spec.fingerprint import HOSTS_DIFFER
 from engine.spec.schema import JobSpec
 
-CONVERGE_WAIT_S = 10.0  # between tries while a shared job file's copies differ: twice remote_jobs' default poll
+CONVERGE_WAIT_S = 10.0  # between tries while the job file's copies differ: twice remote_jobs' default poll
 CONVERGE_FOR_S = 120.0  # ... and how long they may differ before the job fails
 
 
@@ -34,12 +36,13 @@ class Restarts:
     streak: int = 0     # crashes since a worker last committed a checkpoint: the backoff's exponent
     reasons: dict[str, int] = field(default_factory=dict)  # this daemon's restarts, by reason: for status
     on_restart: Callable[[str], None] = lambda reason: None  # each restart's reason, as it is counted
-    differing_since: float | None = None  # since when the gang's copies of a shared job file differ
+    differing_since: float | None = None  # since when the gang's copies of the job file differ
 
-    def copies_differ(self, error: str, shared: bool, now: float) -> float | None:
+    def copies_differ(self, error: str, watched: bool, now: float) -> float | None:
         """An exit 78 with `error`: seconds until the next try when the gang's hosts hold other
-        versions of a shared job file (they agree once each has fetched it), else None (it fails)."""
-        if not shared or HOSTS_DIFFER not in error:
+        versions of a job file the daemon watches (they agree once each has its copy), else None
+        (it fails)."""
+        if not watched or HOSTS_DIFFER not in error:
             return None
         self.differing_since = now if self.differing_since is None else self.differing_since
         return CONVERGE_WAIT_S if now - self.differing_since <= CONVERGE_FOR_S else None
