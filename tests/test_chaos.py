@@ -87,13 +87,41 @@ def test_the_reference_is_fed_the_samples_the_hosts_skipped_and_finds_hosts_that
 
 
 def test_the_operator_replaces_a_host_left_out_and_starts_a_job_that_spent_a_budget():
-    from testkit.chaos.campaign import left_out
+    from testkit.chaos.campaign import budget_spent, left_out
 
     assert left_out({"replicas": {"quarantined": True}, "error": "replica mismatch (step=40, odd=[2])"})
     assert left_out({"replicas": None, "error": "rank 0 is a straggler: ... evicted"})
     assert not left_out({"replicas": {"quarantined": False, "healed": True},
                          "error": "3 rollbacks within 1000 steps (health.max_rollbacks); then loss spike"})
     assert not left_out({"error": None})
+    # Any other failure is started again too, but it is a violation: no fault may fail a job unless
+    # it spends a budget.
+    assert budget_spent("restart budget spent (5 restarts within 600s); last: killed: worker killed by SIGKILL")
+    assert budget_spent("3 rollbacks within 1000 steps (health.max_rollbacks); then loss spike")
+    assert not budget_spent("exit 78 job cannot run here (error=the hosts of the gang run different job specs: ...)")
+
+
+def test_a_job_edit_reaches_the_hosts_one_after_another_and_a_newer_edit_supersedes_it():
+    from testkit.chaos.faults import ROLLOUT_GAP_S, Injector
+
+    class Files:  # the cluster's hosts' job files
+        hosts = [object(), object(), object()]
+        held = {}
+
+        def write_job(self, text, host=None, *, replace=False):
+            self.held[self.hosts.index(host)] = text
+
+    cluster = Files()
+    injector = Injector(cluster, lambda variant: f"variant {variant}")
+    first = injector.strike(sch.Fault("job_edit", 1, at=100.0, detail={"how": "in_place"}), 100.0)
+    assert cluster.held == {1: "variant 1"}  # the fault's host first, the others later
+    assert [at for at, _ in first.later] == [100.0 + ROLLOUT_GAP_S, 100.0 + 2 * ROLLOUT_GAP_S]
+    assert first.later[0][1]() == "copied to host 2" and cluster.held == {1: "variant 1", 2: "variant 1"}
+    second = injector.strike(sch.Fault("job_edit", 0, at=103.0, detail={"how": "replace"}), 103.0)
+    assert first.later[1][1]() == "host 0: superseded by a newer edit" and cluster.held[0] == "variant 0"
+    for _, copy in second.later:
+        copy()
+    assert cluster.held == {0: "variant 0", 1: "variant 0", 2: "variant 0"}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ and the end's invariants checked. What it returns is the results file's content.
 An operator acts as one would on a real fleet, and the results say when: a daemon that died by
 itself is started again (systemd's Restart=always; the death is a violation); 20 s after a job
 FAILED on a host, a host left out of the gang (its replica quarantined or evicted) is replaced by
-a blank one, and a job that spent a budget (restarts, rollbacks) is started again (`tpud start`).
+a blank one, and a job that spent a budget (restarts, rollbacks) is started again (`tpud start`);
+one that FAILED for another reason is started again too, and that is a violation.
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def left_out(row: dict) -> bool:
     replica quarantined, or evicted as a straggler): never retried there, so the host is replaced."""
     error = row.get("error") or ""
     return bool((row.get("replicas") or {}).get("quarantined")) or "quarantined" in error or "evicted" in error
+
+
+def budget_spent(why: str) -> bool:
+    """Whether a job FAILED (`why`: its state's reason and its error) because the faults spent one
+    of its budgets: its restarts (restart.max_restarts) or its rollbacks (health.max_rollbacks)."""
+    return any(said in why for said in ("restart budget spent", "health.max_rollbacks", "rollbacks spent"))
 
 
 class Campaign:
@@ -187,6 +194,9 @@ class Campaign:
                 if left_out(row):
                     self.act(h, f"{why}: host replaced blank", blank=True)
                 else:  # a budget spent (restarts, rollbacks): looked at, then started again
+                    said = [f["reason"] or "" for f in self.checker.failures if f["host"] == h.index][-1:]
+                    if not budget_spent(" ".join([*said, row.get("error") or ""])):
+                        self.checker.violate("failed", h.index, f"{why}, with no budget spent: {said}")
                     self.failed_since.pop(h.index, None)
                     self.operator.append({"t": round(self.now(), 1), "host": h.index,
                                           "did": f"{why}: tpud start: {h.start_job()}"})

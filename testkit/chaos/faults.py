@@ -19,6 +19,7 @@ from testkit.chaos.cluster import Cluster, Host
 from testkit.chaos.schedule import Fault
 
 PREEMPTION_NOTICE_S = 30.0  # GCE deletes a preempted VM about 30 s after the notice
+ROLLOUT_GAP_S = 2.0         # between two hosts' copies of an edited job file
 
 
 class Struck:
@@ -203,9 +204,21 @@ class Injector:
                        lambda: host.metadata.set("instance/maintenance-event", "NONE") or "maintenance over"))
 
     def job_edit(self, fault: Fault, now: float) -> Struck:
+        """The job file edited on every host, one after another from the fault's host, as an
+        operator's copy loop does: for a few seconds the gang's hosts hold different versions."""
         self.variant ^= 1
-        self.cluster.write_job(self.job_text(self.variant), replace=fault.detail.get("how") == "replace")
-        return Struck(f"job file variant {self.variant}, {fault.detail.get('how')}")
+        variant, how, count = self.variant, fault.detail.get("how"), len(self.cluster.hosts)
+        order = [(fault.host + i) % count for i in range(count)]
+
+        def copy(index: int) -> str:
+            if self.variant != variant:  # a newer edit is rolling out: it reaches this host too
+                return f"host {index}: superseded by a newer edit"
+            self.cluster.write_job(self.job_text(variant), self.cluster.hosts[index], replace=how == "replace")
+            return f"copied to host {index}"
+
+        copy(order[0])
+        return Struck(f"job file variant {variant}, {how}, host {order[0]} first",
+                      *[(now + ROLLOUT_GAP_S * i, lambda index=index: copy(index)) for i, index in enumerate(order[1:], 1)])
 
     def heal(self) -> list[str]:
         """Everything undone that still lasts (the campaign's end): every host up, GCS up."""

@@ -9,7 +9,9 @@ While it runs (probe, every few seconds, and every new log record):
 - status_slow: a live, running host's status unanswered or slower than 1 s;
 - processes: a host running more than one worker or coordinator of the job;
 - replica_mismatch: replicas found to differ with no bit flip (or host spike, whose replay names
-  a replica) injected shortly before.
+  a replica) injected shortly before;
+- failed: the job FAILED on a host neither left out of the gang (quarantined, evicted) nor out
+  of a budget (restarts, rollbacks): judged by the campaign's operator (campaign.py).
 At the end (every daemon stopped with SIGTERM):
 - checksum: a committed checkpoint on a host's disk or in GCS that does not read back whole
   (those a corrupt_checkpoint fault damaged left out);

@@ -28,7 +28,7 @@ TIMED = {
     "corrupt_checkpoint": "a file of a committed local checkpoint truncated or a byte of it flipped",
     "preemption": "the GCE preemption notice; the VM is deleted 30 s later and comes back blank",
     "maintenance": "a GCE maintenance event (live migration) for a few seconds",
-    "job_edit": "the job file edited in place or replaced by a rename, on every host",
+    "job_edit": "the job file edited in place or replaced by a rename, on one host after another",
 }
 # Faults at a step (debug.inject): the host is the replica they strike.
 STEPPED = {
