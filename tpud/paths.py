@@ -35,6 +35,11 @@ class Paths:
         """remote_jobs' mirror (tpud/jobfiles/remote.py): the job files of the GCS prefix, as last listed."""
         return self.state / "remote-jobs"
 
+    def watches(self, job_file: Path) -> bool:
+        """Whether the daemon runs this job file from the directories it watches (jobs.d/, or
+        remote_jobs' mirror), not from `tpud run`'s command line."""
+        return job_file.parent in (self.jobs_dir, self.remote_jobs)
+
     def job_dir(self, job: str) -> Path:
         return self.layout.job_dir(job)
 

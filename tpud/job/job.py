@@ -280,7 +280,6 @@ class Job:
     on_started = on_heartbeat
 
     def on_step(self, event: events.Step) -> None:
-        self.restarts.differing_since = None  # the gang agreed: a later difference is waited for afresh
         if self.clock() - self._saved_at >= SAVE_EVERY_S:
             self.save()
 
@@ -326,8 +325,7 @@ class Job:
             self._nonfinite_exit()
         elif status in (exit_codes.BAD_INPUT, exit_codes.QUARANTINED):  # never retried on this host
             self.error = self.current.output.last_error() or f"worker exited with {status}"
-            watched = self.file.parent in (self.paths.jobs_dir, self.paths.remote_jobs)  # not `tpud run`'s
-            wait = self.restarts.copies_differ(self.error, watched, self.clock())
+            wait = self.restarts.copies_differ(self.error, self.paths.watches(self.file), self.clock())
             self.backoff_until = self.clock() + (wait or 0.0)  # the hosts' copies change seconds apart
             self._set(State.FAILED if wait is None else State.BACKOFF, f"exit {status}" if wait is None
                       else "the hosts hold other versions of the job file: waiting for them to agree")

@@ -15,7 +15,7 @@ ROUTES: dict[type[events.Event], tuple[str, ...]] = {
     events.Hello: ("tracker", "report", "watch"),
     events.Heartbeat: ("report", "watch", "job"),
     events.Started: ("watch", "ledger", "tracker", "job"),
-    events.Step: ("watch", "checkpoints", "report", "ledger", "tracker", "job"),
+    events.Step: ("watch", "checkpoints", "report", "ledger", "tracker", "restarts", "job"),
     events.Eval: ("report", "tracker"),
     events.CheckpointStarted: ("watch",),
     events.CheckpointCommitted: ("restarts", "checkpoints", "watch", "tiers", "job"),

@@ -88,6 +88,11 @@ class Restarts:
         so far, weighed with its prior (checkpoint.disruptions_per_hour)."""
         return DisruptionRate(spec.checkpoint.disruptions_per_hour).per_hour(self.total, seconds)
 
+    def on_step(self, event: events.Step) -> None:
+        """The gang trained a step, so its copies of the job file agreed: a later difference is
+        waited for afresh."""
+        self.differing_since = None
+
     def on_checkpoint_committed(self, event: events.CheckpointCommitted) -> None:
         """The worker made progress: its crashes are not a crash loop."""
         self.streak = 0
