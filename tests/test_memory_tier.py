@@ -253,3 +253,46 @@ def test_a_slot_whose_state_was_discarded_takes_the_next_saves(tmp_path):
     newest = tmp_path / "mem" / mf.step_dir_name(25)
     assert mf.problems(newest, mf.read_manifest(newest), checksums=True) == []
     assert torch.equal(load(newest, {"w": torch.zeros(6)})["w"], torch.arange(6.0) + 3)
+
+
+def test_a_peers_copy_of_a_step_replaces_this_hosts_damaged_copy_and_saves_go_on(tmp_path):
+    """A worker restarted over its memory tier adopts its two newest states, one of them damaged
+    (restore passed it over); a peer sends the same step (engine/checkpoint/restore.py). The peer's
+    copy takes its place, verified, and both slots go on taking saves. Before, the slot that had
+    adopted the damaged copy kept its step, both slots seemed to hold the newest state, and no
+    memory save found a free slot again."""
+    from engine.checkpoint.memory import STATE, TREE, MemoryTier, load
+
+    def describe(path, step, micro_step, reason, files):
+        return mf.Manifest(job="m", step=step, micro_step=micro_step, world_size=1, spec_hash="-", version="-",
+                           reason=reason, files=files)
+
+    def tier(path, commits):
+        return MemoryTier(path, describe, lambda key, p, m, t: commits.append(key),
+                          lambda key, error: pytest.fail(error), background=False)
+
+    mine, peers = tmp_path / "mem", tmp_path / "peer"
+    first = tier(mine, [])
+    for step in (5, 10):
+        first.save({"w": torch.full((6,), float(step))}, (step, 0), "interval", 0.0).release()
+    first.close()
+    damaged = mine / mf.step_dir_name(10) / STATE
+    raw = bytearray(damaged.read_bytes())
+    raw[3] ^= 0x40
+    damaged.write_bytes(bytes(raw))
+    peer = tier(peers, [])
+    peer.save({"w": torch.full((6,), 10.0)}, (10, 0), "interval", 0.0).release()
+    sent = peers / mf.step_dir_name(10)
+
+    commits = []
+    again = tier(mine, commits)  # the restarted worker's: steps 5 and 10 (damaged) adopted
+    assert again._receive((10, 0), torch.frombuffer(bytearray((sent / STATE).read_bytes()), dtype=torch.uint8),
+                          (sent / TREE).read_text(), mf.read_manifest(sent), me=0)
+    received = mine / mf.step_dir_name(10)
+    assert mf.problems(received, mf.read_manifest(received), checksums=True) == []
+    assert torch.equal(load(received, {"w": torch.zeros(6)})["w"], torch.full((6,), 10.0))
+    for step in (15, 20):
+        held = again.save({"w": torch.full((6,), float(step))}, (step, 0), "interval", 0.0)
+        assert held is not None, f"no slot free for step {step}"
+        held.release()
+    assert commits == [(15, 0), (20, 0)] and memory_steps(mine) == [(15, 0), (20, 0)]
