@@ -144,11 +144,11 @@ def test_a_coordinator_that_did_not_answer_is_looked_at_again_a_while_later(coor
     t.start()
     try:
         wait_until(lambda: host1.at == 1 and host1.generation == 0, "host 1 seated in its coordinator")
-        host2.store, host2.at = stores.open_store(addresses[2]), 2
+        host2.seating.store, host2.seating.at = stores.open_store(addresses[2]), 2
         monkeypatch.setitem(stores.DOWN, addresses[1], time.monotonic())
-        assert not host2._better_elsewhere(0, 1)  # host 1's coordinator skipped: it did not answer lately
+        assert not host2.seating._better_elsewhere(0, 1)  # host 1's coordinator skipped: it did not answer lately
         monkeypatch.setitem(stores.DOWN, addresses[1], time.monotonic() - stores.RETRY_DOWN_S - 1)
-        assert host2._better_elsewhere(0, 1)  # looked at again: the same gang, as full, at a lower host
+        assert host2.seating._better_elsewhere(0, 1)  # looked at again: the same gang, as full, at a lower host
     finally:
         stop.set()
         t.join(10)

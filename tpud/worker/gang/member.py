@@ -54,7 +54,6 @@ the one judged hung. Such a gang always changes by the restart path.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import threading
@@ -67,19 +66,14 @@ import structlog
 from engine import events, exit_codes
 from engine.checkpoint.hosts import Hosts
 from engine.errors import ConfigError
-from engine.spec import fingerprint
 from tpud.worker.gang import stores
-from tpud.worker.gang.formation import Seats
 from tpud.worker.gang.host import Formed, HostProcesses, arrival_key
+from tpud.worker.gang.seating import INTERVAL_S, Seating
 
 log = structlog.get_logger()
 
 # What gloo says when a peer's process died under a collective (its kernel closed its sockets).
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-INTERVAL_S = 0.25
-REPROBE_S = 2.0     # how often a waiting worker looks for a coordinator with a newer gang
-REJOIN_S = 30.0     # how long a host whose worker said it restarts is waited for
-CHECKED_S = 10.0    # how long a refusing worker waits for every member to have compared
 
 
 class GangMember:
@@ -92,20 +86,14 @@ class GangMember:
         self.host, self.hosts, self.coordinator = host, hosts, coordinator
         self.local = local
         self.addresses = addresses or [coordinator]
-        self.min_hosts = min_hosts or hosts
-        self.members = list(range(hosts))  # this generation's, once formed
-        self.peer_timeout_s, self.emit, self.restart_peers = peer_timeout_s, emit, restart_peers
-        self.record, self.clock = record, clock  # the job's gang.json: what this host knew, across restarts
-        self.prefix = f"tpud/{job}/"
-        self.store = None
-        self._clients: dict[int, object] = {}  # a connection per coordinator, kept across generations
-        self.at = 0  # the index of the host whose coordinator this worker meets in
-        self.generation = -1
+        self.peer_timeout_s, self.emit, self.restart_peers, self.clock = peer_timeout_s, emit, restart_peers, clock
+        # Its seat: the coordinator, the generation and the gang (record: the job's gang.json).
+        self.seating = Seating(job, host, hosts, min_hosts or hosts, self.addresses, peer_timeout_s, emit, record,
+                               clock, self.per_host)
         self._at = events.Heartbeat(0)  # the training thread's latest boundary
         self._arrivals = 0
         self._leaving = False
         self._stop = threading.Event()
-        self._stop_asked: Callable[[], bool] = lambda: False
         self._watcher: threading.Thread | None = None
         self._read_at: float | None = None  # observe(): the peers' beats, and when each was last seen alive
         self._beats: dict[int, int] = {}
@@ -116,8 +104,6 @@ class GangMember:
         self._wanted_at = (0.0, 0)  # when it was asked, and the training thread's arrivals then
         self.path = "restart"  # how this worker came to its gang: a new process, or in_place
         self._cut_off = False  # it left its gang finding every peer silent: it moves no generation
-        self.source: int | None = None  # the rank holding the gang's newest live state (Hosts.source)
-        self.transfer = False
 
     @classmethod
     def from_env(cls, job: str, emit: Callable[[events.Event], None], record: Path | None = None) -> GangMember | None:
@@ -158,14 +144,20 @@ class GangMember:
     @property
     def place(self) -> Hosts:
         return Hosts(self.rank, len(self.members), fence=self.fence if self.restart_peers else None,
-                     source=self.source, transfer=self.transfer)
+                     source=self.seating.source, transfer=self.seating.transfer)
+
+    # What the seat says (seating.py): the coordinator's store and index, the generation, the gang.
+    store = property(lambda self: self.seating.store)
+    at = property(lambda self: self.seating.at)
+    generation = property(lambda self: self.seating.generation)
+    members = property(lambda self: self.seating.members)
+    prefix = property(lambda self: self.seating.prefix)
 
     def _key(self, name: str, generation: int | None = None) -> str:
-        g = self.generation if generation is None else generation
-        return f"{self.prefix}g{g}/{name}"
+        return self.seating.key(name, generation)
 
     def _host_key(self, name: str, host: int) -> str:
-        return f"{self.prefix}{name}/{host}"
+        return self.seating.host_key(name, host)
 
     # --- joining ---
 
@@ -176,7 +168,6 @@ class GangMember:
         meanwhile; ConfigError when the members' job specs (their fingerprints) differ. `holds`:
         the step whose state this worker holds live (it kept it through a change of its gang), or -1;
         `committed`: the newest step globally committed on this host's disk, or -1."""
-        self._stop_asked, self._holds = stop_asked, f"{holds},{committed}"
         # Only gloo's gang changes in place, with one process a host: nccl's abort and xla's runtime
         # are not built on here, and a host's processes restart together.
         self.in_place = self.allow_in_place and self.restart_peers and backend == "cpu" and self.local is None
@@ -185,10 +176,10 @@ class GangMember:
         if self.local is not None:
             self.local.store()  # served from now on: the host's other processes wait in it for the gang
         while True:
-            if not self._connect():
+            if not self.seating.connect(stop_asked):
                 return False
             try:
-                seated = self._seated(spec)
+                seated = self.seating.sit(spec, f"{holds},{committed}", stop_asked)
                 if seated is None:
                     self.leave()
                     return False
@@ -199,16 +190,17 @@ class GangMember:
                 log.warning("lost the gang's coordinator while waiting for the hosts; looking for it again",
                             coordinator=self.addresses[self.at], error=str(e).splitlines()[0][:200])
         try:
-            self._same_spec()
+            self.seating.same_spec()
         except ConfigError:
-            self._wait_checked()
+            self.seating.wait_checked()
             self.leave()  # every host finds the same: none is waited for
             raise
-        self._live_state()
+        self.seating.live_state()
         if self.local is not None:
             self.local.share(Formed(self.generation, self.members, self.at))
         log.info("gang formed", host=self.host, hosts=self.hosts, members=self.members, generation=self.generation,
-                 coordinator=self.addresses[self.at], path=self.path, source=self.source, transfer=self.transfer)
+                 coordinator=self.addresses[self.at], path=self.path, source=self.seating.source,
+                 transfer=self.seating.transfer)
         self.emit(events.Gang(self.host, self.hosts, len(self.members), self.generation, self.members,
                               coordinator=self.addresses[self.at], path=self.path))
         self._start(backend)
@@ -220,8 +212,9 @@ class GangMember:
         formed = self.local.wait(stop_asked, lambda: self.emit(events.Heartbeat(0)))
         if formed is None:
             return False
-        self.generation, self.members, self.at = formed.generation, formed.members, formed.coordinator
-        self.store = stores.open_store(self.addresses[self.at], stores.STORE_TIMEOUT_S)
+        seat = self.seating
+        seat.generation, seat.members, seat.at = formed.generation, formed.members, formed.coordinator
+        seat.store = stores.open_store(self.addresses[self.at], stores.STORE_TIMEOUT_S)
         if self.store is None:
             raise RuntimeError(f"the gang's coordinator {self.addresses[self.at]} does not answer")
         log.info("gang formed", host=self.host, local_rank=self.local.local_rank, members=self.members,
@@ -245,182 +238,6 @@ class GangMember:
                                     rank=self.process_rank, world_size=self.world,
                                     timeout=datetime.timedelta(minutes=10))
 
-    def _connect(self) -> bool:
-        """Meet in the best coordinator that answers (tpud/worker/gang/stores.py), waiting while none does
-        (every host's daemon may be down, or starting); False on a stop. Moving to another
-        coordinator than the one the last gang met in opens a generation above it there, and marks
-        the host whose coordinator vanished as lost."""
-        waited = self.clock()
-        while (found := stores.best(self.addresses, self.prefix, clients=self._clients)) is None:
-            self.emit(events.Gang(self.host, self.hosts, 0, -1))
-            if self._stop_asked():
-                return False
-            if self.clock() - waited > 30:
-                log.warning("no gang coordinator answers; waiting for one", coordinators=self.addresses)
-                waited = self.clock()
-            time.sleep(INTERVAL_S)
-        self.store, self.at = found.store, found.index
-        known = stores.Known.read(self.record)
-        store = self.store
-        if known.generation >= 0 and found.index != known.coordinator:
-            stores.raise_generation(store, self.prefix + "gen", known.generation + 1)
-            if known.coordinator != self.host and known.coordinator in known.members:
-                if stores.open_store(self.addresses[known.coordinator]) is None:
-                    store.set(self._host_key("mark", known.coordinator), "lost: its coordinator vanished")
-            log.warning("meeting in another host's coordinator", coordinator=self.addresses[found.index],
-                        before=self.addresses[known.coordinator] if known.coordinator < len(self.addresses) else None)
-        last = self._last()
-        if known.generation > last[0]:
-            store.set(self.prefix + "last", json.dumps({"generation": known.generation,
-                                                        "members": list(known.members)}))
-        if store.add(self.prefix + "made", 1) == 1:  # the first worker here makes every host's keys:
-            for h in range(self.hosts):              # one multi_get then reads them all
-                store.add(self._host_key("alive", h), 0)
-                store.compare_set(self._host_key("mark", h), "", "")
-        return True
-
-    def _last(self, before: int | None = None) -> tuple[int, tuple[int, ...]]:
-        """The newest gang formed (before generation `before`: a peer may have formed this one
-        already, and its members are no guide to whom this one may go on without)."""
-        try:
-            if not self.store.check([self.prefix + "last"]):
-                return -1, ()
-            record = json.loads(self.store.get(self.prefix + "last"))
-            if before is not None and int(record["generation"]) >= before:
-                return int(record.get("previous", -1)), tuple(record.get("before", ()))
-            return int(record["generation"]), tuple(record["members"])
-        except (ValueError, KeyError, TypeError):
-            return -1, ()
-
-    def _seats(self, g: int, observed: dict[int, tuple[int, float]]) -> Seats:
-        """One look at generation g: who is seated, and who is excused (formation.py)."""
-        store = self.store
-        roster = stores.seated_in(store, self._key("roster", g))
-        alive = [int(v) for v in store.multi_get([self._host_key("alive", h) for h in range(self.hosts)])]
-        marks = [v.decode() for v in store.multi_get([self._host_key("mark", h) for h in range(self.hosts)])]
-        now, last = self.clock(), self._last(before=g)[1]
-        lost = set()
-        for h in range(self.hosts):
-            before = observed.get(h)
-            if before is None or before[0] != alive[h]:
-                observed[h] = (alive[h], now)
-            waited = now - observed[h][1]
-            if marks[h].startswith("lost") or (last and h not in last):  # gone, or not in the gang before
-                lost.add(h)
-            elif h in last and waited > (REJOIN_S if marks[h] == "rejoin" else self.peer_timeout_s):
-                lost.add(h)
-        return Seats(self.hosts, self.min_hosts, frozenset(roster),
-                     frozenset(h for h in range(self.hosts) if marks[h].startswith("out")),
-                     frozenset(lost), last)
-
-    def _seated(self, spec: dict) -> bool | None:
-        """Take this host's seat in the current generation and wait for the others; False when the
-        generation moved on meanwhile, or a coordinator with a newer gang turned up (try again),
-        None when a stop was asked."""
-        store, gen = self.store, self.prefix + "gen"
-        g = int(store.add(gen, 0))
-        if store.check([self._key("started", g)]):  # that gang formed and lost a worker: open the next one
-            store.compare_set(gen, str(g), str(g + 1))
-            return False
-        self.generation = g
-        store.set(self._key(f"spec/{self.host}"), fingerprint.canonical(spec))  # first: a seat vouches for it
-        store.set(self._key(f"holds/{self.host}"), self._holds)
-        # Before the seat: once the gang forms, every member's exist (its processes' arrivals each).
-        for name in [f"beat/{self.host}", *(arrival_key(self.host, local) for local in range(self.per_host))]:
-            store.add(self._key(name), 0)
-        store.set(self._host_key("mark", self.host), "")  # this host is back
-        store.append(self._key("roster"), f"{self.host},")
-        reported, told, probed, observed = None, 0.0, self.clock(), {}
-        while True:
-            if store.check([self._key("members", g)]):  # a peer found it complete: join it, even if the
-                return self._form([], ())              # next one opened meanwhile (it then changes in turn)
-            if int(store.add(gen, 0)) != g:
-                return False
-            store.add(self._host_key("alive", self.host), 1)
-            seats = self._seats(g, observed)
-            present = len(seats.seated)
-            if present != reported:
-                log.info("waiting for hosts", present=present, hosts=self.hosts, waiting_for=seats.waiting_for(),
-                         excused=sorted(seats.excused), generation=g, coordinator=self.addresses[self.at])
-                if seats.short_of_quorum():
-                    log.warning("the hosts here are no majority of the last gang: waiting for the others",
-                                seated=sorted(seats.seated), last=list(seats.last))
-            if present != reported or self.clock() - told >= 1.0:  # the daemon's status, and its hang watch
-                self.emit(events.Gang(self.host, self.hosts, present, g, missing=seats.waiting_for(),
-                                      coordinator=self.addresses[self.at]))
-                reported, told = present, self.clock()
-            if seats.complete():
-                return self._form(sorted(seats.seated), seats.last)
-            if self._stop_asked():
-                store.append(self._key("roster"), f"-{self.host},")
-                return None
-            if len(self.addresses) > 1 and self.clock() - probed >= REPROBE_S:
-                probed = self.clock()
-                if self._better_elsewhere(g, present):
-                    store.append(self._key("roster"), f"-{self.host},")
-                    return False
-            time.sleep(INTERVAL_S)
-
-    def _better_elsewhere(self, g: int, seats: int) -> bool:
-        """Whether another coordinator holds a newer gang than this one (this host was cut off)."""
-        here = (g, seats, -self.at)
-        down = {i for i, address in enumerate(self.addresses) if stores.down_lately(address)}
-        found = stores.best(self.addresses, self.prefix, skip=frozenset({self.at, *down}), clients=self._clients)
-        if found is None or found.rank <= here:
-            return False
-        log.warning("another coordinator holds a newer gang: moving there", coordinator=self.addresses[found.index],
-                    generation=found.generation, here=g)
-        return True
-
-    def _form(self, seated: list[int], last: tuple[int, ...]) -> bool:
-        """Fix the members (the first worker to get here writes them, so all agree), or False when
-        this host took its seat after they were fixed: the next generation takes it."""
-        store = self.store
-        if store.add(self._key("forming"), 1) == 1:
-            store.set(self._key("members"), json.dumps(seated))
-        self.members = json.loads(store.get(self._key("members")))
-        if self.host not in self.members:
-            store.compare_set(self.prefix + "gen", str(self.generation), str(self.generation + 1))
-            return False
-        previous = self._last(before=self.generation)
-        store.set(self.prefix + "last", json.dumps({"generation": self.generation, "members": self.members,
-                                                    "previous": previous[0], "before": list(previous[1])}))
-        store.set(self._key("started"), "1")
-        stores.Known(self.generation, tuple(self.members), self.at).write(self.record)
-        if last and tuple(self.members) != tuple(last):
-            grew, shrank = sorted(set(self.members) - set(last)), sorted(set(last) - set(self.members))
-            log.warning("the gang changed", members=self.members, joined=grew, left=shrank, generation=self.generation)
-        return True
-
-    def _live_state(self) -> None:
-        """Whether some member kept a live state (a gang changed in place) at least as new as every
-        member's newest commit: the newest one, on the lowest such member, is what every member
-        trains on (Hosts.source); else all restore the newest global commit. (A host that was
-        paused holds an old live state: the others, restarted meanwhile, may have committed past it.)"""
-        published = [v.decode().split(",") for v in self.store.multi_get([self._key(f"holds/{h}")
-                                                                           for h in self.members])]
-        holds, commits = [int(v[0]) for v in published], [int(v[1]) for v in published]
-        newest = max(holds)
-        self.source = holds.index(newest) if newest >= 0 and newest >= max(commits) else None
-        self.transfer = self.source is not None and any(h != newest for h in holds)
-
-    def _same_spec(self) -> None:
-        """Compare every member's fingerprint."""
-        specs = self.store.multi_get([self._key(f"spec/{h}") for h in self.members])  # set before each seat
-        found = {h: json.loads(spec) for h, spec in zip(self.members, specs)}
-        self.store.append(self._key("checked"), f"{self.host},")
-        fingerprint.check_hosts(found)
-
-    def _wait_checked(self) -> None:
-        """Before a refusing worker exits: every member has compared, so none waits on a coordinator
-        that goes away with this host (a `tpud run`'s); bounded, the others may be gone."""
-        deadline = self.clock() + CHECKED_S
-        try:
-            while not set(self.members) <= stores.hosts_in(self.store, self._key("checked")) and self.clock() < deadline:
-                time.sleep(INTERVAL_S / 5)
-        except (RuntimeError, OSError):
-            pass
-
     # --- while training ---
 
     def arrived(self, at: events.Heartbeat) -> None:
@@ -432,7 +249,6 @@ class GangMember:
         another process (of any host) is behind it. Local rank 0 also beats for its host and judges
         the others' (a host's other processes leave that to it: their daemon ends them with it)."""
         store, me, leads = self.store, self.host, self.leads
-        peers = [h for h in self.members if h != me]
         mine = self._key(arrival_key(me, self.local.local_rank if self.local is not None else 0))
         others = [key for key in (self._key(arrival_key(h, local)) for h in self.members
                                   for local in range(self.per_host)) if key != mine]
@@ -445,7 +261,7 @@ class GangMember:
                 store.add(mine, arrived - published)
                 published = arrived
                 if leads:
-                    self._judge(peers)
+                    self._judge()
                 if others and any(int(a) < published for a in store.multi_get(others)):
                     # Waiting for a slower process in a collective: alive, and not the one to blame.
                     self.emit(self._at)
@@ -457,17 +273,14 @@ class GangMember:
                 if leads and self.clock() - lost_since > self.peer_timeout_s:
                     self._disrupted(f"lost the gang's coordinator {self.addresses[self.at]}: {e}", reachable=False)
 
-    def _judge(self, peers: list[int]) -> None:
+    def _judge(self) -> None:
         """Beat for this host, and end this worker when the gang moved on or a peer's beat stood still."""
         store, me = self.store, self.host
         store.add(self._key(f"beat/{me}"), 1)
         store.add(self._host_key("alive", me), 1)
         if (g := int(store.add(self.prefix + "gen", 0))) != self.generation:
             self._disrupted(f"another host's worker restarted (generation {self.generation} -> {g})")
-        now = self.observe()
-        stale = [h for h in peers if now - self._alive_at[h] > self.peer_timeout_s
-                 and not store.check([self._key(f"left/{h}")])]
-        if stale:
+        if stale := self._silent(self.observe()):
             self._lost(stale)
 
     def observe(self) -> float:
@@ -488,6 +301,11 @@ class GangMember:
                 self._alive_at[h] = self._read_at
         self._read_at = now
         return now
+
+    def _silent(self, now: float) -> list[int]:
+        """The peers not seen beating for the peer timeout (observe), less those that left on purpose."""
+        return [h for h, at in self._alive_at.items() if now - at > self.peer_timeout_s
+                and not self.store.check([self._key(f"left/{h}")])]
 
     def _lost(self, stale: list[int]) -> None:
         """Peers whose beat stood still. When every peer's did, this host is more likely the one that
@@ -513,8 +331,7 @@ class GangMember:
             return None
         now = self.clock()
         try:
-            silent = [h for h, at in self._alive_at.items() if now - at > self.peer_timeout_s
-                      and not self.store.check([self._key(f"left/{h}")])]
+            silent = self._silent(now)
             current = int(self.store.add(self.prefix + "gen", 0))
         except Exception as e:  # noqa: BLE001
             return f"the gang's coordinator did not answer: {str(e)[:200]}"
@@ -548,7 +365,7 @@ class GangMember:
         os._exit(exit_codes.GANG_RESTART)
 
     def _restarting(self, bump: bool = True) -> None:
-        """This worker exits and its daemon starts another: the next gang waits for it (REJOIN_S)."""
+        """This worker exits and its daemon starts another: the next gang waits for it (seating.REJOIN_S)."""
         try:
             self.store.set(self._host_key("mark", self.host), "rejoin")
         except Exception:  # noqa: BLE001  (unreachable: the others find out by themselves)
@@ -590,7 +407,7 @@ class GangMember:
 
     def leave_generation(self) -> None:
         """Stop watching this generation and end it (the first to notice opens the next one; the
-        others' watchers see it), saying this host comes back: the next gang waits for it (REJOIN_S)
+        others' watchers see it), saying this host comes back: the next gang waits for it (seating.REJOIN_S)
         rather than take a slow regroup for a lost host."""
         self._stop.set()
         if self._watcher is not None:
