@@ -124,6 +124,30 @@ def test_a_job_edit_reaches_the_hosts_one_after_another_and_a_newer_edit_superse
     assert cluster.held == {0: "variant 0", 1: "variant 0", 2: "variant 0"}
 
 
+def test_a_campaign_that_does_not_finish_says_where_each_host_stands():
+    """The one look a failed short campaign leaves (a CI run): each host's state, step, error, gang
+    and last events, in the results and in the lines it says."""
+    from types import SimpleNamespace
+
+    from testkit.chaos.campaign import Campaign
+
+    rows = [{"state": "SUCCEEDED", "step": 130}, None,
+            {"state": "STARTING", "step": 100, "error": None, "gang": {"state": "waiting for hosts (1 of 3)"}}]
+    hosts = [SimpleNamespace(index=i, status=lambda row=row: (row, 0.001),
+                             log=SimpleNamespace(records=[{"event": "job state"}, {"event": "gang formed"}]))
+             for i, row in enumerate(rows)]
+    lines = []
+    campaign = Campaign(Options(say=lines.append), SimpleNamespace(hosts=hosts), [], {})
+    campaign.unfinished("not every host finished step 130")
+    (violation,) = campaign.checker.violations
+    assert violation.invariant == "unfinished" and violation.detail.startswith("not every host finished step 130: ")
+    said = "\n".join(lines)
+    for text in ("host 0: SUCCEEDED at step 130", "host 1: None at step None",
+                 "host 2: STARTING at step 100 (error None, gang 'waiting for hosts (1 of 3)'); "
+                 "last: ['job state', 'gang formed']"):
+        assert text in said and text in violation.detail
+
+
 @pytest.fixture(scope="module")
 def chaos_cli():
     import importlib.util

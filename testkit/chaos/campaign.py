@@ -281,8 +281,7 @@ class Campaign:
                    and not (r.get("gang") or {}).get("missing") for r in rows):
                 return round(self.now() - started, 1)
             time.sleep(1.0)
-        self.checker.violate("unfinished", None, f"the gang did not settle in {self.opts.settle_timeout_s:.0f} s: "
-                             f"{self.hosts_now()}")
+        self.unfinished(f"the gang did not settle in {self.opts.settle_timeout_s:.0f} s")
         return None
 
     def top_step(self) -> int:
@@ -297,22 +296,20 @@ class Campaign:
             if all(s == "SUCCEEDED" for s in states):
                 return True
             time.sleep(1.0)
-        reasons = [f for f in self.checker.failures][-3:]
-        self.checker.violate("unfinished", None, f"not every host finished step {final_steps}: "
-                             f"{self.hosts_now()}; failures: {reasons}")
+        self.unfinished(f"not every host finished step {final_steps}; failures: {self.checker.failures[-3:]}")
         return False
 
-    def hosts_now(self) -> str:
-        """What an operator would look at on each host of a gang that does not finish: its job's
-        row in `tpud status` and the daemon's last events."""
-        said = []
+    def unfinished(self, what: str) -> None:
+        """The violation, with what an operator would look at on each host: its job's row in `tpud
+        status` and the daemon's last events (said in full too: the violation keeps 800 characters)."""
+        hosts = []
         for h in self.cluster.hosts:
             row = h.status()[0] or {}
-            gang = row.get("gang") or {}
             last = [r.get("event") for r in h.log.records[-4:]]
-            said.append(f"host {h.index}: {row.get('state')} at step {row.get('step')} "
-                        f"(error {row.get('error')!r}, gang {gang.get('state')!r}); last: {last}")
-        return " | ".join(said)
+            hosts.append(f"host {h.index}: {row.get('state')} at step {row.get('step')} (error {row.get('error')!r}, "
+                         f"gang {(row.get('gang') or {}).get('state')!r}); last: {last}")
+        self.opts.say(f"  {self.now():7.1f}s  unfinished: {what}\n" + "\n".join(f"    {line}" for line in hosts))
+        self.checker.violate("unfinished", None, f"{what}: {' | '.join(hosts)}")
 
     def stop_daemons(self) -> None:
         for h in self.cluster.hosts:
