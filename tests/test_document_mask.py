@@ -242,16 +242,17 @@ def test_samples_of_a_masked_dataset_are_a_pure_function_of_the_index(dataset, t
 
 
 # This job's per-step losses without document masking, by torch release (its random draws, and so
-# the initial weights, differ between releases) and by the CPU kernels torch dispatches to (AVX2's
-# and AVX-512's sums round one step's last bit apart): on 2.9 recorded by the engine before
-# document masking existed, on 2.15 by the engine with it off. Every step must round the same.
+# the initial weights, differ between releases), each as the CPU kernels torch picks round them
+# (step 5's last bit differs between machines: AVX2 and some AVX-512 ones give the first, others
+# the second, whatever get_cpu_capability says): on 2.9 recorded by the engine before document
+# masking existed, on 2.15 by the engine with it off. Every step must round as one of them does.
 UNMASKED = {
-    ("2.9", "AVX2"): [5.344520568847656, 4.931114196777344, 4.591662883758545, 4.188116550445557, 3.9520304203033447,
-                      3.8339297771453857],
-    ("2.15", "AVX2"): [5.250762939453125, 4.788845539093018, 4.450893878936768, 4.067201614379883, 3.843997001647949,
-                       3.7426135540008545],
-    ("2.15", "AVX512"): [5.250762939453125, 4.788845539093018, 4.450893878936768, 4.067201614379883,
-                         3.8439972400665283, 3.7426135540008545],
+    "2.9": [[5.344520568847656, 4.931114196777344, 4.591662883758545, 4.188116550445557, 3.9520304203033447,
+             3.8339297771453857]],
+    "2.15": [[5.250762939453125, 4.788845539093018, 4.450893878936768, 4.067201614379883, 3.843997001647949,
+              3.7426135540008545],
+             [5.250762939453125, 4.788845539093018, 4.450893878936768, 4.067201614379883, 3.8439972400665283,
+              3.7426135540008545]],
 }
 
 
@@ -259,10 +260,10 @@ def test_without_document_mask_the_losses_are_bitwise_those_of_before(tiny_spec,
     spec = tiny_spec("data.seq_len=64", "data.micro_batch_size=4", "train.max_steps=6", "train.log_interval=1",
                      "scheduler.warmup_steps=2", "model.n_layers=2", "train.mixed_precision=fp32",
                      "train.grad_accum_steps=3", "attention.kernel=sdpa")
-    key = (".".join(torch.__version__.split("+")[0].split(".")[:2]), torch.backends.cpu.get_cpu_capability())
-    assert key in UNMASKED, f"no losses recorded for torch {key[0]} on {key[1]}: record them from a tree known good"
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert release in UNMASKED, f"no losses recorded for torch {release}: record them from a tree known good"
     assert Trainer(spec, tmp_path, losses := StepLosses()).run() == exit_codes.OK
-    assert losses.losses == UNMASKED[key]
+    assert losses.losses in UNMASKED[release], (torch.backends.cpu.get_cpu_capability(), losses.losses)
 
 
 def test_document_mask_on_the_builtin_corpus_masks_its_files(tiny_spec, tmp_path):

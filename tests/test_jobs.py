@@ -479,6 +479,28 @@ def test_a_stop_while_the_fork_server_imports_starts_nothing(make_job):
     assert job.state is State.STOPPED and job.workers.made == []
 
 
+def test_a_job_file_changed_while_the_start_waits_starts_with_the_new_spec(make_job):
+    """The chaos campaign (seed 9): a job file copied in while a restarted daemon's start still waited
+    left the job STOPPED for good, no error, nothing to start it again."""
+    make, _ = make_job
+    server = FakeForkServer()
+    job = make(restart={"standby": True}, forkserver=server)
+    job.start()
+    edited = job.spec.model_copy(update={"optimizer": job.spec.optimizer.model_copy(update={"lr": 0.5})})
+    job.replace_spec(edited, job.file)
+    server.imported()
+    assert job.state is State.STARTING and [w.spec.optimizer.lr for w in job.workers.made] == [0.5]
+    # An operator's stop while the start waits is not undone by an edit that follows it.
+    job.worker_exited(137)
+    server.warm, server.waiting = False, []  # importing again (a restart of the fork server)
+    job.start()
+    job.held = True
+    job.stop("stop")
+    job.replace_spec(job.spec.model_copy(), job.file)
+    server.imported()
+    assert job.state is State.STOPPED and len(job.workers.made) == 1
+
+
 def test_standby_false_starts_cold_without_the_fork_server(make_job):
     make, _ = make_job
     server = FakeForkServer()

@@ -185,19 +185,29 @@ class Checkpointer:
         self.wait()
         existing = self.job_dir / mf.step_dir_name(progress.step, progress.micro_step)
         manifest = mf.read_manifest(existing)
-        committed = manifest is not None and mf.is_global(existing, manifest)
-        if self.world > 1:
-            # The ranks' writers are done, but rank 0 writes the manifest last: a rank that looked
-            # before it was there would save alone, waiting in collectives no other rank enters.
-            committed = self.backend.any_rank(committed)
+        here = everywhere = manifest is not None and mf.is_global(existing, manifest)
+        # The ranks' writers are done, but rank 0 writes the manifest last: a rank that looked
+        # before it was there would save alone, waiting in collectives no other rank enters.
+        if self.hosts is not None:
+            # Each host judges its own part: one that restored a peer's memory state lacks the
+            # disk part its peers hold, and must not commit alone while they skip.
+            here = any(gang.gather_host(here, self.group))
+            everywhere = all(gang.exchange(here, self.hosts, self.hosts_group))
+        elif self.world > 1:
+            here = everywhere = self.backend.any_rank(here)
+        if here:
             manifest = manifest or mf.read_manifest(existing)
-        if committed:  # e.g. the step this run resumed from
+        if everywhere:  # e.g. the step this run resumed from
             self.writer.failures = 0
             self.emit(events.CheckpointCommitted(progress.step, progress.micro_step, reason, str(existing),
                                                  bytes=manifest.total_bytes if manifest else 0, seconds=0.0))
             return True
         started = time.monotonic()
         blocking = wait or not self.cfg.async_
+        if here:  # this host's part is committed: it only joins the other hosts' global commit
+            with self.writer.lock:
+                self.writer.submit(None, progress.step, progress.micro_step, reason, started, self.data_skips)
+            return self.wait() if blocking else None
         state = self.state.gather(progress)
         held = self._in_memory(state, progress, reason, started)
         if held is not None:  # written from the memory tier's copy: no second one

@@ -62,9 +62,11 @@ class DiskWriter:
         """A write is in flight (the caller holds `lock`)."""
         return self._pending is not None and not self._pending.done()
 
-    def submit(self, staged: dict, step: int, micro_step: int, reason: str, started: float,
+    def submit(self, staged: dict | None, step: int, micro_step: int, reason: str, started: float,
                data_skips: tuple[tuple[int, int], ...], release: Callable[[], None] | None = None) -> None:
-        """Write `staged` in the background, then call `release` (the caller holds `lock`)."""
+        """Write `staged` in the background, then call `release` (the caller holds `lock`). None: this
+        host's part of the step is committed already, and only the other hosts' global commit is
+        joined."""
         self._pending = self.pool.submit(self._write, staged, step, micro_step, reason, started, data_skips, release)
 
     def wait(self) -> bool | None:
@@ -81,24 +83,16 @@ class DiskWriter:
             if release is not None:
                 release()
 
-    def _write_to_disk(self, staged: dict, step: int, micro_step: int, reason: str, started: float,
+    def _write_to_disk(self, staged: dict | None, step: int, micro_step: int, reason: str, started: float,
                        data_skips: tuple[tuple[int, int], ...]) -> bool:
         final = self.job_dir / mf.step_dir_name(step, micro_step)
         tmp = self.job_dir / f".tmp-{final.name}"
         manifest = None  # rank 0's: it writes it
         try:
-            if self.rank == 0:
-                self._prepare(tmp, staged)
-            save_planner, _ = self.backend.planners()
-            writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITER_THREADS)
-            dcp.save(staged, storage_writer=writer, planner=save_planner,
-                     process_group=self.group, no_dist=self.group is None)
-            if self.rank == 0:
-                manifest = self._describe(tmp, step, micro_step, reason, data_skips=data_skips)
-                mf.write_manifest(tmp, manifest)
-                if final.exists():  # not committed there (save() looked): a leftover, never trusted
-                    retention.move_aside(self.job_dir, final, ["not committed"], self.rank)
-                tmp.rename(final)  # committed (its host's part, with several): nothing after this may fail the save
+            if staged is None:
+                manifest = self._committed_part(final)
+            else:
+                manifest = self._write_part(staged, final, tmp, step, micro_step, reason, data_skips)
             error = None
         # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
         except (Exception, CheckpointException) as e:  # a failed save must never end the run (module docstring)
@@ -120,6 +114,34 @@ class DiskWriter:
             self._emit(events.CheckpointCommitted(step, micro_step, reason, str(final), bytes=manifest.total_bytes,
                                                   seconds=round(time.monotonic() - started, 3)))
         return True
+
+    def _write_part(self, staged: dict, final: Path, tmp: Path, step: int, micro_step: int, reason: str,
+                    data_skips: tuple[tuple[int, int], ...]) -> mf.Manifest | None:
+        """DCP files, then the manifest, then the rename that commits (this host's part, with
+        several): rank 0's manifest, None on the other ranks."""
+        manifest = None
+        if self.rank == 0:
+            self._prepare(tmp, staged)
+        save_planner, _ = self.backend.planners()
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITER_THREADS)
+        dcp.save(staged, storage_writer=writer, planner=save_planner,
+                 process_group=self.group, no_dist=self.group is None)
+        if self.rank == 0:
+            manifest = self._describe(tmp, step, micro_step, reason, data_skips=data_skips)
+            mf.write_manifest(tmp, manifest)
+            if final.exists():  # not committed there (save() looked): a leftover, never trusted
+                retention.move_aside(self.job_dir, final, ["not committed"], self.rank)
+            tmp.rename(final)  # committed: nothing after this may fail the save
+        return manifest
+
+    def _committed_part(self, final: Path) -> mf.Manifest | None:
+        """The manifest of this host's part, committed before (rank 0's; None on the other ranks)."""
+        if self.rank != 0:
+            return None
+        manifest = mf.read_manifest(final)
+        if manifest is None:
+            raise FileNotFoundError(f"{final}: this host's committed part vanished before the global commit")
+        return manifest
 
     def _commit_globally(self, final: Path, manifest: mf.Manifest | None, error: str | None) -> str | None:
         """Every host's outcome, then the global marker if all parts are durable: why not, or None.

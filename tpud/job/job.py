@@ -180,8 +180,10 @@ class Job:
 
     def _prepared(self, error: tuple[str, str] | None) -> None:
         self._preparing = False
-        if self.stop_reason is not None:  # stopped while preparing
+        if self.stop_reason is not None:  # stopped while preparing; a reload starts again, with the new spec
             self.ledger.worker_exited(lost_work=False)
+            if self.stop_reason == "reload":
+                return self.start()
             self._set(State.PREEMPTED if self.stop_reason == "preempted" else State.STOPPED, self.stop_reason)
         elif error is not None:
             self.ledger.worker_exited(lost_work=True)
@@ -236,7 +238,7 @@ class Job:
         self.file, self.restarts.differing_since = file, None
         if self.state in ACTIVE:
             self.next_spec = spec
-            if self.state is not State.STOPPING:
+            if self.stop_reason is None:  # a stop under way (or asked while the start waits) wins
                 self.stop("reload")
         else:
             self._adopt(spec)
@@ -365,8 +367,7 @@ class Job:
 
     def next_timer(self) -> float | None:
         """When tick() next has something to do (the clock's time), so the loop wakes on time."""
-        backoff = self.backoff_until if self.state is State.BACKOFF else None
-        timers = [*self.current.timers(), backoff]
+        timers = [*self.current.timers(), self.backoff_until if self.state is State.BACKOFF else None]
         return min((t for t in timers if t is not None), default=None)
 
     # --- reading ---
