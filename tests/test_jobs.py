@@ -70,14 +70,15 @@ def step(n, step_time=0.5, **badput):
 def make_job(tmp_path):
     now = [1000.0]
 
-    def make(restart=None, health=None, workers=None, metrics=None, checkpoint=None, forkserver=None):
+    def make(restart=None, health=None, workers=None, metrics=None, checkpoint=None, forkserver=None, gang=None,
+             train=None):
         spec = JobSpec.model_validate({
-            "name": "j", "health": health or {}, "checkpoint": checkpoint or {},
+            "name": "j", "health": health or {}, "checkpoint": checkpoint or {}, "train": train or {},
             "restart": {"max_restarts": 3, "window_seconds": 100, "backoff_initial_seconds": 2,
                         "backoff_max_seconds": 5, "standby": False, **(restart or {})}})
         workers = workers or Workers()
         job = Job(spec, tmp_path / "j.yaml", Paths.resolve(tmp_path), Loop(), metrics or Metrics(), stop_timeout=10,
-                  clock=lambda: now[0], spawn=workers, forkserver=forkserver)
+                  clock=lambda: now[0], spawn=workers, forkserver=forkserver, gang=gang)
         job.workers = workers  # for the test to look at
         return job
 
@@ -643,3 +644,30 @@ def test_a_worker_that_fails_after_its_final_checkpoint_is_not_restarted(make_jo
     job.handle(events.CheckpointCommitted(job.spec.train.max_steps, 0, "final", "/c/b"))
     job.worker_exited(134)
     assert job.state is State.SUCCEEDED and "(then exit 134)" in job.record.history[-1]["reason"]
+
+
+@pytest.mark.parametrize("newest", ["final", "interval", "newer"])
+def test_a_gang_host_back_after_its_gang_finished_succeeds_without_waiting_for_it(make_job, tmp_path, newest):
+    """A host lost near the end and back after the others' SUCCEEDED (its start brought the gang's
+    final save from GCS): its worker would wait for a gang that never forms again. Only the final
+    save at max_steps says so: after an edit of max_steps below the gang's step, or with an interval
+    save at it, every host starts its worker and the gang saves its final step together."""
+    from engine.checkpoint.manifest import Manifest, step_dir_name, write_global, write_manifest
+    from tpud.gang.discovery import GangPlace
+
+    step_n = 20 if newest == "newer" else 12
+    directory = Paths.resolve(tmp_path).layout.checkpoints("j", None) / step_dir_name(step_n)
+    directory.mkdir(parents=True)
+    (directory / "state").write_bytes(b"x")
+    manifest = Manifest.describe(directory, job="j", step=step_n, micro_step=0, world_size=1, spec_hash="h",
+                                 version="v", reason="interval" if newest == "interval" else "final", host=1, hosts=2)
+    write_manifest(directory, manifest)
+    write_global(directory, manifest)
+    make, _ = make_job
+    job = make(gang=GangPlace(host=1, hosts=2, coordinator="127.0.0.1:1"), train={"max_steps": 12})
+    job.start()
+    if newest == "final":
+        assert job.state is State.SUCCEEDED and job.workers.made == []
+        assert "final step" in job.record.history[-1]["reason"]
+    else:
+        assert job.state is State.STARTING and len(job.workers.made) == 1

@@ -192,6 +192,9 @@ class Job:
             self._spawn()
 
     def _spawn(self) -> None:
+        if self.gang.place is not None and self.checkpoints.holds_final(self.tiers.local_job_dir, self.spec):
+            self._set(State.STARTING)  # a host back after its gang finished: a worker would wait for it for good
+            return self._set(State.SUCCEEDED, "the gang's final step is committed here: nothing left to train")
         if self.spec.restart.standby and self.forkserver and not self.forkserver.ready():  # importing torch
             self._preparing = True
             self._set(State.STARTING, "the fork server is importing torch and the engine")
@@ -338,14 +341,9 @@ class Job:
 
     def _nonfinite_exit(self) -> None:
         """Exit 76: roll back to the newest checkpoint (the worker recorded the batches to skip), or fail."""
-        what, rollback = self.report.nonfinite_exit()
-        if rollback and self.restarts.rollback(self.spec):
-            self.error, self.backoff_until = what, self.clock()
-            self._set(State.BACKOFF, f"{what}; rollback {self.restarts.rollbacks} of {self.spec.health.max_rollbacks}")
-            return
-        spent = f"; {self.restarts.rollbacks} rollbacks spent" if rollback else ""
-        self.error = what + spent
-        self._set(State.FAILED, f"exit 76: {what}{spent}")
+        again, self.error, reason = self.restarts.nonfinite(self.spec, *self.report.nonfinite_exit())
+        self.backoff_until = self.clock()
+        self._set(State.BACKOFF if again else State.FAILED, reason)
 
     def _crashed(self, error: str, reason: str) -> None:
         self.error = error

@@ -70,6 +70,14 @@ class Restarts:
         self._restart("nonfinite")
         return True
 
+    def nonfinite(self, spec: JobSpec, what: str, rollback: bool) -> tuple[bool, str, str]:
+        """An exit 76 (`what`; `rollback`: the worker recorded the batches to skip): whether the job
+        rolls back (a rollback is left, and is counted), its error, and the reason of its state."""
+        if rollback and self.rollback(spec):
+            return True, what, f"{what}; rollback {self.rollbacks} of {spec.health.max_rollbacks}"
+        spent = f"; {self.rollbacks} rollbacks spent" if rollback else ""
+        return False, what + spent, f"exit 76: {what}{spent}"
+
     def peer(self) -> None:
         """Another host's worker failed and the gang restarts: counted, but no crash of this host's."""
         self._restart("peer")
