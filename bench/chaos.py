@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                         "results files (default bench/results/chaos-*.json)")
     args = parser.parse_args(argv)
     if args.summary is not None:
-        return summarise(args.summary or sorted(p for p in (REPO / "bench" / "results").glob("chaos-*.json")
-                                                if not p.name.endswith(".interrupted.json")), parser)
+        found = [p for p in (REPO / "bench" / "results").glob("chaos-*.json") if p.stem.split("-")[1].isdigit()]
+        return summarise(args.summary or sorted(found, key=lambda p: int(p.stem.split("-")[1])), parser)
     # The GCS client's own records (the end's read-back of every remote commit) are not the report.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     # SIGTERM as Ctrl-C: the campaign's cleanup runs (daemons killed, tmpfs unmounted, files removed).
