@@ -369,6 +369,13 @@ def test_three_hosts_then_two_then_three_keep_the_loss_curve(tmp_path, reference
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     for step, loss in reference[1].items():  # the same samples per step: only the sums' order differs
         assert loss == pytest.approx(losses[step], rel=1e-4), step
+    # Host 2's VM replaced after the gang finished: back blank, it brings the final save from GCS and
+    # is done, rather than start a worker that would wait for hosts that are done for good.
+    shutil.rmtree(hosts[2].home / "state")
+    assert hosts[2].start(REMOTE).wait(timeout=60) == 0
+    assert not hosts[2].records("worker started", every_run=False)
+    assert [r["state"] for r in hosts[2].records("job state", every_run=False)][-1] == "SUCCEEDED"
+    assert hosts[2].final()  # the final step, globally committed, on its disk
 
 
 def test_status_shows_a_gang_waiting_for_its_hosts(tmp_path):

@@ -527,9 +527,12 @@ class Daemon:
             job.close(timeout=remaining())
 
     def _exit_status(self) -> int:
-        """The daemon exits 0; `tpud run` exits with its worker's last status."""
+        """The daemon exits 0; `tpud run` exits with its worker's last status (0 for a gang's job
+        found finished, with no worker started)."""
         if self.single is None:
             return 0
         (job,) = self.jobs.values()
-        return job.last_status if job.last_status is not None else 1
+        if job.last_status is None:
+            return 0 if job.state is State.SUCCEEDED else 1
+        return job.last_status
 
