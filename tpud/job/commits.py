@@ -69,13 +69,13 @@ class JobCheckpoints:
         local = self.tiers.get("local")
         return local is not None and local.micro_step == 0 and local.step >= step
 
-    def holds_final(self, job_dir: Path, spec) -> bool:
+    def holds_final(self, job_dir: Path, max_steps: int) -> bool:
         """Whether the newest committed local step (looked at again: a start may have brought GCS's
         newest here) is the job's final save at max_steps: a gang's job its other hosts finished.
         Not a newer step, nor an interval save at that step: after an edit of max_steps every host
         still starts its worker and the gang saves its final step together."""
         found = self.found_local(job_dir)
-        if found is None or (found.step, found.micro_step) != (spec.train.max_steps, 0):
+        if found is None or (found.step, found.micro_step) != (max_steps, 0):
             return False
         manifest = mf.read_manifest(Path(found.path))
         return manifest is not None and manifest.reason == "final"

@@ -192,7 +192,8 @@ class Job:
             self._spawn()
 
     def _spawn(self) -> None:
-        if self.gang.place is not None and self.checkpoints.holds_final(self.tiers.local_job_dir, self.spec):
+        max_steps = self.spec.train.max_steps
+        if self.gang.place is not None and self.checkpoints.holds_final(self.tiers.local_job_dir, max_steps):
             self._set(State.STARTING)  # a host back after its gang finished: a worker would wait for it for good
             return self._set(State.SUCCEEDED, "the gang's final step is committed here: nothing left to train")
         if self.spec.restart.standby and self.forkserver and not self.forkserver.ready():  # importing torch
