@@ -646,7 +646,7 @@ def test_a_worker_that_fails_after_its_final_checkpoint_is_not_restarted(make_jo
     assert job.state is State.SUCCEEDED and "(then exit 134)" in job.record.history[-1]["reason"]
 
 
-@pytest.mark.parametrize("newest", ["final", "interval", "newer"])
+@pytest.mark.parametrize("newest", ["final", "interval", "newer", "truncated"])
 def test_a_gang_host_back_after_its_gang_finished_succeeds_without_waiting_for_it(make_job, tmp_path, newest):
     """A host lost near the end and back after the others' SUCCEEDED (its start brought the gang's
     final save from GCS): its worker would wait for a gang that never forms again. Only the final
@@ -663,6 +663,8 @@ def test_a_gang_host_back_after_its_gang_finished_succeeds_without_waiting_for_i
                                  version="v", reason="interval" if newest == "interval" else "final", host=1, hosts=2)
     write_manifest(directory, manifest)
     write_global(directory, manifest)
+    if newest == "truncated":  # a damaged final save: the worker's restore deals with it
+        (directory / "state").write_bytes(b"")
     make, _ = make_job
     job = make(gang=GangPlace(host=1, hosts=2, coordinator="127.0.0.1:1"), train={"max_steps": 12})
     job.start()

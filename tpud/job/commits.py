@@ -78,7 +78,10 @@ class JobCheckpoints:
         if found is None or (found.step, found.micro_step) != (max_steps, 0):
             return False
         manifest = mf.read_manifest(Path(found.path))
-        return manifest is not None and manifest.reason == "final"
+        # Files missing or cut short: the worker's restore sets it aside and trains from an older
+        # one. Sizes only: the checksums of a large state are no work for the daemon's loop.
+        return manifest is not None and manifest.reason == "final" and not mf.problems(
+            Path(found.path), manifest, checksums=False)
 
     def wait_for_next(self, after_step: int) -> Future:
         """A future resolved with the next local commit of `after_step` or later."""
