@@ -28,8 +28,13 @@ def test_the_trace_opens_and_the_phases_account_for_the_step(profiled):
     trace = json.loads((out / "trace.json").read_text())  # Chrome trace format: Perfetto opens it
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {f"tpud.{phase}" for phase in profiling.PHASES} <= names and "aten::mm" in names
+    # The phases are disjoint scopes inside the step: never more than it, and the rest is reported
+    # as host gaps. They hold most of it: a phase left unmarked (backward is ~40 % here, forward
+    # ~25 %) falls below the floor. A quiet run leaves ~5 % in gaps; CI's busy 2 cores left 10.5 %
+    # (a preemption between scopes lands in a gap), which failed the 10 % this was once held to.
     measured = sum(report.phases.values())
-    assert 0.9 * report.step_s <= measured <= 1.1 * report.step_s, (measured, report.step_s)
+    assert 0.7 * report.step_s <= measured <= 1.02 * report.step_s, (measured, report.step_s)
+    assert report.host_gaps_s == pytest.approx(max(0.0, report.step_s - measured)), report
     assert all(seconds > 0 for seconds in report.phases.values()), report.phases
     assert report.top and report.top[0]["seconds"] >= report.top[-1]["seconds"]
     assert json.loads((out / "report.json").read_text())["steps"] == 10
