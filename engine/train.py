@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m engine.train", description="Train a job without the tpud supervisor (local only).")
     parser.add_argument("job", help="job YAML file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.max_steps=50")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. train.max_steps=50")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="where jobs/<name>/ and checkpoints/ live (default: $TPUD_STATE_DIR or ./state)")
     args = parser.parse_args(argv)

@@ -51,6 +51,16 @@ def test_what_is_not_an_override_is_still_a_usage_error(argv, capsys):
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "profile", "submit"])
+def test_a_command_without_its_job_file_asks_for_that_alone(command, capsys):
+    """Overrides are optional: Python 3.11's argparse named them required beside the job file."""
+    with pytest.raises(SystemExit) as exit:
+        cli.parse_args([command])
+    assert exit.value.code == commands.EXIT_USAGE
+    assert capsys.readouterr().err.strip().endswith("the following arguments are required: JOB.yaml")
+    assert cli.parse_args([command, "job.yaml"]).overrides == []
+
+
 def test_home_before_the_command_reaches_the_daemon_there(tmp_path, capsys):
     code = cli.main(["--home", str(tmp_path), "status"])
     assert code == commands.EXIT_DAEMON_UNREACHABLE

@@ -123,7 +123,7 @@ def _add_run(subparsers: Subparsers) -> None:
         "crashed beyond its restart budget). Ctrl-C or SIGTERM checkpoints and stops; a second one kills.",
     )
     parser.add_argument("job", metavar="JOB.yaml", help="job file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                         help="dotted overrides, value parsed as YAML (e.g. train.max_steps=50); anywhere after "
                         "the job file, options included")
     parser.add_argument("--metrics-addr", metavar="HOST:PORT", default="127.0.0.1:0",

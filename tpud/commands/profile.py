@@ -33,7 +33,7 @@ def positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB.yaml", help="the job file to profile")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                         help="dotted overrides, value parsed as YAML (e.g. data.micro_batch_size=8)")
     parser.add_argument("--steps", type=positive, default=5, metavar="N", help="steps profiled (default 5)")
     parser.add_argument("--warmup", type=positive, default=3, metavar="N",

@@ -30,7 +30,7 @@ CANCEL = ("Remove job NAME's file from remote_jobs (tpud.yaml's, or --from): eve
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB.yaml", help="the job file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                         help="dotted overrides, value parsed as YAML; the job they make is what is uploaded")
     parser.add_argument("--to", metavar="gs://BUCKET/PREFIX/", help="the remote jobs directory (default: "
                         "tpud.yaml's remote_jobs)")
