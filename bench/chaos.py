@@ -211,7 +211,7 @@ def shrink(opts: Options, result: dict, run=run) -> dict:
     first = result["violations"][0]
     target = first["invariant"]
     faults = sch.from_json(result["schedule"])
-    quiet = {"keep": None, "say": lambda line: None, "reference": opts.reference and target == "loss_curve"}
+    quiet = {"keep": None, "keep_violating": False, "say": lambda line: None, "reference": opts.reference and target == "loss_curve"}
 
     def trying(**changes) -> Callable[[list[sch.Fault]], bool]:
         def fails(schedule: list[sch.Fault]) -> bool:
@@ -255,6 +255,8 @@ def table(r: dict) -> None:
           f"{len(r['faults_per_kind']) + len(r['stepped_fired'])} kinds; goodput per host {r['goodput']}; "
           f"steps redone per host {r['steps_redone']}; status answered in median {r['status_s']['median']} s, "
           f"max {r['status_s']['max']} s")
+    if "longest_stall_s" in r:  # results before the stalled invariant lack it
+        print(f"longest time with no new step while faults struck: {r['longest_stall_s']} s")
     if (loss := r.get("loss_curve")) is not None:
         print(f"loss curve vs the reference run: {loss['steps_compared']} steps, worst {loss['window']}-step window "
               f"{loss['max_rel_diff']:.3%} apart {loss['worst_window']}; final loss {loss['final_loss']} vs "

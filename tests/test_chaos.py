@@ -148,6 +148,74 @@ def test_a_campaign_that_does_not_finish_says_where_each_host_stands():
         assert text in said and text in violation.detail
 
 
+def test_a_gang_that_trains_past_no_new_step_for_five_minutes_is_stalled_once_per_stall():
+    """chaos-12: three live hosts trained no step past 7,200 for 20 minutes of faults, and the job
+    finished once they stopped: no other invariant saw it. Steps redone below the newest (a
+    rollback, a restore) are no progress; a new step ends the stall."""
+    from types import SimpleNamespace
+
+    from testkit.chaos.invariants import STALL_BOUND_S, Checker, longest_stall
+
+    t0 = 1000.0
+    checker = Checker(SimpleNamespace(hosts=[]), t0, faults_around=lambda t: [f"fault near {t:.0f}"])
+
+    def step(host, at, n):
+        checker.record(SimpleNamespace(index=host), {"event": "step", "job": "chaos", "step": n, "_t": t0 + at})
+
+    step(0, 30.0, 1)
+    step(1, 600.0, 7200)
+    checker._stalled(t0 + 600.0 + STALL_BOUND_S)  # at the bound: not yet
+    for at in (700.0, 800.0, 880.0):  # restored and trained again below the newest: still stuck
+        step(2, at, 7190)
+    checker._stalled(t0 + 901.0)
+    checker._stalled(t0 + 1200.0)  # the same stall: said once
+    (stalled,) = checker.violations
+    assert (stalled.invariant, stalled.t, stalled.host) == ("stalled", 900.0, None)
+    assert stalled.detail == "no host trained past step 7200 for 300 s (since 600.0 s)"
+    assert stalled.faults == ["fault near 900"]
+    step(0, 1210.0, 7201)
+    checker._stalled(t0 + 1300.0)
+    assert len(checker.violations) == 1 and checker.checked["stalled"] == 4
+    # The campaign's figure: the longest such time while faults struck (the start counts, the end too).
+    assert longest_stall(checker.steps, t0, t0 + 1300.0) == 610.0
+    assert longest_stall({}, t0, t0 + 240.0) == 240.0
+
+
+def test_a_campaign_that_violated_keeps_its_clusters_files_without_being_asked(monkeypatch, tmp_path):
+    """Its daemons' logs are what a diagnosis reads, and a replay may not strike it again (chaos-12's
+    stall did not); a campaign that violated nothing, and a minimiser's try, leave nothing behind."""
+    from pathlib import Path
+
+    from testkit.chaos import campaign
+
+    class Cluster:
+        def __init__(self, root, *args, **kwargs):
+            (root / "host0").mkdir()
+            (root / "host0" / "daemon.log").write_text('{"event": "step"}\n')
+
+        def close(self):
+            pass
+
+    outcomes = iter([[{"invariant": "stalled"}], [], [{"invariant": "stalled"}]])
+
+    class Campaign:
+        def __init__(self, *args):
+            pass
+
+        def run(self):
+            return {"violations": next(outcomes)}
+
+    monkeypatch.setattr(campaign, "Cluster", Cluster)
+    monkeypatch.setattr(campaign, "Campaign", Campaign)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    lines = []
+    kept = Path(run(Options(schedule=[], say=lines.append))["kept"])
+    assert (kept / "host0" / "daemon.log").read_text() == '{"event": "step"}\n' and str(kept) in lines[-1]
+    assert "kept" not in run(Options(schedule=[], say=lines.append))
+    assert "kept" not in run(Options(schedule=[], keep_violating=False, say=lines.append))
+    assert [p.name for p in tmp_path.iterdir()] == [kept.name]  # each cluster's own directory removed
+
+
 @pytest.fixture(scope="module")
 def chaos_cli():
     import importlib.util

@@ -28,7 +28,7 @@ from testkit.chaos import reference
 from testkit.chaos import schedule as sch
 from testkit.chaos.cluster import JOB, Cluster, Host, job_text
 from testkit.chaos.faults import Injector
-from testkit.chaos.invariants import Checker, as_dicts
+from testkit.chaos.invariants import Checker, as_dicts, longest_stall
 
 REPLACE_FAILED_AFTER_S = 20.0
 AROUND_S = 60.0
@@ -50,6 +50,7 @@ class Options:
     settle_timeout_s: float = 300.0
     finish_steps: int = 30      # trained after the faults stop, to end the job
     keep: Path | None = None    # keep the cluster's files here
+    keep_violating: bool = True  # without `keep`, a campaign that violated keeps them in a temporary directory
     reference: bool = True      # hold the loss curve to a run with nothing struck
     reference_steps: int | None = None  # ...over its first this many steps (None: all of them)
     stop_on: str | None = None  # end at this invariant's first violation, before the end's (a minimiser's try)
@@ -62,15 +63,24 @@ def run(opts: Options) -> dict:
     inject = sch.inject_section(faults)
     root = Path(tempfile.mkdtemp(prefix="tpud-chaos-"))
     cluster = Cluster(root, opts.hosts, opts.min_hosts, tmpfs=True)
+    result: dict = {}
     try:
-        return Campaign(opts, cluster, faults, inject).run()
+        result = Campaign(opts, cluster, faults, inject).run()
+        return result
     finally:
         cluster.close()
+        keep = opts.keep
         try:
-            if opts.keep is not None:
-                shutil.copytree(root, opts.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("gcs", "*.sock"))
+            # A campaign's violation is kept without being asked: its logs are what a diagnosis reads,
+            # and a replay may not strike it again (chaos-12's stall did not).
+            if keep is None and result.get("violations") and opts.keep_violating:
+                keep = Path(tempfile.mkdtemp(prefix="tpud-chaos-kept-"))
+            if keep is not None:
+                shutil.copytree(root, keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("gcs", "*.sock"))
+                result["kept"] = str(keep)
+                opts.say(f"the cluster's files (daemon logs, state) are kept in {keep}")
         except OSError as e:  # a full disk there loses the copy, never the campaign's results
-            opts.say(f"could not keep the cluster's files in {opts.keep}: {e}")
+            opts.say(f"could not keep the cluster's files in {keep}: {e}")
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -350,6 +360,7 @@ class Campaign:
             "settled_s": settled, "finished": finished, "final_steps": final_steps,
             "goodput": [round(g, 4) if g is not None else None for g in goodputs],
             "steps_redone": redone,
+            "longest_stall_s": longest_stall(self.checker.steps, self.t0, self.t0 + faults_end),
             "recovery_s": {k: {"n": len(v), "median": round(statistics.median(v), 2), "max": round(max(v), 2)}
                            for k, v in sorted(recovery.items())},
             "status_s": {"n": len(self.checker.status_s),

@@ -11,7 +11,10 @@ While it runs (probe, every few seconds, and every new log record):
 - replica_mismatch: replicas found to differ with no bit flip (or host spike, whose replay names
   a replica) injected shortly before;
 - failed: the job FAILED on a host neither left out of the gang (quarantined, evicted) nor out
-  of a budget (restarts, rollbacks): judged by the campaign's operator (campaign.py).
+  of a budget (restarts, rollbacks): judged by the campaign's operator (campaign.py);
+- stalled: no host trained past the newest step any had trained for STALL_BOUND_S while faults
+  struck (a gang stuck while a quorum of hosts lives: the job would finish once they stop, so
+  `unfinished` alone passed chaos-12's 20 minutes stuck).
 At the end (every daemon stopped with SIGTERM):
 - checksum: a committed checkpoint on a host's disk or in GCS that does not read back whole
   (those a corrupt_checkpoint fault damaged left out);
@@ -39,6 +42,9 @@ STARTUP_GRACE_S = 20.0  # a daemon just started (imports, first listen) is not y
 FLIP_EXPLAINS_S = 120.0
 MEMORY_SLACK = 64 << 20
 ROLLBACK_SETTLES_S = 30.0
+# Three times the longest recovery of any healthy campaign (chaos-1's 110 s; faults last at most
+# 80 s, and the gang needs only min_hosts of its hosts).
+STALL_BOUND_S = 300.0
 
 
 @dataclass
@@ -65,6 +71,8 @@ class Checker:
         self.damaged: set[Path] = set()   # checkpoint files a fault damaged on purpose
         self.failures: list[dict] = []    # job state FAILED records
         self.steps: dict[int, list[tuple[float, int, float]]] = {}  # host -> (t, step, loss) of every step record
+        self.newest = (0, t0)             # the newest step any host trained, and when it was first trained
+        self.stalled_since: float | None = None  # the newest step's time when a stall was last reported
         self.verified: set[Path] = set()  # committed step directories read back whole
         # How often each invariant was actually checked: one never checked proves nothing.
         self.checked: Counter = Counter()
@@ -77,6 +85,7 @@ class Checker:
 
     def probe(self, live: list[Host]) -> None:
         now = time.time()
+        self._stalled(now)
         newest = max(newest_global(h) for h in self.cluster.hosts)
         restored, at = self.rollback
         if newest <= restored or now - at > ROLLBACK_SETTLES_S:  # until every host set the undone ones aside
@@ -101,6 +110,15 @@ class Checker:
         for h in self.cluster.hosts:
             self._verify_new(h)
         self._mismatches(before=now - 10.0)
+
+    def _stalled(self, now: float) -> None:
+        """Once per stall: the newest step trained is older than the bound."""
+        step, since = self.newest
+        self.checked["stalled"] += 1
+        if now - since > STALL_BOUND_S and self.stalled_since != since:
+            self.stalled_since = since
+            self.violate("stalled", None, f"no host trained past step {step} for {STALL_BOUND_S:.0f} s (since "
+                         f"{since - self.t0:.1f} s)", at=since + STALL_BOUND_S)
 
     def _mismatches(self, before: float) -> None:
         """Replicas found to differ: each explained by a fault injected on some host shortly before."""
@@ -135,6 +153,8 @@ class Checker:
         event = r.get("event")
         if event == "step" and r.get("job") == JOB:
             self.steps.setdefault(host.index, []).append((r["_t"], r["step"], r.get("loss")))
+            if r["step"] > self.newest[0]:
+                self.newest = (r["step"], r["_t"])
             if (floor := self.awaiting.pop(host.index, None)) is not None:
                 self.checked["commit_lost"] += 1
             if floor is not None and r["step"] - 1 < floor:
@@ -236,6 +256,18 @@ def newest_global(h: Host) -> int:
     except OSError:
         return 0
     return max((step for step, path, m in steps if m.micro_step == 0 and mf.is_global(path, m)), default=0)
+
+
+def longest_stall(steps: dict[int, list[tuple[float, int, float]]], start: float, until: float) -> float:
+    """The longest time from `start` to `until` in which no host trained past the newest step any
+    had trained (the `stalled` invariant's figure), from each host's (t, step, loss) records."""
+    marks, top = [start], 0
+    for at, step, _ in sorted(r for records in steps.values() for r in records):
+        if step > top and at <= until:
+            marks.append(at)
+            top = step
+    marks.append(until)
+    return round(max(b - a for a, b in zip(marks, marks[1:])), 1)
 
 
 def as_dicts(violations: list[Violation]) -> list[dict]:
