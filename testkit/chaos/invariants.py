@@ -45,6 +45,7 @@ ROLLBACK_SETTLES_S = 30.0
 # Three times the longest recovery of any healthy campaign (chaos-1's 110 s; faults last at most
 # 80 s, and the gang needs only min_hosts of its hosts).
 STALL_BOUND_S = 300.0
+STALL_CAUSE_S = 60.0  # a stall's faults are those around its first minute, not its last (chaos-13's were none)
 
 
 @dataclass
@@ -77,9 +78,12 @@ class Checker:
         # How often each invariant was actually checked: one never checked proves nothing.
         self.checked: Counter = Counter()
 
-    def violate(self, invariant: str, host: int | None, detail: str, at: float | None = None) -> None:
+    def violate(self, invariant: str, host: int | None, detail: str, at: float | None = None,
+                caused_at: float | None = None) -> None:
+        """caused_at: where to look for the faults around it, when not at its own time."""
         t = (at if at is not None else time.time()) - self.t0
-        self.violations.append(Violation(invariant, round(t, 1), host, detail[:800], self.faults_around(t)))
+        cause = t if caused_at is None else caused_at - self.t0
+        self.violations.append(Violation(invariant, round(t, 1), host, detail[:800], self.faults_around(cause)))
 
     # --- while it runs ---
 
@@ -118,7 +122,8 @@ class Checker:
         if now - since > STALL_BOUND_S and self.stalled_since != since:
             self.stalled_since = since
             self.violate("stalled", None, f"no host trained past step {step} for {STALL_BOUND_S:.0f} s (since "
-                         f"{since - self.t0:.1f} s)", at=since + STALL_BOUND_S)
+                         f"{since - self.t0:.1f} s)", at=since + STALL_BOUND_S,
+                         caused_at=since + STALL_CAUSE_S)
 
     def _mismatches(self, before: float) -> None:
         """Replicas found to differ: each explained by a fault injected on some host shortly before."""
