@@ -176,7 +176,7 @@ def test_special_files_in_place_of_markers_are_no_commits_and_never_block(tmp_pa
 
 @pytest.mark.parametrize("field, value", [("step", "12"), ("micro_step", None), ("created_unix", "yesterday"),
                                           ("files", [{"path": 7, "size": 1, "crc32c": "x"}]), ("step", -12),
-                                          ("created_unix", float("nan"))])
+                                          ("created_unix", float("nan")), ("members", [0, "2"])])
 def test_a_hand_edited_manifest_with_a_wrong_type_is_no_commit_and_breaks_no_listing(tmp_path, field, value):
     job_dir = tmp_path / "ckpt" / "job"
     make_step(job_dir, 6, sizes=(100,))

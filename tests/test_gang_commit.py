@@ -35,7 +35,7 @@ def _host(rank: int, root: str, results) -> None:
         seen: list[str] = []
         job_dir = Path(root) / f"host{rank}" / "job"
         checkpointer = Checkpointer(CheckpointConfig(memory=None), "job", job_dir, {}, backend, model, optimizer,
-                                    {}, lambda e: seen.append(type(e).__name__), hosts=Hosts(rank, 2))
+                                    {}, lambda e: seen.append(type(e).__name__), hosts=Hosts(rank, 2, (0, 2)))
         progress = Progress(STEP, 0, 30)
         first = checkpointer.save(progress, "interval", wait=True)
         if rank == 1:  # its state came from a peer's memory since: it lacks the part host 0 holds
@@ -74,4 +74,5 @@ def test_a_host_lacking_a_step_its_peers_hold_commits_it_with_them_and_none_wait
     for host in ("host0", "host1"):
         job_dir = tmp_path / host / "job"
         assert [step for step, _, _ in committed_steps(job_dir)] == [STEP], host
-        assert read_manifest(job_dir / step_dir_name(STEP, 0)).hosts == 2
+        manifest = read_manifest(job_dir / step_dir_name(STEP, 0))
+        assert (manifest.hosts, manifest.members) == (2, (0, 2))  # a gang that shrank: hosts 0 and 2

@@ -133,6 +133,67 @@ def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_pa
     assert joined == [False, False]
 
 
+def joining(members: list[GangMember], stop: threading.Event, **kw) -> tuple[list, list[threading.Thread]]:
+    """Each member joins in a daemon thread (pytest would wait at exit for one that never formed)."""
+    joined: list = []
+    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", stop.is_set, {"a": 1}, **kw)),
+                                daemon=True) for m in members]
+    for t in threads:
+        t.start()
+    return joined, threads
+
+
+@pytest.mark.parametrize("made_by, back, forms", [((0, 2), (0, 2), True), ((0, 1, 2, 3), (0, 2), True),
+                                                  ((0, 1, 2, 3), (1, 3), False)])
+def test_hosts_back_blank_go_on_without_the_hosts_their_newest_commit_was_made_without(coordinators, made_by,
+                                                                                       back, forms):
+    """chaos-13: hosts 1 and 3 of four (min_hosts 2) lost for good, then hosts 0 and 2 wiped: back
+    blank, with fresh coordinators, they fetched the newest commit from GCS and waited for good for
+    hosts 1 and 3, as a first start waits for every host. The commit says which gang made it: one
+    without hosts 1 and 3 goes on at once, one made by all four goes on once the missing hosts' beats
+    stood still for the peer timeout (half of its gang, with its lowest host). Two hosts that are no
+    majority of it (hosts 1 and 3) still wait: the others may be training elsewhere."""
+    live = iter(coordinators(2))
+    addresses = [next(live) if h in back else f"127.0.0.1:{h + 1}" for h in range(4)]  # the others answer nothing
+    members, stop = [member(addresses, h, 4, min_hosts=2) for h in back], threading.Event()
+    joined, threads = joining(members, stop, committed=24450, committed_by=made_by)
+    try:
+        if forms:
+            for t in threads:
+                t.join(30)
+            assert joined == [True, True]
+            assert [m.members for m in members] == [list(back)] * 2
+        else:
+            wait_until(lambda: all(m.generation == 0 for m in members), "both seated", timeout=30)
+            time.sleep(4 * members[0].peer_timeout_s)
+            assert joined == []
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+
+def test_a_coordinator_back_empty_learns_the_last_gang_from_its_hosts_records(coordinators, tmp_path):
+    """Host 0's daemon restarted (its coordinator empty, its disk kept) while host 2 was lost: hosts 0
+    and 1 knew generation 5 of (0, 1, 2) met there. They meet there again above generation 5, so
+    that gang is the last one, and form without host 2 once its beat stood still."""
+    addresses = [*coordinators(2), "127.0.0.1:3"]
+    members = []
+    for host in (0, 1):
+        record = tmp_path / f"gang{host}.json"
+        stores.Known(5, (0, 1, 2), 0).write(record)
+        members.append(member(addresses, host, 3, record, min_hosts=2))
+    stop = threading.Event()
+    joined, threads = joining(members, stop)
+    try:
+        for t in threads:
+            t.join(30)
+        assert joined == [True, True]
+        assert [(m.at, m.members) for m in members] == [(0, [0, 1])] * 2 and members[0].generation == 6
+    finally:
+        stop.set()
+
+
 def test_a_coordinator_that_did_not_answer_is_looked_at_again_a_while_later(coordinators, monkeypatch):
     """Host 2 met alone in its own coordinator: host 1's did not answer its connect (a timeout on a
     loaded host). Host 1 waits in its own. Host 2's look for a better coordinator skips a silent one

@@ -129,13 +129,13 @@ def test_the_worker_gets_its_place_and_whether_to_watch_its_peers(monkeypatch):
         member = GangMember.from_env("job", print)
         assert (member.host, member.hosts, member.coordinator, member.peer_timeout_s, member.restart_peers) == (
             1, 2, "[::1]:5000", 1.5, restart_peers)
-        assert member.seating.min_hosts == 2 and member.place == Hosts(1, 2)  # every host, by default
+        assert member.seating.min_hosts == 2 and member.place == Hosts(1, 2, (0, 1))  # every host, by default
     settings = Settings.model_validate({"gang": {"host_index": 2, "host_count": 3, "coordinator": "h:1", "min_hosts": 2}})
     for key, value in discover(settings, {}).worker_env().items():
         monkeypatch.setenv(key, value)
     member = GangMember.from_env("job", print)
     member.seating.members = [0, 2]  # host 1 left out: host 2 is rank 1 of 2
-    assert member.seating.min_hosts == 2 and (member.rank, member.place) == (1, Hosts(1, 2))
+    assert member.seating.min_hosts == 2 and (member.rank, member.place) == (1, Hosts(1, 2, (0, 2)))
 
 
 def test_gang_evict_stragglers_evicts_in_every_job_of_the_gang_as_the_jobs_own_setting_does(monkeypatch):

@@ -131,7 +131,7 @@ class Checkpointer:
             spec_hash=self.spec_hash, fingerprint=self.fingerprint, version=_version(), reason=reason,
             wandb_run_id=self.wandb_run_id,
             data_skips=self.data_skips if data_skips is None else data_skips, host=self.hosts.index if self.hosts else 0,
-            hosts=self.hosts.count if self.hosts else 1)
+            hosts=self.hosts.count if self.hosts else 1, members=self.hosts.members if self.hosts else ())
 
     def emit(self, event: events.Event) -> None:
         """To the supervisor through the hooks, and to the log for the operator."""

@@ -45,10 +45,12 @@ class Hosts:
     without it), or None. `source`: the rank that holds the gang's newest live state (a gang that
     changed while its survivors kept training), which the others take instead of a checkpoint;
     None: every host restores the newest global commit. `transfer`: some rank lacks that state,
-    so the source sends it."""
+    so the source sends it. `members`: the gang's hosts (their host numbers), which every commit
+    records so that a host back blank knows whom the gang went on without."""
 
     index: int
     count: int
+    members: tuple[int, ...] = ()
     fence: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
     source: int | None = None
     transfer: bool = False

@@ -89,6 +89,7 @@ class Manifest:
     data_skips: tuple[tuple[int, int], ...] = ()  # the loader's skipped micro-batch ranges (rollbacks)
     host: int = 0   # which host wrote this part, of `hosts`: more than one needs global.json to commit
     hosts: int = 1
+    members: tuple[int, ...] = ()  # the gang's hosts, by host number (a gang may have shrunk)
     # The job spec it was made with (engine.spec.fingerprint); spec_hash is its digest.
     fingerprint: dict | None = None
 
@@ -106,6 +107,8 @@ class Manifest:
             raise ValueError(f"unknown manifest format {data.get('format')!r}")
         data["files"] = tuple(FileEntry(**f) for f in data["files"])
         data["data_skips"] = tuple((int(first), int(count)) for first, count in data.get("data_skips") or ())
+        if isinstance(data.get("members"), list):
+            data["members"] = tuple(data["members"])
         # Fields a newer writer added are ignored: a rolling upgrade must not make steps vanish.
         known = {f.name for f in fields(cls)}
         manifest = cls(**{k: v for k, v in data.items() if k in known})
@@ -116,15 +119,16 @@ class Manifest:
         """A hand-edited or damaged manifest ("step": "5") is not a manifest: readers format and
         compare these fields, and a wrong type there would raise far from here."""
         ints = [self.step, self.micro_step, self.world_size, self.host, self.hosts, self.format,
-                *(f.size for f in self.files)]
+                *(f.size for f in self.files), *self.members]
         strs = [self.job, self.spec_hash, self.version, self.reason, *(f.path for f in self.files),
                 *(f.crc32c for f in self.files)]
         if (any(type(v) is not int for v in ints) or any(not isinstance(v, str) for v in strs)
                 or type(self.created_unix) not in (int, float) or not math.isfinite(self.created_unix)
                 or not (self.wandb_run_id is None or isinstance(self.wandb_run_id, str))
-                or not (self.fingerprint is None or isinstance(self.fingerprint, dict))):
+                or not (self.fingerprint is None or isinstance(self.fingerprint, dict))
+                or not isinstance(self.members, tuple)):
             raise ValueError("a manifest field has the wrong type")
-        if min(self.step, self.micro_step, *(f.size for f in self.files)) < 0:
+        if min(self.step, self.micro_step, *(f.size for f in self.files), *self.members) < 0:
             raise ValueError("a manifest field is negative")
 
     @classmethod

@@ -175,13 +175,14 @@ def gang_fingerprint(spec: JobSpec, per_host: int) -> dict:
     return {**fingerprint(spec), "device.processes_per_host": per_host}
 
 
-def newest_commit(spec: JobSpec, state_dir: Path) -> int:
-    """The newest step globally committed in this host's local tier, or -1."""
+def newest_commit(spec: JobSpec, state_dir: Path) -> tuple[int, tuple[int, ...]]:
+    """The newest step globally committed in this host's local tier (-1: none), and the hosts of
+    the gang that made it."""
     from engine.checkpoint.manifest import committed_steps
     from engine.layout import StateLayout
 
     steps = committed_steps(StateLayout(state_dir).checkpoints(spec.name, spec.checkpoint.dir))
-    return steps[-1][0] if steps else -1
+    return (steps[-1][0], steps[-1][2].members) if steps else (-1, ())
 
 
 def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> int:
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None, early_signals: Iterable[int] = ()) -> in
     while True:
         try:
             joined = gang.join(backend, hooks.stop_asked, gang_fingerprint(spec, gang.per_host),
-                               kept[0].progress.step if kept else -1, newest_commit(spec, args.state_dir))
+                               kept[0].progress.step if kept else -1, *newest_commit(spec, args.state_dir))
         except ConfigError as e:
             log.error("job cannot run here", key=e.key, error=str(e))
             return exit_codes.BAD_INPUT

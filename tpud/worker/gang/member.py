@@ -143,8 +143,8 @@ class GangMember:
 
     @property
     def place(self) -> Hosts:
-        return Hosts(self.rank, len(self.members), fence=self.fence if self.restart_peers else None,
-                     source=self.seating.source, transfer=self.seating.transfer)
+        return Hosts(self.rank, len(self.members), tuple(self.members),
+                     fence=self.fence if self.restart_peers else None, source=self.seating.source, transfer=self.seating.transfer)
 
     # What the seat says (seating.py): the coordinator's store and index, the generation, the gang.
     store = property(lambda self: self.seating.store)
@@ -162,12 +162,14 @@ class GangMember:
     # --- joining ---
 
     def join(self, backend: str, stop_asked: Callable[[], bool], spec: dict, holds: int = -1,
-             committed: int = -1) -> bool:
+             committed: int = -1, committed_by: tuple[int, ...] = ()) -> bool:
         """Wait until the gang is complete, then form the process group (not under xla, whose
         xla:// initialisation finds its peers through the TPU runtime). False when a stop was asked
         meanwhile; ConfigError when the members' job specs (their fingerprints) differ. `holds`:
         the step whose state this worker holds live (it kept it through a change of its gang), or -1;
-        `committed`: the newest step globally committed on this host's disk, or -1."""
+        `committed`: the newest step globally committed on this host's disk, or -1, and
+        `committed_by` the gang's members that made it (a host back blank learns from it whom the
+        gang went on without)."""
         # Only gloo's gang changes in place, with one process a host: nccl's abort and xla's runtime
         # are not built on here, and a host's processes restart together.
         self.in_place = self.allow_in_place and self.restart_peers and backend == "cpu" and self.local is None
@@ -176,7 +178,7 @@ class GangMember:
         if self.local is not None:
             self.local.store()  # served from now on: the host's other processes wait in it for the gang
         while True:
-            if not self.seating.connect(stop_asked):
+            if not self.seating.connect(stop_asked, committed, committed_by):
                 return False
             try:
                 seated = self.seating.sit(spec, f"{holds},{committed}", stop_asked)

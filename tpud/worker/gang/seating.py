@@ -31,6 +31,16 @@ REJOIN_S = 30.0     # how long a host whose worker said it restarts is waited fo
 CHECKED_S = 10.0    # how long a refusing worker waits for every member to have compared
 
 
+def _newness(record: bytes) -> tuple[int, int]:
+    """How new a `last` record is: its generation, then (a commit's gang) its step; a garbled one
+    is older than any."""
+    try:
+        fields = json.loads(record)
+        return int(fields["generation"]), int(fields.get("step", -1))
+    except (ValueError, KeyError, TypeError):
+        return -2, -1
+
+
 class Seating:
     def __init__(self, job: str, host: int, hosts: int, min_hosts: int, addresses: list[str],
                  peer_timeout_s: float, emit: Callable[[events.Event], None], record: Path | None,
@@ -56,11 +66,14 @@ class Seating:
     def host_key(self, name: str, host: int) -> str:
         return f"{self.prefix}{name}/{host}"
 
-    def connect(self, stop_asked: Callable[[], bool]) -> bool:
+    def connect(self, stop_asked: Callable[[], bool], committed: int = -1,
+                committed_by: tuple[int, ...] = ()) -> bool:
         """Meet in the best coordinator that answers (tpud/worker/gang/stores.py), waiting while none does
         (every host's daemon may be down, or starting); False on a stop. Moving to another
         coordinator than the one the last gang met in opens a generation above it there, and marks
-        the host whose coordinator vanished as lost."""
+        the host whose coordinator vanished as lost. A coordinator learns the last gang from this
+        host's record or, on a host back blank, from the gang that made its newest commit
+        (`committed`, by `committed_by`): without one it knows of no gang, and waits for every host."""
         waited = self.clock()
         while (found := stores.best(self.addresses, self.prefix, clients=self._clients)) is None:
             self.emit(events.Gang(self.host, self.hosts, 0, -1))
@@ -74,21 +87,35 @@ class Seating:
         known = stores.Known.read(self.record)
         store = self.store
         if known.generation >= 0 and found.index != known.coordinator:
-            stores.raise_generation(store, self.prefix + "gen", known.generation + 1)
             if known.coordinator != self.host and known.coordinator in known.members:
                 if stores.open_store(self.addresses[known.coordinator]) is None:
                     store.set(self.host_key("mark", known.coordinator), "lost: its coordinator vanished")
             log.warning("meeting in another host's coordinator", coordinator=self.addresses[found.index],
                         before=self.addresses[known.coordinator] if known.coordinator < len(self.addresses) else None)
-        last = self._last()
-        if known.generation > last[0]:
-            store.set(self.prefix + "last", json.dumps({"generation": known.generation,
-                                                        "members": list(known.members)}))
+        if known.generation >= 0:
+            # Above the gang it knew, also in its own coordinator come back empty: a generation at
+            # or below that gang's would take the gang before it for the last one.
+            stores.raise_generation(store, self.prefix + "gen", known.generation + 1)
+            self._remember(known.generation, known.members)
+        elif committed >= 0 and committed_by:
+            self._remember(-1, committed_by, committed)
         if store.add(self.prefix + "made", 1) == 1:  # the first worker here makes every host's keys:
             for h in range(self.hosts):              # one multi_get then reads them all
                 store.add(self.host_key("alive", h), 0)
                 store.compare_set(self.host_key("mark", h), "", "")
         return True
+
+    def _remember(self, generation: int, members: tuple[int, ...], step: int = -1) -> None:
+        """Tell the coordinator of a gang formed before (generation -1: the one that committed
+        `step`) unless it knows a newer one, which may be that host's peers' news."""
+        key, value = self.prefix + "last", json.dumps({"generation": generation, "members": list(members),
+                                                       "step": step})
+        while True:
+            current = self.store.get(key) if self.store.check([key]) else b""
+            if current and _newness(current) >= (generation, step):
+                return
+            if self.store.compare_set(key, current, value) == value.encode():
+                return
 
     def _last(self, before: int | None = None) -> tuple[int, tuple[int, ...]]:
         """The newest gang formed (before generation `before`: a peer may have formed this one
