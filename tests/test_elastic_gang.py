@@ -4,6 +4,7 @@ gang.min_hosts below the host count they go on without it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ import pytest
 
 from engine.checkpoint.manifest import committed_steps
 from testkit.helpers import free_port, wait_until
-from tests.test_multihost import STARTED, Host, wait_step
+from tests.test_multihost import STARTED, Host, replace_vm, wait_step
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +78,40 @@ def test_a_gang_of_three_whose_host_0_vanishes_finishes_on_the_other_two(tmp_pat
         assert (formed["members"], formed["coordinator"]) == ([1, 2], hosts[1].coordinator)
     assert final_state(hosts[1], steps, tmp_path) == final_state(hosts[2], steps, tmp_path)  # bitwise
     assert time.monotonic() - killed < 120
+
+
+def test_survivors_back_blank_go_on_without_the_host_lost_before_them(tmp_path, gcs_server):
+    """chaos-13's stall, in small: host 2 lost for good, hosts 0 and 1 go on as a gang of two, then
+    both VMs are replaced (their coordinators gone with them). Back blank, they fetch the newest
+    commit from GCS and form again without host 2, whom the gang that made it had left out. Before,
+    their fresh coordinators knew of no gang, and they waited for host 2 for good."""
+    hosts = elastic(tmp_path, 3, min_hosts=2)
+    run = ("train.max_steps=100000", "checkpoint.remote=gs://tpud-test/elastic")  # stopped by the test
+    for h in hosts:
+        h.start(*run)
+    wait_step(hosts[0], 4)
+    replace_vm(hosts[2])
+
+    def committed_by_two() -> bool:  # what a user reads in the bucket: a commit made by hosts 0 and 1
+        for blob in gcs_server.client().list_blobs("tpud-test", prefix="elastic/"):
+            if blob.name.endswith("/manifest.json") and json.loads(blob.download_as_bytes()).get("members") == [0, 1]:
+                return True
+        return False
+
+    wait_until(committed_by_two, "a commit of the gang of two on GCS", timeout=180)
+    for h in hosts[:2]:
+        replace_vm(h)
+    for h in hosts[:2]:
+        h.start(*run)
+    for h in hosts[:2]:
+        wait_until(lambda h=h: h.records("gang formed", every_run=False), f"host {h.index} in a gang", timeout=120)
+        assert h.records("gang formed", every_run=False)[-1]["members"] == [0, 1]
+        assert h.records("gcs download committed", every_run=False)  # its state came from GCS
+    back = hosts[0].step()
+    wait_until(lambda: hosts[0].step() >= back + 3, "the two training again", timeout=60)
+    for h in hosts[:2]:
+        h.proc.send_signal(signal.SIGTERM)
+    assert [h.wait() for h in hosts[:2]] == [75, 75]
 
 
 def test_hosts_whose_job_files_differ_both_refuse_under_tpud_run(tmp_path):
