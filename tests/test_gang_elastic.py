@@ -71,6 +71,16 @@ def member(addresses, host, hosts, record=None, **kw) -> GangMember:
                       restart_peers=False, addresses=addresses, record=record, **kw)
 
 
+def joining(members: list[GangMember], stop: threading.Event, **kw) -> tuple[list, list[threading.Thread]]:
+    """Each member joins in a daemon thread (pytest would wait at exit for one that never formed)."""
+    joined: list = []
+    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", stop.is_set, {"a": 1}, **kw)),
+                                daemon=True) for m in members]
+    for t in threads:
+        t.start()
+    return joined, threads
+
+
 def test_a_gang_whose_coordinator_vanished_goes_on_in_the_next_hosts_without_host_0(coordinators, tmp_path):
     """Hosts 1 and 2 knew generation 3 met in host 0's coordinator; it is gone: they meet in host 1's,
     above generation 3, and form without host 0 (marked lost) with min_hosts 2."""
@@ -80,12 +90,7 @@ def test_a_gang_whose_coordinator_vanished_goes_on_in_the_next_hosts_without_hos
         record = tmp_path / f"gang{host}.json"
         stores.Known(3, (0, 1, 2), 0).write(record)
         members.append(member(addresses, host, 3, record, min_hosts=2))
-    joined = []
-    # Daemon threads: were the gang never to form, pytest would otherwise wait for them at exit.
-    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", lambda: False, {"a": 1})), daemon=True)
-               for m in members]
-    for t in threads:
-        t.start()
+    joined, threads = joining(members, threading.Event())
     for t in threads:
         t.join(30)
     assert joined == [True, True]
@@ -98,17 +103,14 @@ def test_a_gang_whose_coordinator_vanished_goes_on_in_the_next_hosts_without_hos
 
 def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_path):
     addresses = ["127.0.0.1:1", *coordinators(2)]
-    members, joined, stop = [], [], threading.Event()
+    members, stop = [], threading.Event()
     for host in (1, 2):
         record = tmp_path / f"gang{host}.json"
         stores.Known(3, (0, 1, 2), 0).write(record)
         members.append(member(addresses, host, 3, record))
-    # Daemon threads, stopped however the test ends: a failed assertion once left them waiting for
-    # coordinators gone with the fixture, and pytest waited for them at exit.
-    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", stop.is_set, {"a": 1})), daemon=True)
-               for m in members]
-    for t in threads:
-        t.start()
+    # Stopped however the test ends: a failed assertion once left them waiting for coordinators
+    # gone with the fixture.
+    joined, threads = joining(members, stop)
     try:
         look = {}  # the test's own connections: a member's client belongs to its thread
 
@@ -131,16 +133,6 @@ def test_without_min_hosts_a_gang_waits_for_a_vanished_host(coordinators, tmp_pa
         for t in threads:
             t.join(10)
     assert joined == [False, False]
-
-
-def joining(members: list[GangMember], stop: threading.Event, **kw) -> tuple[list, list[threading.Thread]]:
-    """Each member joins in a daemon thread (pytest would wait at exit for one that never formed)."""
-    joined: list = []
-    threads = [threading.Thread(target=lambda m=m: joined.append(m.join("xla", stop.is_set, {"a": 1}, **kw)),
-                                daemon=True) for m in members]
-    for t in threads:
-        t.start()
-    return joined, threads
 
 
 @pytest.mark.parametrize("made_by, back, forms", [((0, 2), (0, 2), True), ((0, 1, 2, 3), (0, 2), True),
