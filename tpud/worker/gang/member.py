@@ -144,7 +144,8 @@ class GangMember:
     @property
     def place(self) -> Hosts:
         return Hosts(self.rank, len(self.members), tuple(self.members),
-                     fence=self.fence if self.restart_peers else None, source=self.seating.source, transfer=self.seating.transfer)
+                     fence=self.fence if self.restart_peers else None, source=self.seating.source,
+                     transfer=self.seating.transfer)
 
     # What the seat says (seating.py): the coordinator's store and index, the generation, the gang.
     store = property(lambda self: self.seating.store)

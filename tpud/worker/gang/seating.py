@@ -97,7 +97,7 @@ class Seating:
             # or below that gang's would take the gang before it for the last one.
             stores.raise_generation(store, self.prefix + "gen", known.generation + 1)
             self._remember(known.generation, known.members)
-        elif committed >= 0 and committed_by:
+        elif committed >= 0:
             self._remember(-1, committed_by, committed)
         if store.add(self.prefix + "made", 1) == 1:  # the first worker here makes every host's keys:
             for h in range(self.hosts):              # one multi_get then reads them all
@@ -107,7 +107,11 @@ class Seating:
 
     def _remember(self, generation: int, members: tuple[int, ...], step: int = -1) -> None:
         """Tell the coordinator of a gang formed before (generation -1: the one that committed
-        `step`) unless it knows a newer one, which may be that host's peers' news."""
+        `step`) unless it knows a newer one, which may be that host's peers' news. Not a gang of
+        hosts this job does not have (its host count changed since, or a manifest was edited): no
+        majority of it could ever form."""
+        if not members or not set(members) <= set(range(self.hosts)):
+            return
         key, value = self.prefix + "last", json.dumps({"generation": generation, "members": list(members),
                                                        "step": step})
         while True:
