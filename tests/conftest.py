@@ -72,7 +72,7 @@ def _no_memory_tier_left_behind_by_module_fixtures(tmp_path_factory):
 LANE_A = {"test_multihost.py", "test_distributed.py", "test_faults.py", "test_full_disk.py",
           "test_hostile_files.py", "test_without_xla.py", "test_nonfinite.py", "test_hf_export.py",
           "test_metrics.py", "test_gcs.py", "test_hf_import.py", "test_profile.py", "test_prepare.py",
-          "test_replicas.py", "test_stragglers.py", "test_chaos.py", "test_elastic_gang.py"}
+          "test_replicas.py", "test_stragglers.py", "test_chaos.py"}
 
 
 def pytest_collection_modifyitems(config, items):
